@@ -1,0 +1,155 @@
+"""alpha-ckpt: inspect and verify a store.
+
+    alpha-ckpt list    --store DIR [--run R] [--step S] [--json]
+    alpha-ckpt inspect --store DIR DIGEST [--json]
+    alpha-ckpt verify  --store DIR DIGEST [--json]
+
+Exit codes: 0 done (verify: valid), 3 refused (verify: the refusal code is
+printed), 2 usage error.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from typing import Sequence
+
+from .errors import Refusal, StoreUsageError
+from .format import is_digest
+from .restore import open_generation, verify_generation
+from .store import RefRecord, Store
+
+EXIT_OK, EXIT_USAGE, EXIT_REFUSED = 0, 2, 3
+
+
+def _digest_arg(value: str) -> str:
+    if not is_digest(value):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a full 64-hex root digest")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="alpha-ckpt", description="Inspect and verify an alpha_ckpt store.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--store", required=True, help="store directory")
+    common.add_argument("--json", action="store_true", help="machine-readable output")
+    p = sub.add_parser("list", parents=[common], help="generations of a run/step (default: all)")
+    p.add_argument("--run")
+    p.add_argument("--step")
+    for name, text in (("inspect", "manifest, regions and shards of a generation"),
+                       ("verify", "validate every object of a generation (exit 3 when refused)")):
+        p = sub.add_parser(name, parents=[common], help=text)
+        p.add_argument("digest", type=_digest_arg, help="root digest (64 hex)")
+    return parser
+
+
+def _ref_json(r: RefRecord) -> dict:
+    return {"run": r.run, "step": r.step, "generation": r.generation, "digest": r.root, "update": r.prefix.update,
+            "cursor": r.prefix.cursor, "epoch": r.prefix.epoch, "owners": r.owners, "bytes": r.bytes,
+            "published_at": r.published_at}
+
+
+def cmd_list(store: Store, args, out) -> int:
+    pairs = [(run, step) for run, step in store.runs()
+             if (args.run is None or run == args.run) and (args.step is None or step == args.step)]
+    rows, problems = [], []
+    for run, step in pairs:
+        for record in store.list_refs(run, step):
+            if isinstance(record, Refusal):
+                problems.append({"run": run, "step": step, "code": record.code.value, "message": record.message})
+            else:
+                rows.append(_ref_json(record))
+    if args.json:
+        print(json.dumps({"generations": rows, "unreadable_refs": problems}), file=out)
+        return EXIT_OK
+    print(f"{'run/step':<24} {'gen':>5} {'digest':<64} {'update':>7} {'cursor':>9} {'epoch':>5} {'owners':>6} {'bytes':>12}  time",
+          file=out)
+    for r in rows:
+        when = datetime.datetime.fromtimestamp(r["published_at"], datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        print(f"{r['run'] + '/' + r['step']:<24} {r['generation']:>5} {r['digest']} {r['update']:>7} {r['cursor']:>9} "
+              f"{r['epoch']:>5} {r['owners']:>6} {r['bytes']:>12}  {when}", file=out)
+    for p in problems:
+        print(f"unreadable ref in {p['run']}/{p['step']}: [{p['code']}] {p['message']}", file=out)
+    return EXIT_OK
+
+
+def cmd_inspect(store: Store, args, out) -> int:
+    with open_generation(store, args.digest) as generation:
+        m = generation.manifest
+        info = {
+            "digest": m.digest, "bytes": m.size, "prefix": m.prefix.to_json(), "schema_digest": m.schema_digest,
+            "owners": m.owners, "metadata": m.metadata,
+            "regions": [r.to_json() | {"words": r.words} for r in m.regions],
+            "shards": [
+                {"digest": rec.digest, "bytes": rec.size,
+                 "slices": [{"ordinal": s.ordinal, "region": m.regions[s.ordinal].name, "lo": s.lo, "hi": s.hi,
+                             "offset": s.offset, "stored": s.stored, "raw": s.raw, "codec": s.codec, "blake3": s.blake3}
+                            for s in generation.shards[rec.digest][1].slices]}
+                for rec in m.shards],
+            "children": [],
+        }
+    if args.json:
+        print(json.dumps(info), file=out)
+        return EXIT_OK
+    p = m.prefix
+    print(f"manifest {m.digest}  ({m.size} bytes)", file=out)
+    print(f"  capture  run={p.run} step={p.step} update={p.update} cursor={p.cursor} epoch={p.epoch} owners={m.owners}", file=out)
+    print(f"  schema   {m.schema_digest}  ({len(m.regions)} regions)", file=out)
+    for r in info["regions"]:
+        print(f"    [{r['ordinal']}] {r['name']}  {r['dtype']}{r['shape']}  {r['words']} words", file=out)
+    for s in info["shards"]:
+        print(f"  shard {s['digest']}  ({s['bytes']} bytes)", file=out)
+        for sl in s["slices"]:
+            print(f"    [{sl['ordinal']}] {sl['region']} words [{sl['lo']}, {sl['hi']})  {sl['codec']} "
+                  f"{sl['stored']} bytes at {sl['offset']}", file=out)
+    return EXIT_OK
+
+
+def cmd_verify(store: Store, args, out) -> int:
+    verify_generation(store, args.digest)
+    if args.json:
+        print(json.dumps({"digest": args.digest, "valid": True}), file=out)
+    else:
+        print(f"valid {args.digest}", file=out)
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None, out=None) -> int:
+    out = out or sys.stdout
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return EXIT_USAGE if exc.code else EXIT_OK
+    try:
+        store = Store(args.store, create=False)
+    except StoreUsageError as exc:
+        print(f"alpha-ckpt: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except Refusal as refusal:
+        return _refused(refusal, args, out)
+    try:
+        return {"list": cmd_list, "inspect": cmd_inspect, "verify": cmd_verify}[args.command](store, args, out)
+    except Refusal as refusal:
+        return _refused(refusal, args, out)
+    finally:
+        store.close()
+
+
+def _refused(refusal: Refusal, args, out) -> int:
+    if args.json:
+        print(json.dumps({"digest": getattr(args, "digest", None), "valid": False, "code": refusal.code.value,
+                          "message": refusal.message}), file=out)
+    else:
+        print(f"refused {refusal.code.value}: {refusal.message}", file=out)
+    return EXIT_REFUSED
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

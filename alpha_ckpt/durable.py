@@ -1,0 +1,177 @@
+"""The one durable-commit function: every file the store publishes goes through it.
+
+Stages, in order (each has a named fault point, see :data:`FAULT_POINTS`):
+
+    write payload to STORE/tmp/<unique>   (the caller's ``write`` callback)
+    fsync(file)  -> close                 an fsync error is final, never retried
+    renameat2(RENAME_NOREPLACE) into place  (link()+unlink() where EINVAL)
+    fsync(destination directory)
+
+A crash at any point leaves either nothing visible or the complete file: the
+temporary name is never published, and NOREPLACE means a published name is
+never overwritten.
+
+Fault points: set ``ALPHA_CKPT_FAULT=<kind>:<point>`` (kind ``object``, ``ref``,
+``output`` or ``*``) to SIGKILL the process exactly there, or install a Python
+hook with :func:`set_fault_hook` for in-process tests.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import secrets
+import signal
+from typing import Callable
+
+from .errors import DurableWriteError
+
+FAULT_POINTS = (
+    "before-data-fsync",
+    "after-data-fsync",
+    "before-rename",
+    "after-rename",
+    "before-dir-fsync",
+    "after-dir-fsync",
+)
+FAULT_ENV = "ALPHA_CKPT_FAULT"
+_RENAME_NOREPLACE = 1
+
+_fault_hook: Callable[[str, str], None] | None = None
+
+
+def set_fault_hook(hook: Callable[[str, str], None] | None) -> None:
+    """Install ``hook(kind, point)``, called at every fault point (tests only)."""
+    global _fault_hook
+    _fault_hook = hook
+
+
+def _fault(kind: str, point: str) -> None:
+    wanted = os.environ.get(FAULT_ENV)
+    if wanted:
+        want_kind, _, want_point = wanted.partition(":")
+        if want_point == point and want_kind in (kind, "*"):
+            os.kill(os.getpid(), signal.SIGKILL)
+    if _fault_hook is not None:
+        _fault_hook(kind, point)
+
+
+class _Renamer:
+    """renameat2(RENAME_NOREPLACE) through libc, with the link()+unlink() fallback."""
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._renameat2 = getattr(libc, "renameat2", None)
+        if self._renameat2 is not None:
+            self._renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+            self._renameat2.restype = ctypes.c_int
+
+    def renameat2_noreplace(self, src_dir: int, src: str, dst_dir: int, dst: str) -> None:
+        if self._renameat2 is None:
+            raise OSError(errno.EINVAL, "renameat2 not available in libc")
+        rc = self._renameat2(src_dir, os.fsencode(src), dst_dir, os.fsencode(dst), _RENAME_NOREPLACE)
+        if rc != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+
+    def rename_noreplace(self, src_dir: int, src: str, dst_dir: int, dst: str) -> str:
+        """Move ``src`` to ``dst`` unless ``dst`` exists (FileExistsError). Returns the method used."""
+        try:
+            self.renameat2_noreplace(src_dir, src, dst_dir, dst)
+            return "renameat2"
+        except OSError as exc:
+            # EINVAL: the file system (NFS, Lustre, Ceph, FUSE) has no RENAME_NOREPLACE.
+            # ENOSYS: the kernel has no renameat2. Anything else is a real error.
+            if exc.errno not in (errno.EINVAL, errno.ENOSYS):
+                raise
+        os.link(src, dst, src_dir_fd=src_dir, dst_dir_fd=dst_dir, follow_symlinks=False)
+        try:
+            # On NFS a lost reply can make link() report failure after success
+            # and vice versa; the link count is the truth.
+            if os.stat(dst, dir_fd=dst_dir, follow_symlinks=False).st_nlink < 2:
+                raise OSError(errno.EIO, f"link to {dst} did not take")
+        finally:
+            os.unlink(src, dir_fd=src_dir)
+        return "link"
+
+
+_renamer = _Renamer()
+
+
+def rename_noreplace(src_dir: int, src: str, dst_dir: int, dst: str) -> str:
+    return _renamer.rename_noreplace(src_dir, src, dst_dir, dst)
+
+
+def fsync_dir(dir_fd: int) -> None:
+    os.fsync(dir_fd)
+
+
+def durable_commit(
+    *,
+    tmp_dir: int,
+    dest_dir: int | Callable[[str], int],
+    write: Callable[[int], str | None],
+    name: str | None = None,
+    kind: str = "object",
+) -> str:
+    """Durably publish one file and return its final name.
+
+    ``write(fd)`` writes the whole content to a fresh temporary file and may
+    return the final name (content-addressed objects learn their name while
+    writing); otherwise ``name`` is used. ``dest_dir`` may be a callable that
+    maps the final name to a directory descriptor. Raises ``FileExistsError`` when the
+    name is taken (callers decide: dedup for objects, conflict for refs) and
+    :class:`DurableWriteError` for any I/O failure. The temporary file never
+    outlives a failure of this process.
+    """
+    tmp_name = f"{os.getpid()}-{secrets.token_hex(8)}.tmp"
+    fd = os.open(tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=tmp_dir)
+    published = False
+    try:
+        stage = "write"
+        try:
+            final = write(fd) or name
+            if not final:
+                raise ValueError("durable_commit needs a name from write() or the name argument")
+            stage = "data-fsync"
+            _fault(kind, "before-data-fsync")
+            os.fsync(fd)  # never retried: see DurableWriteError
+            _fault(kind, "after-data-fsync")
+        except OSError as exc:
+            raise DurableWriteError(stage, exc.errno or errno.EIO, str(exc)) from exc
+        finally:
+            os.close(fd)
+        if callable(dest_dir):
+            dest_dir = dest_dir(final)
+        _fault(kind, "before-rename")
+        try:
+            rename_noreplace(tmp_dir, tmp_name, dest_dir, final)
+        except FileExistsError:
+            raise
+        except OSError as exc:
+            raise DurableWriteError("rename", exc.errno or errno.EIO, str(exc)) from exc
+        published = True
+        _fault(kind, "after-rename")
+        _fault(kind, "before-dir-fsync")
+        try:
+            fsync_dir(dest_dir)
+        except OSError as exc:
+            raise DurableWriteError("dir-fsync", exc.errno or errno.EIO, str(exc)) from exc
+        _fault(kind, "after-dir-fsync")
+        return final
+    finally:
+        if not published:
+            try:
+                os.unlink(tmp_name, dir_fd=tmp_dir)
+            except FileNotFoundError:
+                pass
+
+
+def make_dir_durable(parent_fd: int, name: str) -> int:
+    """mkdir ``name`` under ``parent_fd`` (if missing), fsync the parent, return an fd of it."""
+    try:
+        os.mkdir(name, 0o755, dir_fd=parent_fd)
+        os.fsync(parent_fd)
+    except FileExistsError:
+        pass
+    return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)

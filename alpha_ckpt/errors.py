@@ -1,0 +1,61 @@
+"""The one refusal type, its stable codes, and the few other typed errors.
+
+A :class:`Refusal` means "this checkpoint (or this request) must not be used";
+its ``code`` is stable across releases so orchestrators and tests can match on
+it, and its message names the object, region or counter that was wrong.
+"""
+from __future__ import annotations
+
+import enum
+
+
+class RefusalCode(str, enum.Enum):
+    FORMAT = "format"
+    COVERAGE = "coverage"
+    MIXED_CAPTURE = "mixed-capture"
+    MISSING_SHARD = "missing-shard"
+    CORRUPT_SHARD = "corrupt-shard"
+    NON_FINITE = "non-finite"
+    FOREIGN_LEARNER = "foreign-learner"
+    CONTRACT_MISMATCH = "contract-mismatch"
+    STALE_EPOCH = "stale-epoch"
+    RESET_CURSOR = "reset-cursor"
+    DEVICE_MISMATCH = "device-mismatch"
+    PLACEMENT_BOUND = "placement-bound"
+
+    def __str__(self) -> str:  # so f"{code}" prints "corrupt-shard"
+        return self.value
+
+
+class Refusal(Exception):
+    """A checkpoint or request that is refused, with a stable code.
+
+    Raised before any destination byte is written; the store is never modified
+    by the code path that raises it.
+    """
+
+    def __init__(self, code: RefusalCode | str, message: str):
+        self.code = RefusalCode(code)
+        self.message = message
+        super().__init__(f"[{self.code.value}] {message}")
+
+
+class DurableWriteError(OSError):
+    """A durable write failed at a named stage; nothing was published.
+
+    An fsync failure is final: the pages may already be marked clean, so a
+    retry could report success with the data gone. Callers fail the
+    generation instead of retrying.
+    """
+
+    def __init__(self, stage: str, errno_: int, message: str):
+        super().__init__(errno_, f"durable write failed at {stage}: {message}")
+        self.stage = stage
+
+
+class PublishConflict(Exception):
+    """Another publisher already created the ref this publisher raced for."""
+
+
+class StoreUsageError(ValueError):
+    """A caller passed a bad name or argument (not a property of a checkpoint)."""

@@ -1,0 +1,454 @@
+"""Object bytes: encode, decode and validate. Bytes in, bytes out; no file I/O.
+
+Every object (shard or manifest) is::
+
+    magic  b"ALPHCKPT"            8 bytes
+    version u32 little-endian     4 bytes (= 1)
+    header_len u64 little-endian  8 bytes
+    header  canonical JSON        header_len bytes
+    payload                       header["payload_bytes"] bytes
+
+The object's name is the BLAKE3 of its *head* (the first 20 + header_len
+bytes). The head commits to every payload byte: payload slices tile the
+payload exactly and each carries the BLAKE3 of its stored bytes. So checking
+the name costs one hash of a small head, and every payload byte is still
+covered by exactly one digest. docs/FORMAT.md is the byte-level spec.
+"""
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import blake3
+
+from .errors import Refusal, RefusalCode
+
+MAGIC = b"ALPHCKPT"
+VERSION = 1
+PREFIX = struct.Struct("<8sIQ")
+PREFIX_LEN = PREFIX.size  # 20
+MAX_HEADER_BYTES = 64 << 20
+MAX_INT = (1 << 63) - 1
+ALIGN = 64  # the payload and every slice in it start at a multiple of this (file offset)
+DIGEST_RE = re.compile(r"\A[0-9a-f]{64}\Z")
+NAME_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
+
+# dtype name -> (itemsize, is floating point). Names are torch's, without "torch.".
+DTYPES: dict[str, tuple[int, bool]] = {
+    "float64": (8, True),
+    "float32": (4, True),
+    "float16": (2, True),
+    "bfloat16": (2, True),
+    "int64": (8, False),
+    "int32": (4, False),
+    "int16": (2, False),
+    "int8": (1, False),
+    "uint8": (1, False),
+    "bool": (1, False),
+}
+CODECS = ("raw", "zstd")
+PREFIX_KEYS = ("run", "step", "update", "cursor", "epoch")
+
+
+def digest_bytes(data) -> str:
+    return blake3.blake3(data).hexdigest()
+
+
+def canonical_json(obj: Any) -> bytes:
+    """The one JSON encoding we write: sorted keys, no spaces, ASCII, no NaN."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
+
+
+def _no_duplicate_keys(pairs):
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _reject_constant(name):
+    raise ValueError(f"non-finite JSON number {name}")
+
+
+def parse_canonical_json(data: bytes, what: str) -> Any:
+    """Parse JSON we wrote; anything not in our canonical form is refused as ``format``."""
+    try:
+        obj = json.loads(data.decode("ascii"), object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise Refusal(RefusalCode.FORMAT, f"{what}: header is not valid canonical JSON ({exc})") from None
+    try:
+        again = canonical_json(obj)
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise Refusal(RefusalCode.FORMAT, f"{what}: header is not canonical JSON ({exc})") from None
+    if again != bytes(data):
+        raise Refusal(RefusalCode.FORMAT, f"{what}: header is not in canonical JSON form")
+    return obj
+
+
+def is_digest(name: object) -> bool:
+    return isinstance(name, str) and DIGEST_RE.match(name) is not None
+
+
+def check_name(name: object, what: str) -> str:
+    """Run and step names: plain path components, never '..', '/', NUL or empty."""
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise Refusal(RefusalCode.FORMAT, f"{what} {name!r} is not a plain name ([A-Za-z0-9._-], 1-128 chars, no leading dot)")
+    return name
+
+
+# ---------------------------------------------------------------- data types
+
+
+@dataclass(frozen=True)
+class CapturePrefix:
+    """What every owner's capture of one update boundary must agree on."""
+
+    run: str
+    step: str
+    update: int
+    cursor: int
+    epoch: int
+
+    def to_json(self) -> dict:
+        return {"run": self.run, "step": self.step, "update": self.update, "cursor": self.cursor, "epoch": self.epoch}
+
+    @classmethod
+    def from_json(cls, obj: Any, what: str) -> "CapturePrefix":
+        _require_keys(obj, PREFIX_KEYS, f"{what} prefix")
+        return cls(
+            run=check_name(obj["run"], f"{what} run"),
+            step=check_name(obj["step"], f"{what} step"),
+            update=_uint(obj["update"], f"{what} prefix.update"),
+            cursor=_uint(obj["cursor"], f"{what} prefix.cursor"),
+            epoch=_uint(obj["epoch"], f"{what} prefix.epoch"),
+        )
+
+
+@dataclass(frozen=True)
+class SliceRecord:
+    """One slice of one region inside a shard's payload: words [lo, hi)."""
+
+    ordinal: int
+    dtype: str
+    shape: tuple[int, ...]
+    lo: int
+    hi: int
+    offset: int
+    stored: int
+    codec: str
+    raw: int
+    blake3: str
+    stored_blake3: str | None = None  # zstd only: digest of the compressed bytes
+
+    def to_json(self) -> dict:
+        out = {
+            "ordinal": self.ordinal, "dtype": self.dtype, "shape": list(self.shape), "lo": self.lo, "hi": self.hi,
+            "offset": self.offset, "stored": self.stored, "codec": self.codec, "raw": self.raw, "blake3": self.blake3,
+        }
+        if self.stored_blake3 is not None:
+            out["stored_blake3"] = self.stored_blake3
+        return out
+
+
+@dataclass(frozen=True)
+class ShardHead:
+    digest: str
+    head_len: int
+    prefix: CapturePrefix
+    schema_digest: str
+    payload_bytes: int
+    slices: tuple[SliceRecord, ...]
+
+    @property
+    def size(self) -> int:
+        return self.head_len + self.payload_bytes
+
+
+@dataclass(frozen=True)
+class RegionDecl:
+    """A region as the schema declares it. Identity: (schema digest, ordinal)."""
+
+    ordinal: int
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def words(self) -> int:
+        return _numel(self.shape)
+
+    def to_json(self) -> dict:
+        return {"ordinal": self.ordinal, "name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    """A manifest's record of one shard: its digest, size and word ranges."""
+
+    digest: str
+    size: int
+    slices: tuple[tuple[int, int, int], ...]  # (ordinal, lo, hi)
+
+    def to_json(self) -> dict:
+        return {"digest": self.digest, "size": self.size, "slices": [list(s) for s in self.slices]}
+
+
+@dataclass(frozen=True)
+class ManifestHead:
+    digest: str
+    head_len: int
+    prefix: CapturePrefix
+    schema_digest: str
+    regions: tuple[RegionDecl, ...]
+    shards: tuple[ShardRef, ...]
+    owners: int
+    metadata: Any
+
+    @property
+    def size(self) -> int:
+        return self.head_len
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def encode_head(header: Mapping[str, Any]) -> bytes:
+    """Prefix + canonical JSON header, padded with spaces so the payload starts aligned."""
+    body = canonical_json(header)
+    body += b" " * (-(PREFIX_LEN + len(body)) % ALIGN)
+    if len(body) > MAX_HEADER_BYTES:
+        raise ValueError(f"header of {len(body)} bytes exceeds the {MAX_HEADER_BYTES}-byte cap")
+    return PREFIX.pack(MAGIC, VERSION, len(body)) + body
+
+
+def aligned(offset: int) -> int:
+    return offset + (-offset % ALIGN)
+
+
+def shard_header(prefix: CapturePrefix, schema_digest: str, slices: Sequence[SliceRecord]) -> dict:
+    payload = max((s.offset + s.stored for s in slices), default=0)
+    return {
+        "kind": "shard", "prefix": prefix.to_json(), "schema_digest": schema_digest,
+        "payload_bytes": payload, "slices": [s.to_json() for s in slices],
+    }
+
+
+def manifest_header(
+    prefix: CapturePrefix, schema_digest: str, regions: Sequence[RegionDecl], shards: Sequence[ShardRef],
+    owners: int, metadata: Any,
+) -> dict:
+    return {
+        "kind": "manifest", "prefix": prefix.to_json(), "schema_digest": schema_digest,
+        "regions": [r.to_json() for r in regions], "shards": [s.to_json() for s in shards],
+        "children": [], "owners": owners, "metadata": metadata, "payload_bytes": 0,
+    }
+
+
+def schema_digest_of(regions: Sequence[RegionDecl]) -> str:
+    """Digest of the complete logical schema (names, dtypes, shapes, in declaration order)."""
+    return digest_bytes(canonical_json({"schema": [r.to_json() for r in regions]}))
+
+
+# ---------------------------------------------------------------- decoding
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _fail(what: str, message: str) -> Refusal:
+    return Refusal(RefusalCode.FORMAT, f"{what}: {message}")
+
+
+def _require_keys(obj: Any, keys: Sequence[str], what: str, optional: Sequence[str] = ()) -> None:
+    if not isinstance(obj, dict):
+        raise _fail(what, "expected an object")
+    missing = [k for k in keys if k not in obj]
+    extra = [k for k in obj if k not in keys and k not in optional]
+    if missing or extra:
+        raise _fail(what, f"missing keys {missing}, unexpected keys {extra}")
+
+
+def _uint(value: Any, what: str) -> int:
+    if type(value) is not int or value < 0 or value > MAX_INT:
+        raise _fail(what, f"expected a non-negative integer, got {value!r}")
+    return value
+
+
+def _shape(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) > 64:
+        raise _fail(what, "shape must be a list of at most 64 dimensions")
+    shape = tuple(_uint(d, what) for d in value)
+    if _numel(shape) > MAX_INT:
+        raise _fail(what, "shape has more words than fit in 63 bits")
+    return shape
+
+
+def _dtype(value: Any, what: str) -> str:
+    if value not in DTYPES:
+        raise _fail(what, f"unknown dtype {value!r}")
+    return value
+
+
+def _digest(value: Any, what: str) -> str:
+    if not is_digest(value):
+        raise _fail(what, f"{value!r} is not a 64-hex BLAKE3 digest")
+    return value
+
+
+def split_head(data: bytes | memoryview, file_size: int, what: str, *, size_is_known: bool) -> int:
+    """Check the fixed prefix of an object and return its head length (20 + header_len).
+
+    ``data`` holds at least the first 20 bytes when the file has them. Before the
+    digest is checked a wrong byte may be a corruption, not a format error: when
+    the file has the size its parent records (``size_is_known``), inconsistencies
+    are reported as ``corrupt-shard``.
+    """
+    if file_size < PREFIX_LEN or len(data) < PREFIX_LEN:
+        raise _fail(what, f"file of {file_size} bytes is shorter than the {PREFIX_LEN}-byte prefix (truncated)")
+    magic, version, header_len = PREFIX.unpack_from(data, 0)
+    code = RefusalCode.CORRUPT_SHARD if size_is_known else RefusalCode.FORMAT
+    if magic != MAGIC:
+        raise Refusal(code, f"{what}: bad magic {magic!r}")
+    if header_len > MAX_HEADER_BYTES or PREFIX_LEN + header_len > file_size:
+        raise Refusal(code, f"{what}: header length {header_len} does not fit in a file of {file_size} bytes")
+    if version != VERSION:
+        raise Refusal(code, f"{what}: unsupported format version {version}")
+    return PREFIX_LEN + header_len
+
+
+def check_head_digest(head: bytes | memoryview, expected: str, what: str) -> None:
+    actual = digest_bytes(head)
+    if actual != expected:
+        raise Refusal(RefusalCode.CORRUPT_SHARD, f"{what}: content digest {actual[:16]}... does not match its name {expected[:16]}...")
+
+
+def decode_head(head: bytes | memoryview, digest: str, file_size: int, what: str, *, size_is_known: bool = False) -> Any:
+    """Validate an object's head (prefix + header) against its digest and return the header object."""
+    head_len = split_head(head, file_size, what, size_is_known=size_is_known)
+    if len(head) < head_len:
+        raise _fail(what, "head shorter than its declared length")
+    view = memoryview(head)[:head_len]
+    check_head_digest(view, digest, what)
+    body = bytes(view[PREFIX_LEN:])
+    stripped = body.rstrip(b" ")
+    if len(body) - len(stripped) >= ALIGN or head_len % ALIGN:
+        raise _fail(what, f"header padding is not the {ALIGN}-byte alignment padding")
+    header = parse_canonical_json(stripped, what)
+    if not isinstance(header, dict) or header.get("kind") not in ("shard", "manifest"):
+        raise _fail(what, "header kind must be 'shard' or 'manifest'")
+    payload = _uint(header.get("payload_bytes"), f"{what} payload_bytes")
+    if head_len + payload != file_size:
+        raise _fail(what, f"file has {file_size} bytes but its header declares {head_len + payload} (truncated or extended)")
+    return header
+
+
+def parse_shard_header(header: Any, digest: str, head_len: int, what: str) -> ShardHead:
+    _require_keys(header, ("kind", "prefix", "schema_digest", "payload_bytes", "slices"), what)
+    if header["kind"] != "shard":
+        raise _fail(what, f"expected a shard, found a {header['kind']}")
+    prefix = CapturePrefix.from_json(header["prefix"], what)
+    schema = _digest(header["schema_digest"], f"{what} schema_digest")
+    payload = _uint(header["payload_bytes"], f"{what} payload_bytes")
+    raw_slices = header["slices"]
+    if not isinstance(raw_slices, list):
+        raise _fail(what, "slices must be a list")
+    keys = ("ordinal", "dtype", "shape", "lo", "hi", "offset", "stored", "codec", "raw", "blake3")
+    slices = []
+    for i, s in enumerate(raw_slices):
+        w = f"{what} slice {i}"
+        _require_keys(s, keys, w, optional=("stored_blake3",))
+        dtype = _dtype(s["dtype"], w)
+        shape = _shape(s["shape"], w)
+        lo, hi = _uint(s["lo"], f"{w} lo"), _uint(s["hi"], f"{w} hi")
+        if not lo <= hi <= _numel(shape):
+            raise _fail(w, f"word range [{lo}, {hi}) is not inside a region of {_numel(shape)} words")
+        raw = _uint(s["raw"], f"{w} raw")
+        if raw != (hi - lo) * DTYPES[dtype][0]:
+            raise _fail(w, f"raw length {raw} != {hi - lo} words x {DTYPES[dtype][0]} bytes")
+        codec = s["codec"]
+        if codec not in CODECS:
+            raise _fail(w, f"unknown codec {codec!r}")
+        stored = _uint(s["stored"], f"{w} stored")
+        stored_digest = s.get("stored_blake3")
+        if codec == "raw":
+            if stored != raw or stored_digest is not None:
+                raise _fail(w, "a raw slice stores exactly its raw bytes and has no stored_blake3")
+        else:
+            stored_digest = _digest(stored_digest, f"{w} stored_blake3")
+        slices.append(SliceRecord(
+            ordinal=_uint(s["ordinal"], f"{w} ordinal"), dtype=dtype, shape=shape, lo=lo, hi=hi,
+            offset=_uint(s["offset"], f"{w} offset"), stored=stored, codec=codec, raw=raw,
+            blake3=_digest(s["blake3"], f"{w} blake3"), stored_blake3=stored_digest,
+        ))
+    # The slices must tile [0, payload) in some order, each starting at the next
+    # aligned offset: every payload byte is then either covered by exactly one
+    # digest or is alignment padding, which readers require to be zero.
+    end = 0
+    for s in sorted(slices, key=lambda s: (s.offset, s.stored)):
+        if s.offset != aligned(end):
+            raise _fail(what, f"payload slice at offset {s.offset} should start at {aligned(end)} (gap, overlap or misalignment)")
+        end = s.offset + s.stored
+    if end != payload:
+        raise _fail(what, f"slices cover {end} payload bytes, header declares {payload}")
+    return ShardHead(digest, head_len, prefix, schema, payload, tuple(slices))
+
+
+def padding_ranges(head: ShardHead) -> list[tuple[int, int]]:
+    """Payload byte ranges [a, b) that are alignment padding (must be zero)."""
+    out, end = [], 0
+    for s in sorted(head.slices, key=lambda s: (s.offset, s.stored)):
+        if s.offset > end:
+            out.append((end, s.offset))
+        end = s.offset + s.stored
+    return out
+
+
+def parse_manifest_header(header: Any, digest: str, head_len: int, what: str) -> ManifestHead:
+    keys = ("kind", "prefix", "schema_digest", "regions", "shards", "children", "owners", "metadata", "payload_bytes")
+    _require_keys(header, keys, what)
+    if header["kind"] != "manifest":
+        raise _fail(what, f"expected a manifest, found a {header['kind']}")
+    if header["payload_bytes"] != 0:
+        raise _fail(what, "a manifest has no payload")
+    if header["children"] != []:
+        raise _fail(what, "child manifests are not supported by this version")
+    prefix = CapturePrefix.from_json(header["prefix"], what)
+    schema = _digest(header["schema_digest"], f"{what} schema_digest")
+    if not isinstance(header["regions"], list) or not isinstance(header["shards"], list):
+        raise _fail(what, "regions and shards must be lists")
+    regions = []
+    for i, r in enumerate(header["regions"]):
+        w = f"{what} region {i}"
+        _require_keys(r, ("ordinal", "name", "dtype", "shape"), w)
+        if r["ordinal"] != i:
+            raise _fail(w, f"ordinal {r['ordinal']!r} is not its declaration position {i}")
+        if not isinstance(r["name"], str):
+            raise _fail(w, "name must be a string")
+        regions.append(RegionDecl(i, r["name"], _dtype(r["dtype"], w), _shape(r["shape"], w)))
+    if schema_digest_of(regions) != schema:
+        raise _fail(what, "schema_digest does not match the declared regions")
+    shards = []
+    for i, s in enumerate(header["shards"]):
+        w = f"{what} shard record {i}"
+        _require_keys(s, ("digest", "size", "slices"), w)
+        if not isinstance(s["slices"], list):
+            raise _fail(w, "slices must be a list")
+        triples = []
+        for t in s["slices"]:
+            if not isinstance(t, list) or len(t) != 3:
+                raise _fail(w, "each slice is [ordinal, lo, hi]")
+            triples.append((_uint(t[0], w), _uint(t[1], w), _uint(t[2], w)))
+        shards.append(ShardRef(_digest(s["digest"], w), _uint(s["size"], w), tuple(triples)))
+    owners = header["owners"]
+    if type(owners) is not int or owners < 1:
+        raise _fail(what, f"owners must be a positive integer, got {owners!r}")
+    return ManifestHead(digest, head_len, prefix, schema, tuple(regions), tuple(shards), owners, header["metadata"])

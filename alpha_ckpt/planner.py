@@ -1,0 +1,135 @@
+"""Pure planning: what goes where. No I/O, no tensors; frozen plans.
+
+Save side: :func:`pack_shards` packs region word ranges into shards of a
+bounded size, splitting on word boundaries. Restore side: :func:`plan_restore`
+maps saved slices onto destination slices, admitting joins (one destination
+fed by several saved slices), splits (one saved slice feeding several
+destinations), changed region boundaries and any physical order of slices.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Words [lo, hi) of region ``ordinal``; ``itemsize`` bytes per word."""
+
+    ordinal: int
+    lo: int
+    hi: int
+    itemsize: int
+
+    @property
+    def nbytes(self) -> int:
+        return (self.hi - self.lo) * self.itemsize
+
+
+def pack_shards(pieces: Sequence[Piece], max_shard_bytes: int) -> tuple[tuple[Piece, ...], ...]:
+    """Group pieces in order into shards of at most ``max_shard_bytes`` payload bytes.
+
+    A piece larger than the room left is split on a word boundary. Every shard
+    holds at least one word unless every piece is empty (empty regions still
+    get a zero-length slice, so they are declared somewhere).
+    """
+    if max_shard_bytes <= 0:
+        raise ValueError("max_shard_bytes must be positive")
+    shards: list[tuple[Piece, ...]] = []
+    current: list[Piece] = []
+    room = max_shard_bytes
+    for piece in pieces:
+        lo = piece.lo
+        while True:
+            words_left = piece.hi - lo
+            fit = min(words_left, room // piece.itemsize)
+            if fit == words_left:
+                current.append(Piece(piece.ordinal, lo, piece.hi, piece.itemsize))
+                room -= words_left * piece.itemsize
+                break
+            if fit > 0:
+                current.append(Piece(piece.ordinal, lo, lo + fit, piece.itemsize))
+                lo += fit
+            if current:
+                shards.append(tuple(current))
+            current, room = [], max_shard_bytes
+            if piece.itemsize > max_shard_bytes:
+                raise ValueError(f"max_shard_bytes {max_shard_bytes} is smaller than one word")
+    if current:
+        shards.append(tuple(current))
+    return tuple(shards)
+
+
+@dataclass(frozen=True)
+class SavedSlice:
+    """Where saved words live: ``source`` (a shard digest) and slice index ``index`` in it."""
+
+    ordinal: int
+    lo: int
+    hi: int
+    source: str
+    index: int
+
+
+@dataclass(frozen=True)
+class WantedSlice:
+    """Destination ``dest`` wants words [lo, hi) of region ``ordinal`` (dest holds exactly them)."""
+
+    ordinal: int
+    lo: int
+    hi: int
+    dest: int
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Copy ``words`` words from saved slice (source, index) at word ``src_word`` into dest at ``dst_word``.
+
+    Both offsets are relative to the start of their slice.
+    """
+
+    source: str
+    index: int
+    src_word: int
+    dest: int
+    dst_word: int
+    words: int
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    copies: tuple[Copy, ...]
+    sources: tuple[str, ...]  # saved sources the plan reads, in first-use order
+
+
+class PlanError(ValueError):
+    """A wanted word is not saved anywhere (coverage was not checked first)."""
+
+
+def plan_restore(saved: Sequence[SavedSlice], wanted: Sequence[WantedSlice]) -> RestorePlan:
+    """Map every wanted word to exactly one saved word. Saved slices must not overlap."""
+    by_region: dict[int, list[SavedSlice]] = {}
+    for s in saved:
+        if s.hi > s.lo:
+            by_region.setdefault(s.ordinal, []).append(s)
+    starts: dict[int, list[int]] = {}
+    for ordinal, slices in by_region.items():
+        slices.sort(key=lambda s: s.lo)
+        starts[ordinal] = [s.lo for s in slices]
+    copies: list[Copy] = []
+    sources: dict[str, None] = {}
+    for w in wanted:
+        pos = w.lo
+        slices = by_region.get(w.ordinal, [])
+        i = bisect.bisect_right(starts.get(w.ordinal, []), pos) - 1
+        while pos < w.hi:
+            if i < 0 or i >= len(slices) or not slices[i].lo <= pos < slices[i].hi:
+                raise PlanError(f"region ordinal {w.ordinal} word {pos} is not saved")
+            s = slices[i]
+            end = min(w.hi, s.hi)
+            copies.append(Copy(s.source, s.index, pos - s.lo, w.dest, pos - w.lo, end - pos))
+            sources.setdefault(s.source)
+            pos = end
+            i += 1
+    return RestorePlan(tuple(copies), tuple(sources))

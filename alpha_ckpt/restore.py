@@ -1,0 +1,268 @@
+"""Reading a generation: validate everything needed, then copy by a plan.
+
+Order (a refusal at any step leaves the destination tensors untouched and the
+store unmodified):
+
+1. the root manifest: name, size, digest, header;
+2. every shard head it names: presence, size, digest, format, capture prefix,
+   schema, word ranges; then coverage of every region on word ranges;
+3. every payload slice the plan reads: BLAKE3, zstd bounds, zero padding,
+   finiteness of floating-point words;
+4. only then the copies, straight from the mapped file into the destination.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import blake3
+import torch
+import zstandard
+
+from .errors import Refusal, RefusalCode
+from .format import (
+    DTYPES, PREFIX_LEN, CapturePrefix, ManifestHead, ShardHead, SliceRecord, decode_head, padding_ranges,
+    parse_manifest_header, parse_shard_header, split_head,
+)
+from .manifest import check_coverage, check_schema_matches, check_shard_against_record, flatten_state, regions_of, torch_dtype
+from .planner import SavedSlice, WantedSlice, plan_restore
+from .store import ObjectFile, RefRecord, Store
+
+_HEAD_READ = 64 << 10
+
+
+@dataclass(frozen=True)
+class Counters:
+    """What a restore returns: the capture prefix and the user's metadata."""
+
+    run: str
+    step: str
+    update: int
+    cursor: int
+    epoch: int
+    metadata: Any
+    root: str
+
+
+def _read_head(obj: ObjectFile, what: str, size_is_known: bool) -> tuple[Any, int]:
+    first = obj.read_at(0, min(obj.size, _HEAD_READ))
+    head_len = split_head(first, obj.size, what, size_is_known=size_is_known)
+    head = first if head_len <= len(first) else obj.read_at(0, head_len)
+    header = decode_head(head, obj.digest, obj.size, what, size_is_known=size_is_known)
+    return header, head_len
+
+
+def _check_size(obj: ObjectFile, expected: int | None, what: str) -> None:
+    if expected is not None and obj.size != expected:
+        raise Refusal(RefusalCode.FORMAT, f"{what} has {obj.size} bytes, its record says {expected} (truncated or extended)")
+
+
+class Generation:
+    """An opened generation whose manifest and shard heads are validated (payloads not yet)."""
+
+    def __init__(self, store: Store, root: str, ref: RefRecord | None, manifest: ManifestHead,
+                 shards: dict[str, tuple[ObjectFile, ShardHead]]):
+        self.store, self.root, self.ref, self.manifest, self.shards = store, root, ref, manifest, shards
+
+    @property
+    def prefix(self) -> CapturePrefix:
+        return self.manifest.prefix
+
+    def close(self) -> None:
+        for obj, _ in self.shards.values():
+            obj.close()
+        self.shards = {}
+
+    def __enter__(self) -> "Generation":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def saved_slices(self) -> list[SavedSlice]:
+        return [SavedSlice(s.ordinal, s.lo, s.hi, digest, i)
+                for digest, (_, head) in self.shards.items() for i, s in enumerate(head.slices)]
+
+
+def open_generation(store: Store, root: str, ref: RefRecord | None = None) -> Generation:
+    """Validate the root manifest and every shard head; check coverage."""
+    if ref is None:
+        store.check_digest(root)
+        ref = store.find_ref(root)
+    what = f"root manifest {root[:16]}..."
+    with store.open_object(root, "root manifest") as obj:
+        _check_size(obj, ref.root_size if ref else None, what)
+        header, head_len = _read_head(obj, what, size_is_known=ref is not None)
+    if header.get("kind") != "manifest":
+        raise Refusal(RefusalCode.FORMAT, f"{what} is a {header.get('kind')}, not a manifest")
+    manifest = parse_manifest_header(header, root, head_len, what)
+    if ref is not None and ref.prefix != manifest.prefix:
+        raise Refusal(RefusalCode.MIXED_CAPTURE, f"{what}: ref {ref.run}/{ref.step}/{ref.generation} records another capture prefix")
+    shards: dict[str, tuple[ObjectFile, ShardHead]] = {}
+    try:
+        for record in manifest.shards:
+            w = f"shard {record.digest[:16]}..."
+            if record.digest in shards:
+                raise Refusal(RefusalCode.COVERAGE, f"{w} is named twice by the manifest")
+            if record.digest == root:
+                raise Refusal(RefusalCode.FORMAT, f"{what} names itself as a shard")
+            obj = store.open_object(record.digest, "shard")
+            try:
+                _check_size(obj, record.size, w)
+                header, head_len = _read_head(obj, w, size_is_known=True)
+                head = parse_shard_header(header, record.digest, head_len, w)
+                check_shard_against_record(head, record, manifest.prefix, manifest.schema_digest, manifest.regions, w)
+            except BaseException:
+                obj.close()
+                raise
+            shards[record.digest] = (obj, head)
+        check_coverage(manifest.regions, ((o, lo, hi, f"shard {r.digest[:16]}...")
+                                          for r in manifest.shards for (o, lo, hi) in r.slices), what)
+    except BaseException:
+        for obj, _ in shards.values():
+            obj.close()
+        raise
+    return Generation(store, root, ref, manifest, shards)
+
+
+# ---------------------------------------------------------------- payload checks
+
+
+def _check_finite(rec: SliceRecord, raw: memoryview, what: str) -> None:
+    if not DTYPES[rec.dtype][1] or rec.hi == rec.lo:
+        return
+    words = torch.frombuffer(raw, dtype=torch_dtype(rec.dtype), count=rec.hi - rec.lo)
+    low, high = torch.aminmax(words)  # NaN propagates; +-inf shows at the ends
+    if not (torch.isfinite(low) and torch.isfinite(high)):
+        bad = int((~torch.isfinite(words)).nonzero()[0, 0]) + rec.lo
+        raise Refusal(RefusalCode.NON_FINITE, f"{what}: region ordinal {rec.ordinal} word {bad} is {float(words[bad - rec.lo])}")
+
+
+def decode_slice(rec: SliceRecord, stored: memoryview, what: str) -> memoryview:
+    """Check a slice's stored bytes and return its raw words (a view, or a bounded decompression)."""
+    w = f"{what} slice of region ordinal {rec.ordinal} words [{rec.lo}, {rec.hi})"
+    if rec.codec == "raw":
+        if blake3.blake3(stored).hexdigest() != rec.blake3:
+            raise Refusal(RefusalCode.CORRUPT_SHARD, f"{w}: BLAKE3 of its bytes does not match the header")
+        raw = stored
+    else:
+        if blake3.blake3(stored).hexdigest() != rec.stored_blake3:
+            raise Refusal(RefusalCode.CORRUPT_SHARD, f"{w}: BLAKE3 of its compressed bytes does not match the header")
+        try:
+            claimed = zstandard.frame_content_size(stored)
+        except zstandard.ZstdError as exc:
+            raise Refusal(RefusalCode.FORMAT, f"{w}: not a zstd frame ({exc})") from None
+        # python-zstandard allocates whatever size a frame claims: check it first.
+        if claimed != rec.raw:
+            raise Refusal(RefusalCode.FORMAT, f"{w}: zstd frame claims {claimed} bytes, header declares {rec.raw}")
+        try:
+            out = zstandard.ZstdDecompressor().decompress(stored, max_output_size=rec.raw, allow_extra_data=False)
+        except zstandard.ZstdError as exc:
+            raise Refusal(RefusalCode.FORMAT, f"{w}: zstd frame does not decode ({exc})") from None
+        if len(out) != rec.raw or blake3.blake3(out).hexdigest() != rec.blake3:
+            raise Refusal(RefusalCode.FORMAT, f"{w}: decompressed bytes do not match the header's BLAKE3")
+        raw = memoryview(bytearray(out))  # writable, for torch.frombuffer without warnings
+    _check_finite(rec, raw, w)
+    return raw
+
+
+class _Payloads:
+    """Maps each shard once and validates slices in parallel (BLAKE3 and torch release the GIL)."""
+
+    def __init__(self, generation: Generation):
+        self.generation = generation
+        self._views: dict[str, memoryview] = {}
+        self._lock = threading.Lock()
+
+    def payload(self, digest: str) -> memoryview:
+        with self._lock:
+            view = self._views.get(digest)
+            if view is None:
+                obj, head = self.generation.shards[digest]
+                view = obj.view()[head.head_len:]
+                self._views[digest] = view
+            return view
+
+    def check_padding(self, digest: str) -> None:
+        _, head = self.generation.shards[digest]
+        view = self.payload(digest)
+        for a, b in padding_ranges(head):
+            if any(view[a:b]):
+                raise Refusal(RefusalCode.CORRUPT_SHARD, f"shard {digest[:16]}...: alignment padding at payload byte {a} is not zero")
+
+    def decode(self, wanted: Sequence[tuple[str, int]], workers: int = 2) -> dict[tuple[str, int], memoryview]:
+        def one(key: tuple[str, int]) -> memoryview:
+            digest, index = key
+            _, head = self.generation.shards[digest]
+            rec = head.slices[index]
+            return decode_slice(rec, self.payload(digest)[rec.offset:rec.offset + rec.stored], f"shard {digest[:16]}...")
+
+        for digest in dict.fromkeys(d for d, _ in wanted):
+            self.check_padding(digest)
+        # Largest first, so the two workers finish together.
+        order = sorted(wanted, key=lambda k: -self.generation.shards[k[0]][1].slices[k[1]].stored)
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="alpha-ckpt-verify") as pool:
+            results = dict(zip(order, pool.map(one, order)))
+        return results
+
+    def release(self) -> None:
+        self._views.clear()
+
+
+def verify_generation(store: Store, root: str) -> Generation:
+    """Full validation of every object of a generation. Returns the (closed) generation on success."""
+    generation = open_generation(store, root)
+    try:
+        payloads = _Payloads(generation)
+        keys = [(d, i) for d, (_, head) in generation.shards.items() for i in range(len(head.slices))]
+        payloads.decode(keys)
+        payloads.release()
+    finally:
+        generation.close()
+    return generation
+
+
+def _flat_destination(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bytes to fill, tensor to copy back into t or t itself when it can be filled in place)."""
+    if t.is_contiguous() and t.device.type == "cpu":
+        return t.detach().reshape(-1).view(torch.uint8), t
+    staging = torch.empty(t.shape, dtype=t.dtype)
+    return staging.reshape(-1).view(torch.uint8), staging
+
+
+def load_state(state_dict: Mapping[str, Any], *, store: Store, root: str) -> Counters:
+    """Validate the generation for ``state_dict``'s regions, then copy into its tensors in place."""
+    named = flatten_state(state_dict)
+    wanted_regions = regions_of(named)
+    with open_generation(store, root) as generation:
+        manifest = generation.manifest
+        check_schema_matches(manifest.regions, wanted_regions, f"generation {root[:16]}...")
+        wanted = [WantedSlice(r.ordinal, 0, r.words, r.ordinal) for r in manifest.regions]
+        plan = plan_restore(generation.saved_slices(), wanted)
+        payloads = _Payloads(generation)
+        raws = payloads.decode(list(dict.fromkeys((c.source, c.index) for c in plan.copies)))
+        # Everything validated: only now touch the destination tensors.
+        targets = [_flat_destination(t) for _, t in named]
+        _copy_by_plan(plan, generation, raws, targets)
+        for (_, t), (_, filled) in zip(named, targets):
+            if filled is not t:
+                with torch.no_grad():
+                    t.copy_(filled)
+        raws.clear()
+        payloads.release()
+        p = manifest.prefix
+        return Counters(p.run, p.step, p.update, p.cursor, p.epoch, manifest.metadata, root)
+
+
+@torch.no_grad()
+def _copy_by_plan(plan, generation: Generation, raws, targets) -> None:
+    for c in plan.copies:
+        rec = generation.shards[c.source][1].slices[c.index]
+        if not rec.raw:
+            continue
+        size = DTYPES[rec.dtype][0]
+        src = torch.frombuffer(raws[(c.source, c.index)], dtype=torch.uint8)
+        flat, _ = targets[c.dest]
+        flat[c.dst_word * size:(c.dst_word + c.words) * size].copy_(src[c.src_word * size:(c.src_word + c.words) * size])

@@ -1,0 +1,161 @@
+"""Writing a generation: shards straight from tensor memory, then the manifest, then the ref.
+
+Hashing overlaps writing: while the calling thread writes a slice's bytes to
+the file (the kernel copy releases the GIL), a worker hashes the same memory
+(BLAKE3 releases the GIL too), so a save costs about the write time, not the
+write time plus the hash time. The head carries fixed-width hex digests, so
+its length is known before the digests are: the payload is written first at
+its final offset and the head last.
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import blake3
+import torch
+import zstandard
+
+from .format import (
+    DTYPES, CapturePrefix, RegionDecl, ShardRef, SliceRecord, aligned, canonical_json, check_name, digest_bytes,
+    encode_head, manifest_header, schema_digest_of, shard_header,
+)
+from .manifest import flatten_state, regions_of
+from .planner import Piece, pack_shards
+from .store import RefRecord, Store
+
+DEFAULT_MAX_SHARD_BYTES = 2 << 30
+_PLACEHOLDER = "0" * 64
+_ZSTD_LEVEL = 1
+_SAMPLE_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Published:
+    root: str
+    ref: RefRecord
+    shards: tuple[ShardRef, ...]
+    bytes_written: int
+
+
+def word_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The region's words as a flat uint8 CPU tensor, without copying when possible."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _u8_view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.numpy()) if t.numel() else memoryview(b"")
+
+
+def choose_codec(data: memoryview, requested: str) -> str:
+    """'raw', 'zstd', or 'auto': zstd only where a sample compresses to at most 80 %."""
+    if requested in ("raw", "zstd"):
+        return requested
+    if requested != "auto":
+        raise ValueError(f"unknown compression {requested!r} (raw, zstd or auto)")
+    sample = data[:_SAMPLE_BYTES]
+    if len(sample) < 4096:
+        return "raw"
+    return "zstd" if len(zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(sample)) <= 0.8 * len(sample) else "raw"
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _hash(view) -> str:
+    return blake3.blake3(view).hexdigest()
+
+
+def write_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regions: Sequence[RegionDecl],
+                parts: Sequence[tuple[Piece, memoryview, str]], pool: ThreadPoolExecutor) -> tuple[ShardRef, int]:
+    """Durably write one shard holding ``parts`` = (piece, its raw bytes, requested codec)."""
+    records: list[SliceRecord] = []
+    payloads: list[memoryview] = []
+    offset = 0
+    for piece, raw, requested in parts:
+        region = regions[piece.ordinal]
+        codec = choose_codec(raw, requested)
+        stored = raw if codec == "raw" else memoryview(
+            zstandard.ZstdCompressor(level=_ZSTD_LEVEL, write_content_size=True).compress(raw))
+        offset = aligned(offset)
+        records.append(SliceRecord(
+            ordinal=piece.ordinal, dtype=region.dtype, shape=region.shape, lo=piece.lo, hi=piece.hi, offset=offset,
+            stored=len(stored), codec=codec, raw=len(raw), blake3=_PLACEHOLDER,
+            stored_blake3=_PLACEHOLDER if codec == "zstd" else None,
+        ))
+        payloads.append(stored)
+        offset += len(stored)
+    head_len = len(encode_head(shard_header(prefix, schema_digest, records)))
+
+    def write(fd: int) -> str:
+        futures = []
+        for record, stored, (_, raw, _) in zip(records, payloads, parts):
+            futures.append((pool.submit(_hash, raw), pool.submit(_hash, stored) if record.codec == "zstd" else None))
+            _pwrite_all(fd, stored, head_len + record.offset)
+        final = []
+        for record, (raw_f, stored_f) in zip(records, futures):
+            final.append(SliceRecord(**{**record.__dict__, "blake3": raw_f.result(),
+                                        "stored_blake3": stored_f.result() if stored_f else None}))
+        head = encode_head(shard_header(prefix, schema_digest, final))
+        assert len(head) == head_len, "digest placeholders must not change the head length"
+        _pwrite_all(fd, memoryview(head), 0)
+        # Zero padding is implicit: pwrite past a hole leaves zeros.
+        end = head_len + max((r.offset + r.stored for r in records), default=0)
+        if os.fstat(fd).st_size != end:
+            os.ftruncate(fd, end)
+        return digest_bytes(head)
+
+    digest, written = store.put_object(write)
+    size = head_len + max((r.offset + r.stored for r in records), default=0)
+    return ShardRef(digest, size, tuple((p.ordinal, p.lo, p.hi) for p, _, _ in parts)), size if written else 0
+
+
+def write_manifest(store: Store, prefix: CapturePrefix, regions: Sequence[RegionDecl], shards: Sequence[ShardRef],
+                   owners: int, metadata: Any) -> tuple[str, int]:
+    head = encode_head(manifest_header(prefix, schema_digest_of(regions), regions, shards, owners, metadata))
+
+    def write(fd: int) -> str:
+        _pwrite_all(fd, memoryview(head), 0)
+        return digest_bytes(head)
+
+    digest, _ = store.put_object(write, digest_hint=digest_bytes(head))
+    return digest, len(head)
+
+
+def save_state(state_dict: Mapping[str, Any], *, store: Store, prefix: CapturePrefix, metadata: Any = None,
+               compression: str | Mapping[str, str] = "raw", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Published:
+    check_name(prefix.run, "run")
+    check_name(prefix.step, "step")
+    canonical_json(metadata)  # refuse non-JSON metadata before writing anything
+    named = flatten_state(state_dict)
+    regions = regions_of(named)
+    schema = schema_digest_of(regions)
+    data = {r.ordinal: word_bytes(t) for r, (_, t) in zip(regions, named)}
+    pieces = [Piece(r.ordinal, 0, r.words, DTYPES[r.dtype][0]) for r in regions]
+    shard_refs: list[ShardRef] = []
+    written = 0
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="alpha-ckpt-hash") as pool:
+        for group in pack_shards(pieces, max_shard_bytes):
+            parts = []
+            for p in group:
+                region = regions[p.ordinal]
+                codec = compression if isinstance(compression, str) else compression.get(region.name, "raw")
+                raw = _u8_view(data[p.ordinal])[p.lo * p.itemsize:p.hi * p.itemsize]
+                parts.append((p, raw, codec))
+            ref, n = write_shard(store, prefix, schema, regions, parts, pool)
+            shard_refs.append(ref)
+            written += n
+    root, root_size = write_manifest(store, prefix, regions, shard_refs, 1, metadata)
+    total = root_size + sum(s.size for s in shard_refs)
+    record = store.publish_ref(prefix, root, root_size, total, owners=1)
+    return Published(root, record, tuple(shard_refs), written + root_size)

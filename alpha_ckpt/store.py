@@ -1,0 +1,359 @@
+"""The content-addressed store: objects, refs and tmp under one root.
+
+    STORE/objects/ab/abcdef...        shards and manifests, named by the BLAKE3 of their head
+    STORE/refs/RUN/STEP/0000000007    one small file per published generation: its root digest
+    STORE/tmp/                        in-flight writes
+
+Every write goes through :func:`alpha_ckpt.durable.durable_commit`. Every read
+opens relative to the store's directory descriptors with O_NOFOLLOW and
+requires a regular file, so a name can never escape the store. Paths are
+runtime bindings: a copied or moved store works unchanged.
+"""
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import stat
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from . import durable
+from .errors import PublishConflict, Refusal, RefusalCode, StoreUsageError
+from .format import CapturePrefix, canonical_json, check_name, digest_bytes, is_digest, parse_canonical_json
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+REF_DIGITS = 10
+MAX_REF_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class RefRecord:
+    """One published generation as its ref file records it."""
+
+    run: str
+    step: str
+    generation: int
+    root: str
+    root_size: int
+    prefix: CapturePrefix
+    published_at: float
+    bytes: int
+    owners: int
+
+
+class ObjectFile:
+    """A read-only, validated-to-be-regular object file, mapped into memory."""
+
+    def __init__(self, fd: int, size: int, digest: str):
+        self.fd, self.size, self.digest = fd, size, digest
+        self._map = None
+
+    def view(self) -> memoryview:
+        if self.size == 0:
+            return memoryview(b"")
+        if self._map is None:
+            # Private and writable (copy-on-write, never written): torch can view
+            # it without a read-only warning, and no write can reach the file.
+            self._map = mmap.mmap(self.fd, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_POPULATE,
+                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        return memoryview(self._map)
+
+    def read_at(self, offset: int, length: int) -> bytes:
+        return os.pread(self.fd, length, offset)
+
+    def close(self) -> None:
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a view is still alive somewhere; the GC will unmap it
+                pass
+            self._map = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> "ObjectFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Store:
+    """A store rooted at ``root`` (created if missing)."""
+
+    def __init__(self, root: str | os.PathLike, *, create: bool = True):
+        self.root = os.fspath(root)
+        if create:
+            os.makedirs(self.root, exist_ok=True)
+        try:
+            self._root_fd = os.open(self.root, _DIR_FLAGS)
+        except FileNotFoundError:
+            raise StoreUsageError(f"store {self.root!r} does not exist") from None
+        if create:
+            for name in ("objects", "refs", "tmp", "outputs"):
+                os.close(durable.make_dir_durable(self._root_fd, name))
+        self._objects_fd = self._open_dir(self._root_fd, "objects")
+        self._tmp_fd = self._open_dir(self._root_fd, "tmp") if create or self._exists("tmp") else -1
+        self._fan_fds: dict[str, int] = {}
+
+    def _exists(self, name: str) -> bool:
+        try:
+            os.stat(name, dir_fd=self._root_fd, follow_symlinks=False)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def _open_dir(self, parent: int, name: str) -> int:
+        try:
+            return os.open(name, _DIR_FLAGS, dir_fd=parent)
+        except FileNotFoundError:
+            raise StoreUsageError(f"{self.root!r} is not an alpha_ckpt store (no {name}/)") from None
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise Refusal(RefusalCode.FORMAT, f"store entry {name!r} is not a plain directory") from None
+            raise
+
+    def close(self) -> None:
+        for fd in [self._root_fd, self._objects_fd, self._tmp_fd, *self._fan_fds.values()]:
+            if fd >= 0:
+                os.close(fd)
+        self._fan_fds.clear()
+        self._root_fd = self._objects_fd = self._tmp_fd = -1
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ objects
+
+    def _fan_dir(self, digest: str, create: bool) -> int:
+        fan = digest[:2]
+        fd = self._fan_fds.get(fan)
+        if fd is None:
+            if create:
+                fd = durable.make_dir_durable(self._objects_fd, fan)
+            else:
+                fd = os.open(fan, _DIR_FLAGS, dir_fd=self._objects_fd)
+            self._fan_fds[fan] = fd
+        return fd
+
+    def has_object(self, digest: str) -> bool:
+        self.check_digest(digest)
+        try:
+            st = os.stat(f"{digest[:2]}/{digest}", dir_fd=self._objects_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return stat.S_ISREG(st.st_mode)
+
+    def put_object(self, write: Callable[[int], str], digest_hint: str | None = None) -> tuple[str, bool]:
+        """Durably write an object; ``write(fd)`` writes it and returns its digest.
+
+        Returns (digest, written). An object that already exists is not written
+        again (same name, same content): that is the dedup.
+        """
+        if digest_hint is not None and self.has_object(digest_hint):
+            return digest_hint, False
+        names: list[str] = []
+
+        def write_named(fd: int) -> str:
+            names.append(self.check_digest(write(fd)))
+            return names[0]
+
+        try:
+            # The fan directory depends on the digest, known only once written.
+            digest = durable.durable_commit(
+                tmp_dir=self._tmp_fd, dest_dir=lambda name: self._fan_dir(name, create=True),
+                write=write_named, kind="object",
+            )
+            return digest, True
+        except FileExistsError:
+            return names[0], False
+
+    @staticmethod
+    def check_digest(digest: object) -> str:
+        if not is_digest(digest):
+            raise Refusal(RefusalCode.FORMAT, f"object name {digest!r} is not a plain 64-hex digest")
+        return digest  # type: ignore[return-value]
+
+    def open_object(self, digest: str, what: str) -> ObjectFile:
+        """Open an object for reading: a regular file, never through a symlink."""
+        self.check_digest(digest)
+        try:
+            fan = self._fan_dir(digest, create=False)
+            fd = os.open(digest, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=fan)
+        except FileNotFoundError:
+            raise Refusal(RefusalCode.MISSING_SHARD, f"{what} {digest} is missing from the store") from None
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise Refusal(RefusalCode.FORMAT, f"{what} {digest} is a symlink or not a regular file") from None
+            raise
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise Refusal(RefusalCode.FORMAT, f"{what} {digest} is not a regular file")
+        return ObjectFile(fd, st.st_size, digest)
+
+    def object_path(self, digest: str) -> str:
+        self.check_digest(digest)
+        return os.path.join(self.root, "objects", digest[:2], digest)
+
+    def iter_objects(self) -> Iterator[str]:
+        for fan in sorted(os.listdir(self._objects_fd)):
+            if len(fan) == 2:
+                for name in sorted(os.listdir(os.path.join(self.root, "objects", fan))):
+                    if is_digest(name) and name.startswith(fan):
+                        yield name
+
+    # ------------------------------------------------------------ refs
+
+    def _refs_dir(self, run: str, step: str, create: bool) -> int | None:
+        check_name(run, "run")
+        check_name(step, "step")
+        try:
+            refs = os.open("refs", _DIR_FLAGS, dir_fd=self._root_fd)
+        except FileNotFoundError:
+            return None
+        try:
+            if create:
+                run_fd = durable.make_dir_durable(refs, run)
+                try:
+                    return durable.make_dir_durable(run_fd, step)
+                finally:
+                    os.close(run_fd)
+            try:
+                return os.open(f"{run}/{step}", _DIR_FLAGS, dir_fd=refs)
+            except FileNotFoundError:
+                return None
+        finally:
+            os.close(refs)
+
+    def publish_ref(self, prefix: CapturePrefix, root: str, root_size: int, total_bytes: int, owners: int) -> RefRecord:
+        """Publish the next generation of (run, step): a NOREPLACE ref naming ``root``.
+
+        Two publishers racing for the same generation number cannot both win;
+        the loser gets :class:`PublishConflict`.
+        """
+        dir_fd = self._refs_dir(prefix.run, prefix.step, create=True)
+        try:
+            generation = max((g for g in self._ref_numbers(dir_fd)), default=0) + 1
+            record = RefRecord(prefix.run, prefix.step, generation, root, root_size, prefix, time.time(), total_bytes, owners)
+            body = encode_ref(record)
+
+            def write(fd: int) -> None:
+                _write_all(fd, body)
+
+            try:
+                durable.durable_commit(tmp_dir=self._tmp_fd, dest_dir=dir_fd, write=write,
+                                       name=f"{generation:0{REF_DIGITS}d}", kind="ref")
+            except FileExistsError:
+                raise PublishConflict(f"generation {generation} of {prefix.run}/{prefix.step} was published by another publisher") from None
+            return record
+        finally:
+            os.close(dir_fd)
+
+    @staticmethod
+    def _ref_numbers(dir_fd: int) -> list[int]:
+        out = []
+        for name in os.listdir(dir_fd):
+            if len(name) == REF_DIGITS and name.isdigit():
+                out.append(int(name))
+        return sorted(out)
+
+    def list_refs(self, run: str, step: str) -> list[RefRecord | Refusal]:
+        """Every generation of (run, step), oldest first; unreadable refs are returned as refusals."""
+        dir_fd = self._refs_dir(run, step, create=False)
+        if dir_fd is None:
+            return []
+        try:
+            return [self._read_ref(dir_fd, run, step, g) for g in self._ref_numbers(dir_fd)]
+        finally:
+            os.close(dir_fd)
+
+    def _read_ref(self, dir_fd: int, run: str, step: str, generation: int) -> RefRecord | Refusal:
+        name = f"{generation:0{REF_DIGITS}d}"
+        what = f"ref {run}/{step}/{name}"
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+        except OSError as exc:
+            return Refusal(RefusalCode.FORMAT, f"{what}: cannot open ({exc.strerror})")
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_REF_BYTES:
+                return Refusal(RefusalCode.FORMAT, f"{what}: not a regular file of at most {MAX_REF_BYTES} bytes")
+            data = os.pread(fd, MAX_REF_BYTES, 0)
+        finally:
+            os.close(fd)
+        try:
+            record = decode_ref(data, what)
+        except Refusal as refusal:
+            return refusal
+        if (record.run, record.step, record.generation) != (run, step, generation):
+            return Refusal(RefusalCode.FORMAT, f"{what}: names generation {record.run}/{record.step}/{record.generation}")
+        return record
+
+    def find_ref(self, root: str) -> RefRecord | None:
+        """The first ref (any run/step) that names ``root``, or None."""
+        refs_root = os.path.join(self.root, "refs")
+        for run in sorted(os.listdir(refs_root)) if os.path.isdir(refs_root) else []:
+            run_dir = os.path.join(refs_root, run)
+            for step in sorted(os.listdir(run_dir)) if os.path.isdir(run_dir) else []:
+                try:
+                    refs = self.list_refs(run, step)
+                except Refusal:
+                    continue
+                for record in refs:
+                    if isinstance(record, RefRecord) and record.root == root:
+                        return record
+        return None
+
+    def runs(self) -> list[tuple[str, str]]:
+        refs_root = os.path.join(self.root, "refs")
+        out = []
+        for run in sorted(os.listdir(refs_root)) if os.path.isdir(refs_root) else []:
+            run_dir = os.path.join(refs_root, run)
+            for step in sorted(os.listdir(run_dir)) if os.path.isdir(run_dir) else []:
+                out.append((run, step))
+        return out
+
+
+def _write_all(fd: int, data) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def encode_ref(r: RefRecord) -> bytes:
+    body = {
+        "kind": "ref", "run": r.run, "step": r.step, "generation": r.generation, "root": r.root,
+        "root_size": r.root_size, "prefix": r.prefix.to_json(), "published_at": r.published_at,
+        "bytes": r.bytes, "owners": r.owners,
+    }
+    text = canonical_json(body)
+    return text + b"\n" + digest_bytes(text).encode("ascii") + b"\n"
+
+
+def decode_ref(data: bytes, what: str) -> RefRecord:
+    """A ref is one canonical JSON line and the BLAKE3 of that line."""
+    lines = data.split(b"\n")
+    if len(lines) != 3 or lines[2] != b"" or len(lines[1]) != 64:
+        raise Refusal(RefusalCode.FORMAT, f"{what}: not a ref file (JSON line, digest line)")
+    if digest_bytes(lines[0]).encode("ascii") != lines[1]:
+        raise Refusal(RefusalCode.CORRUPT_SHARD, f"{what}: its checksum does not match its content")
+    obj = parse_canonical_json(lines[0], what)
+    keys = {"kind", "run", "step", "generation", "root", "root_size", "prefix", "published_at", "bytes", "owners"}
+    if not isinstance(obj, dict) or set(obj) != keys or obj["kind"] != "ref":
+        raise Refusal(RefusalCode.FORMAT, f"{what}: unexpected ref fields")
+    prefix = CapturePrefix.from_json(obj["prefix"], what)
+    ints = [obj["generation"], obj["root_size"], obj["bytes"], obj["owners"]]
+    if not all(type(v) is int and v >= 0 for v in ints) or not isinstance(obj["published_at"], (int, float)):
+        raise Refusal(RefusalCode.FORMAT, f"{what}: bad counters")
+    if not is_digest(obj["root"]) or (obj["run"], obj["step"]) != (prefix.run, prefix.step):
+        raise Refusal(RefusalCode.FORMAT, f"{what}: bad root digest or run/step")
+    return RefRecord(obj["run"], obj["step"], obj["generation"], obj["root"], obj["root_size"], prefix,
+                     float(obj["published_at"]), obj["bytes"], obj["owners"])
