@@ -293,7 +293,7 @@ def _shape(value: Any, what: str) -> tuple[int, ...]:
 
 
 def _dtype(value: Any, what: str) -> str:
-    if value not in DTYPES:
+    if not isinstance(value, str) or value not in DTYPES:
         raise _fail(what, f"unknown dtype {value!r}")
     return value
 

@@ -34,8 +34,8 @@ def pack_shards(pieces: Sequence[Piece], max_shard_bytes: int) -> tuple[tuple[Pi
     holds at least one word unless every piece is empty (empty regions still
     get a zero-length slice, so they are declared somewhere).
     """
-    if max_shard_bytes <= 0:
-        raise ValueError("max_shard_bytes must be positive")
+    if any(p.itemsize > max_shard_bytes for p in pieces) or max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes {max_shard_bytes} is smaller than one word")
     shards: list[tuple[Piece, ...]] = []
     current: list[Piece] = []
     room = max_shard_bytes
@@ -54,8 +54,6 @@ def pack_shards(pieces: Sequence[Piece], max_shard_bytes: int) -> tuple[tuple[Pi
             if current:
                 shards.append(tuple(current))
             current, room = [], max_shard_bytes
-            if piece.itemsize > max_shard_bytes:
-                raise ValueError(f"max_shard_bytes {max_shard_bytes} is smaller than one word")
     if current:
         shards.append(tuple(current))
     return tuple(shards)

@@ -232,6 +232,20 @@ def _flat_destination(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return staging.reshape(-1).view(torch.uint8), staging
 
 
+def restore_slices(generation: Generation, wanted: Sequence[WantedSlice], targets: Sequence[torch.Tensor]) -> None:
+    """Validate every saved slice the plan reads, then fill ``targets[w.dest]`` (flat uint8) by the plan.
+
+    Each wanted slice's target holds exactly words [lo, hi) of its region.
+    Nothing is written to any target unless every read slice validated.
+    """
+    plan = plan_restore(generation.saved_slices(), wanted)
+    payloads = _Payloads(generation)
+    raws = payloads.decode(list(dict.fromkeys((c.source, c.index) for c in plan.copies)))
+    _copy_by_plan(plan, generation, raws, targets)
+    raws.clear()
+    payloads.release()
+
+
 def load_state(state_dict: Mapping[str, Any], *, store: Store, root: str) -> Counters:
     """Validate the generation for ``state_dict``'s regions, then copy into its tensors in place."""
     named = flatten_state(state_dict)
@@ -240,18 +254,12 @@ def load_state(state_dict: Mapping[str, Any], *, store: Store, root: str) -> Cou
         manifest = generation.manifest
         check_schema_matches(manifest.regions, wanted_regions, f"generation {root[:16]}...")
         wanted = [WantedSlice(r.ordinal, 0, r.words, r.ordinal) for r in manifest.regions]
-        plan = plan_restore(generation.saved_slices(), wanted)
-        payloads = _Payloads(generation)
-        raws = payloads.decode(list(dict.fromkeys((c.source, c.index) for c in plan.copies)))
-        # Everything validated: only now touch the destination tensors.
-        targets = [_flat_destination(t) for _, t in named]
-        _copy_by_plan(plan, generation, raws, targets)
-        for (_, t), (_, filled) in zip(named, targets):
-            if filled is not t:
-                with torch.no_grad():
+        staged = [_flat_destination(t) for _, t in named]
+        restore_slices(generation, wanted, [flat for flat, _ in staged])
+        with torch.no_grad():
+            for (_, t), (_, filled) in zip(named, staged):
+                if filled is not t:
                     t.copy_(filled)
-        raws.clear()
-        payloads.release()
         p = manifest.prefix
         return Counters(p.run, p.step, p.update, p.cursor, p.epoch, manifest.metadata, root)
 
@@ -264,5 +272,22 @@ def _copy_by_plan(plan, generation: Generation, raws, targets) -> None:
             continue
         size = DTYPES[rec.dtype][0]
         src = torch.frombuffer(raws[(c.source, c.index)], dtype=torch.uint8)
-        flat, _ = targets[c.dest]
-        flat[c.dst_word * size:(c.dst_word + c.words) * size].copy_(src[c.src_word * size:(c.src_word + c.words) * size])
+        targets[c.dest][c.dst_word * size:(c.dst_word + c.words) * size].copy_(
+            src[c.src_word * size:(c.src_word + c.words) * size])
+
+
+def validate_object_bytes(data: bytes | memoryview, digest: str, what: str = "object") -> ShardHead | ManifestHead:
+    """Validate one whole object held in memory (the hostile-input entry point; same checks as restore)."""
+    view = memoryview(data)
+    head_len = split_head(view, len(view), what, size_is_known=False)
+    header = decode_head(view[:head_len], digest, len(view), what)
+    if header["kind"] == "manifest":
+        return parse_manifest_header(header, digest, head_len, what)
+    head = parse_shard_header(header, digest, head_len, what)
+    payload = view[head_len:]
+    for a, b in padding_ranges(head):
+        if any(payload[a:b]):
+            raise Refusal(RefusalCode.CORRUPT_SHARD, f"{what}: alignment padding at payload byte {a} is not zero")
+    for rec in head.slices:
+        decode_slice(rec, payload[rec.offset:rec.offset + rec.stored], what)
+    return head

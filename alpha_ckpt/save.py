@@ -132,6 +132,24 @@ def write_manifest(store: Store, prefix: CapturePrefix, regions: Sequence[Region
     return digest, len(head)
 
 
+def publish_slices(store: Store, prefix: CapturePrefix, regions: Sequence[RegionDecl],
+                   shards: Sequence[Sequence[tuple[Piece, memoryview, str]]], *, metadata: Any = None,
+                   owners: int = 1) -> Published:
+    """Write each shard (its (piece, raw bytes, codec) parts in physical order), the manifest, then the ref."""
+    schema = schema_digest_of(regions)
+    shard_refs: list[ShardRef] = []
+    written = 0
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="alpha-ckpt-hash") as pool:
+        for parts in shards:
+            ref, n = write_shard(store, prefix, schema, regions, parts, pool)
+            shard_refs.append(ref)
+            written += n
+    root, root_size = write_manifest(store, prefix, regions, shard_refs, owners, metadata)
+    total = root_size + sum(s.size for s in shard_refs)
+    record = store.publish_ref(prefix, root, root_size, total, owners=owners)
+    return Published(root, record, tuple(shard_refs), written + root_size)
+
+
 def save_state(state_dict: Mapping[str, Any], *, store: Store, prefix: CapturePrefix, metadata: Any = None,
                compression: str | Mapping[str, str] = "raw", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Published:
     check_name(prefix.run, "run")
@@ -139,23 +157,14 @@ def save_state(state_dict: Mapping[str, Any], *, store: Store, prefix: CapturePr
     canonical_json(metadata)  # refuse non-JSON metadata before writing anything
     named = flatten_state(state_dict)
     regions = regions_of(named)
-    schema = schema_digest_of(regions)
-    data = {r.ordinal: word_bytes(t) for r, (_, t) in zip(regions, named)}
+    data = {r.ordinal: _u8_view(word_bytes(t)) for r, (_, t) in zip(regions, named)}
     pieces = [Piece(r.ordinal, 0, r.words, DTYPES[r.dtype][0]) for r in regions]
-    shard_refs: list[ShardRef] = []
-    written = 0
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="alpha-ckpt-hash") as pool:
-        for group in pack_shards(pieces, max_shard_bytes):
-            parts = []
-            for p in group:
-                region = regions[p.ordinal]
-                codec = compression if isinstance(compression, str) else compression.get(region.name, "raw")
-                raw = _u8_view(data[p.ordinal])[p.lo * p.itemsize:p.hi * p.itemsize]
-                parts.append((p, raw, codec))
-            ref, n = write_shard(store, prefix, schema, regions, parts, pool)
-            shard_refs.append(ref)
-            written += n
-    root, root_size = write_manifest(store, prefix, regions, shard_refs, 1, metadata)
-    total = root_size + sum(s.size for s in shard_refs)
-    record = store.publish_ref(prefix, root, root_size, total, owners=1)
-    return Published(root, record, tuple(shard_refs), written + root_size)
+    shards = []
+    for group in pack_shards(pieces, max_shard_bytes):
+        parts = []
+        for p in group:
+            region = regions[p.ordinal]
+            codec = compression if isinstance(compression, str) else compression.get(region.name, "raw")
+            parts.append((p, data[p.ordinal][p.lo * p.itemsize:p.hi * p.itemsize], codec))
+        shards.append(parts)
+    return publish_slices(store, prefix, regions, shards, metadata=metadata)

@@ -1,0 +1,44 @@
+import pytest
+import torch
+
+import alpha_ckpt
+
+
+def small_state(seed: int = 0) -> dict:
+    """A small nested state with several dtypes, a 0-dim and an empty tensor."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {"w": torch.randn(6, 5, generator=g), "b": torch.randn(5, generator=g).to(torch.bfloat16)},
+        "optim": {"step": torch.tensor(3, dtype=torch.int64), "m": torch.randn(6, 5, generator=g).double()},
+        "mask": torch.rand(7, generator=g) > 0.5,
+        "empty": torch.empty(0, 4),
+    }
+
+
+def zeros_like_state(state: dict) -> dict:
+    return {k: zeros_like_state(v) if isinstance(v, dict) else torch.zeros_like(v) for k, v in state.items()}
+
+
+def assert_bit_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], dict):
+            assert_bit_equal(a[k], b[k])
+        else:
+            assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+            x, y = a[k].contiguous().reshape(-1), b[k].contiguous().reshape(-1)
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), k
+
+
+@pytest.fixture
+def store_dir(tmp_path):
+    return tmp_path / "store"
+
+
+@pytest.fixture
+def saved(store_dir):
+    """A small published generation: (store dir, root digest, state)."""
+    state = small_state()
+    root = alpha_ckpt.save(state, store=store_dir, run="nightly", step="fit", update=3, cursor=96, epoch=0,
+                           max_shard_bytes=128)
+    return store_dir, root, state

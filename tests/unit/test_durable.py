@@ -1,0 +1,154 @@
+"""The one durable-commit function: stages, NOREPLACE, fallback, failures, fault points."""
+import errno
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from alpha_ckpt import durable
+from alpha_ckpt.errors import DurableWriteError
+
+
+@pytest.fixture
+def dirs(tmp_path):
+    (tmp_path / "tmp").mkdir()
+    (tmp_path / "dest").mkdir()
+    tmp = os.open(tmp_path / "tmp", os.O_RDONLY | os.O_DIRECTORY)
+    dest = os.open(tmp_path / "dest", os.O_RDONLY | os.O_DIRECTORY)
+    yield tmp_path, tmp, dest
+    os.close(tmp)
+    os.close(dest)
+
+
+def _writer(data: bytes):
+    def write(fd):
+        os.write(fd, data)
+    return write
+
+
+def test_commit_publishes_file_and_leaves_no_temporary(dirs):
+    root, tmp, dest = dirs
+    name = durable.durable_commit(tmp_dir=tmp, dest_dir=dest, write=_writer(b"hello"), name="a")
+    assert name == "a"
+    assert (root / "dest" / "a").read_bytes() == b"hello"
+    assert os.listdir(root / "tmp") == []
+
+
+def test_commit_never_replaces_an_existing_name(dirs):
+    root, tmp, dest = dirs
+    durable.durable_commit(tmp_dir=tmp, dest_dir=dest, write=_writer(b"first"), name="a")
+    with pytest.raises(FileExistsError):
+        durable.durable_commit(tmp_dir=tmp, dest_dir=dest, write=_writer(b"second"), name="a")
+    assert (root / "dest" / "a").read_bytes() == b"first"
+    assert os.listdir(root / "tmp") == []
+
+
+def test_einval_from_renameat2_takes_the_link_fallback_with_noreplace(dirs, monkeypatch):
+    root, tmp, dest = dirs
+    calls = []
+
+    def no_renameat2(*args):
+        calls.append(args)
+        raise OSError(errno.EINVAL, "not supported by this file system")
+
+    monkeypatch.setattr(durable._renamer, "renameat2_noreplace", no_renameat2)
+    durable.durable_commit(tmp_dir=tmp, dest_dir=dest, write=_writer(b"x"), name="a")
+    assert calls and (root / "dest" / "a").read_bytes() == b"x"
+    assert os.listdir(root / "tmp") == []
+    with pytest.raises(FileExistsError):
+        durable.durable_commit(tmp_dir=tmp, dest_dir=dest, write=_writer(b"y"), name="a")
+    assert (root / "dest" / "a").read_bytes() == b"x"
+    assert os.listdir(root / "tmp") == []
+
+
+def test_other_rename_errors_do_not_take_the_fallback(dirs, monkeypatch):
+    root, tmp, dest = dirs
+
+    def eio(*args):
+        raise OSError(errno.EIO, "I/O error")
+
+    linked = []
+    monkeypatch.setattr(durable._renamer, "renameat2_noreplace", eio)
+    monkeypatch.setattr(os, "link", lambda *a, **k: linked.append(a))
+    with pytest.raises(DurableWriteError) as info:
+        durable.durable_commit(tmp_dir=tmp, dest_dir=dest, write=_writer(b"x"), name="a")
+    assert info.value.stage == "rename" and not linked
+    assert os.listdir(root / "dest") == [] and os.listdir(root / "tmp") == []
+
+
+def test_fsync_failure_is_final_not_retried_and_publishes_nothing(dirs, monkeypatch):
+    root, tmp, dest = dirs
+    calls = []
+
+    def failing_fsync(fd):
+        calls.append(fd)
+        raise OSError(errno.EIO, "fsync failed")
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(DurableWriteError) as info:
+        durable.durable_commit(tmp_dir=tmp, dest_dir=dest, write=_writer(b"x"), name="a")
+    assert info.value.stage == "data-fsync"
+    assert len(calls) == 1  # never retried on that descriptor
+    assert os.listdir(root / "dest") == [] and os.listdir(root / "tmp") == []
+
+
+def test_enospc_while_writing_removes_the_temporary_file(dirs):
+    root, tmp, dest = dirs
+
+    def write(fd):
+        os.write(fd, b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(DurableWriteError) as info:
+        durable.durable_commit(tmp_dir=tmp, dest_dir=dest, write=write, name="a")
+    assert info.value.stage == "write"
+    assert os.listdir(root / "dest") == [] and os.listdir(root / "tmp") == []
+
+
+def test_fault_points_fire_in_commit_order(dirs):
+    _, tmp, dest = dirs
+    seen = []
+    durable.set_fault_hook(lambda kind, point: seen.append((kind, point)))
+    try:
+        durable.durable_commit(tmp_dir=tmp, dest_dir=dest, write=_writer(b"x"), name="a", kind="ref")
+    finally:
+        durable.set_fault_hook(None)
+    assert seen == [("ref", p) for p in durable.FAULT_POINTS]
+
+
+_KILL_SCRIPT = textwrap.dedent("""
+    import os, sys
+    from alpha_ckpt import durable
+    root = sys.argv[1]
+    tmp = os.open(os.path.join(root, "tmp"), os.O_RDONLY | os.O_DIRECTORY)
+    dest = os.open(os.path.join(root, "dest"), os.O_RDONLY | os.O_DIRECTORY)
+    durable.durable_commit(tmp_dir=tmp, dest_dir=dest, write=lambda fd: os.write(fd, b"payload") and None,
+                           name="a", kind="object")
+    print("returned")
+""")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("point", durable.FAULT_POINTS)
+def test_sigkill_at_each_fault_point_leaves_nothing_or_the_whole_file(dirs, point):
+    root, _, _ = dirs
+    env = dict(os.environ, ALPHA_CKPT_FAULT=f"object:{point}")
+    proc = subprocess.run([sys.executable, "-c", _KILL_SCRIPT, str(root)], env=env, capture_output=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
+    assert b"returned" not in proc.stdout
+    published = os.listdir(root / "dest")
+    if point in ("before-data-fsync", "after-data-fsync", "before-rename"):
+        assert published == []
+    else:
+        assert published == ["a"] and (root / "dest" / "a").read_bytes() == b"payload"
+
+
+@pytest.mark.timeout(60)
+def test_fault_for_another_kind_does_not_fire(dirs):
+    root, _, _ = dirs
+    env = dict(os.environ, ALPHA_CKPT_FAULT="ref:before-rename")
+    proc = subprocess.run([sys.executable, "-c", _KILL_SCRIPT, str(root)], env=env, capture_output=True, timeout=60)
+    assert proc.returncode == 0 and b"returned" in proc.stdout
