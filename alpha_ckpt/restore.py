@@ -13,6 +13,7 @@ store unmodified):
 from __future__ import annotations
 
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -31,6 +32,9 @@ from .planner import SavedSlice, WantedSlice, plan_restore
 from .store import ObjectFile, RefRecord, Store
 
 _HEAD_READ = 64 << 10
+# Slices are viewed straight from a read-only mapping of the object file and
+# only ever read; torch warns about any read-only buffer, so silence exactly that.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning, module=r"alpha_ckpt\.")
 
 
 @dataclass(frozen=True)
@@ -163,9 +167,16 @@ def decode_slice(rec: SliceRecord, stored: memoryview, what: str) -> memoryview:
             raise Refusal(RefusalCode.FORMAT, f"{w}: zstd frame does not decode ({exc})") from None
         if len(out) != rec.raw or blake3.blake3(out).hexdigest() != rec.blake3:
             raise Refusal(RefusalCode.FORMAT, f"{w}: decompressed bytes do not match the header's BLAKE3")
-        raw = memoryview(bytearray(out))  # writable, for torch.frombuffer without warnings
+        raw = memoryview(out)
     _check_finite(rec, raw, w)
     return raw
+
+
+def check_zero_padding(head: ShardHead, payload: memoryview, what: str) -> None:
+    """Alignment gaps carry no digest of their own: they must be zero."""
+    for a, b in padding_ranges(head):
+        if any(payload[a:b]):
+            raise Refusal(RefusalCode.CORRUPT_SHARD, f"{what}: alignment padding at payload byte {a} is not zero")
 
 
 class _Payloads:
@@ -186,11 +197,7 @@ class _Payloads:
             return view
 
     def check_padding(self, digest: str) -> None:
-        _, head = self.generation.shards[digest]
-        view = self.payload(digest)
-        for a, b in padding_ranges(head):
-            if any(view[a:b]):
-                raise Refusal(RefusalCode.CORRUPT_SHARD, f"shard {digest[:16]}...: alignment padding at payload byte {a} is not zero")
+        check_zero_padding(self.generation.shards[digest][1], self.payload(digest), f"shard {digest[:16]}...")
 
     def decode(self, wanted: Sequence[tuple[str, int]], workers: int = 2) -> dict[tuple[str, int], memoryview]:
         def one(key: tuple[str, int]) -> memoryview:
@@ -285,9 +292,7 @@ def validate_object_bytes(data: bytes | memoryview, digest: str, what: str = "ob
         return parse_manifest_header(header, digest, head_len, what)
     head = parse_shard_header(header, digest, head_len, what)
     payload = view[head_len:]
-    for a, b in padding_ranges(head):
-        if any(payload[a:b]):
-            raise Refusal(RefusalCode.CORRUPT_SHARD, f"{what}: alignment padding at payload byte {a} is not zero")
+    check_zero_padding(head, payload, what)
     for rec in head.slices:
         decode_slice(rec, payload[rec.offset:rec.offset + rec.stored], what)
     return head

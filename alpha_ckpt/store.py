@@ -54,10 +54,10 @@ class ObjectFile:
         if self.size == 0:
             return memoryview(b"")
         if self._map is None:
-            # Private and writable (copy-on-write, never written): torch can view
-            # it without a read-only warning, and no write can reach the file.
-            self._map = mmap.mmap(self.fd, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_POPULATE,
-                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            # Shared and read-only: the page-cache pages themselves, no copy.
+            # (A private writable mapping would be copied page by page by
+            # MAP_POPULATE, which breaks copy-on-write up front.)
+            self._map = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
         return memoryview(self._map)
 
     def read_at(self, offset: int, length: int) -> bytes:

@@ -33,10 +33,20 @@ both are measured.
            (a read-bandwidth reference; its bytes are the repeated buffer, so it
            is not compared with the source).
 
-Before the timed repetitions, ``--warmup`` untimed rounds (default 1) run
-every method once. On a VM the first use of guest memory that was never
-touched (page cache, fresh anonymous pages) can cost seconds per GiB; without
-the warm-up that cost lands on whichever method happens to run first.
+Memory effects of a VM. On a VM, guest memory that was never touched, or
+that was freed and handed back to the host (balloon free page reporting), can
+cost seconds per GiB when the guest uses it again: for page cache during a
+save, for fresh anonymous memory during a restore (torch.load's new tensors,
+a private copy of a mapped file). Without care that cost lands on whichever
+method happens to allocate first after the previous method freed its files,
+and it swamps the differences measured here. So (both untimed):
+
+* ``--warmup`` rounds (default 1) run every method once before the timed ones;
+* before every save and every restore, ``--prefault`` times the state size
+  (default 2) of anonymous memory is touched and freed, so the kernel's free
+  lists hold resident pages. Allocation itself (about 0.3 s/GiB of page
+  faults and zeroing here) is still charged to the method that allocates.
+  ``--prefault 0`` shows the raw effect.
 
 Restores run on a hot page cache by default (the file was just written). With
 ``--cold`` the script runs ``sync`` and ``echo 3 > /proc/sys/vm/drop_caches``
@@ -62,12 +72,15 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import math
+import mmap
 import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -117,12 +130,39 @@ def drop_caches() -> None:
         f.write("3\n")
 
 
+def code_under_test() -> dict:
+    """Which alpha_ckpt was measured: git commit, uncommitted files under alpha_ckpt/, digest of its sources."""
+    pkg = os.path.dirname(os.path.abspath(alpha_ckpt.__file__))
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(pkg)):
+        if name.endswith(".py"):
+            with open(os.path.join(pkg, name), "rb") as f:
+                h.update(name.encode() + b"\0" + f.read() + b"\0")
+    info = {"source_sha256": h.hexdigest()[:16], "commit": None, "dirty": None}
+    try:
+        git = ["git", "-C", os.path.dirname(pkg)]
+        info["commit"] = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                        check=True).stdout.strip()
+        dirty = subprocess.run(git + ["status", "--porcelain", "--", pkg], capture_output=True, text=True,
+                               check=True).stdout.split("\n")
+        info["dirty"] = sorted(line[3:] for line in dirty if line.strip())
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return info
+
+
 def default_base_dir() -> str:
     """The system temp dir when it lies on the same file system as the repo, else the repo's parent."""
     tmp = tempfile.gettempdir()
     if os.stat(tmp).st_dev == os.stat(REPO_ROOT).st_dev:
         return tmp
     return os.path.dirname(REPO_ROOT)
+
+
+def prefault(nbytes: int) -> None:
+    """Allocate, touch and free ``nbytes`` of anonymous memory, so the next allocations find resident pages."""
+    if nbytes > 0:
+        mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE).close()
 
 
 def make_state(size_mib: int, tensors: int, seed: int) -> dict[str, torch.Tensor]:
@@ -255,6 +295,7 @@ def run(args: argparse.Namespace) -> dict:
     poison(dest)  # touch every destination page once, before anything is timed
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     raw = RawDisk(state, nbytes)
+    prefault_bytes = int(args.prefault * nbytes)
     gen_s = time.perf_counter() - t0
 
     methods: dict[str, tuple[Callable, Callable, bool]] = {
@@ -269,11 +310,16 @@ def run(args: argparse.Namespace) -> dict:
     print(f"bench_store: {args.tensors} x float32[{state[next(iter(state))].numel()}] = {nbytes / MiB:.0f} MiB "
           f"({nbytes / 1e9:.3f} GB), {args.reps} rep(s) after {args.warmup} warm-up round(s), seed {args.seed} (state built in {gen_s:.1f} s)")
     print(f"  working dir {top}  (st_dev {os.stat(top).st_dev:#x}; repo st_dev {os.stat(REPO_ROOT).st_dev:#x})")
+    code = code_under_test()
+    print(f"  alpha_ckpt {alpha_ckpt.__version__} at commit {code['commit']}, uncommitted: {', '.join(code['dirty']) or 'none'}"
+          f" (sources sha256 {code['source_sha256']})" if code["dirty"] is not None else
+          f"  alpha_ckpt {alpha_ckpt.__version__} (not a git checkout; sources sha256 {code['source_sha256']})")
     print(f"  python {platform.python_version()}, torch {torch.__version__}, torch threads {torch.get_num_threads()}, "
-          f"cpus {os.cpu_count()}, alpha_ckpt {alpha_ckpt.__version__}")
+          f"cpus {os.cpu_count()}")
     print(f"  restores: {'COLD page cache (sync + drop_caches before each restore)' if args.cold else 'HOT page cache (restore right after the same method saved; files still cached)'}"
           f"; drop_caches {'available' if cold_ok else 'not available'}")
-    print(f"  order per rep: {', '.join(METHODS)}; each restore verified with torch.equal (raw: not compared)")
+    print(f"  order per rep: {', '.join(METHODS)}; each restore verified with torch.equal (raw: not compared); "
+          f"prefault {args.prefault:g} x state before each save and restore")
     sys.stdout.flush()
 
     try:
@@ -286,6 +332,7 @@ def run(args: argparse.Namespace) -> dict:
                 os.mkdir(workdir)
                 os.sync()
                 gc.collect()
+                prefault(prefault_bytes)
 
                 t = time.perf_counter()
                 handle = save(state, workdir, rnd)
@@ -295,6 +342,7 @@ def run(args: argparse.Namespace) -> dict:
                 if args.cold:
                     drop_caches()
                 gc.collect()
+                prefault(prefault_bytes)
                 t = time.perf_counter()
                 restore(dest, workdir, handle)
                 load_s = time.perf_counter() - t
@@ -311,10 +359,10 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         shutil.rmtree(top, ignore_errors=True)
 
-    return report(args, nbytes, times)
+    return report(args, nbytes, times, code)
 
 
-def report(args: argparse.Namespace, nbytes: int, times: dict) -> dict:
+def report(args: argparse.Namespace, nbytes: int, times: dict, code: dict) -> dict:
     med = {m: {k: median(v) for k, v in times[m].items()} for m in METHODS}
     gbps = {m: {k: nbytes / v / 1e9 for k, v in med[m].items()} for m in METHODS}
     cache = "cold" if args.cold else "hot"
@@ -357,7 +405,7 @@ def report(args: argparse.Namespace, nbytes: int, times: dict) -> dict:
         print(f"  {k:<32} {v:6.3f}   {verdict}")
 
     result = {
-        "bytes": nbytes, "tensors": args.tensors, "reps": args.reps, "cache": cache,
+        "bytes": nbytes, "tensors": args.tensors, "reps": args.reps, "warmup": args.warmup, "prefault": args.prefault, "cache": cache, "code": code,
         "median_s": med, "median_GBps": gbps, "ratios": ratios,
         "targets_met": {k: (ratios[k] <= g if op == "<=" else ratios[k] >= g) for k, (op, g) in targets.items()},
     }
@@ -376,10 +424,13 @@ def main(argv: list[str] | None = None) -> None:
                    help="base directory for the working files (default: the temp dir if it is on the repo's file system, "
                         "else the repo's parent); a fresh subdirectory is created and removed")
     p.add_argument("--cold", action="store_true", help="sync and drop the page cache before every restore (root only)")
+    p.add_argument("--prefault", type=float, default=2.0,
+                   help="before every save and every restore (untimed), touch and free this many times the state size "
+                        "of anonymous memory (default 2; 0 disables)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random state (default 0)")
     args = p.parse_args(argv)
-    if args.reps < 1 or args.size_mib < 1 or args.tensors < 1 or args.warmup < 0:
-        p.error("--reps, --size-mib and --tensors must be positive, --warmup non-negative")
+    if args.reps < 1 or args.size_mib < 1 or args.tensors < 1 or args.warmup < 0 or args.prefault < 0:
+        p.error("--reps, --size-mib and --tensors must be positive, --warmup and --prefault non-negative")
     run(args)
 
 
