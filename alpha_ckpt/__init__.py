@@ -13,7 +13,7 @@ from typing import Any, Mapping
 from .errors import DurableWriteError, PublishConflict, Refusal, RefusalCode
 from .format import CapturePrefix
 from .restore import Counters, load_state, verify_generation
-from .save import DEFAULT_MAX_SHARD_BYTES, save_state
+from .writer import DEFAULT_MAX_SHARD_BYTES, save_state
 from .store import Store
 
 __all__ = ["save", "load", "verify", "Store", "Refusal", "RefusalCode", "Counters", "DurableWriteError", "PublishConflict"]

@@ -97,6 +97,23 @@ class _Renamer:
 
 _renamer = _Renamer()
 
+_SYNC_FILE_RANGE_WRITE = 2
+_libc = ctypes.CDLL(None, use_errno=True)
+_sync_file_range = getattr(_libc, "sync_file_range", None)
+if _sync_file_range is not None:
+    _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    _sync_file_range.restype = ctypes.c_int
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing a range back now (no wait, no durability promise).
+
+    The final fsync then has little left to do, so disk writes overlap the
+    remaining encoding and hashing. Only a hint: errors surface at fsync.
+    """
+    if _sync_file_range is not None:
+        _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
+
 
 def rename_noreplace(src_dir: int, src: str, dst_dir: int, dst: str) -> str:
     return _renamer.rename_noreplace(src_dir, src, dst_dir, dst)

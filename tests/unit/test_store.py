@@ -9,7 +9,7 @@ from alpha_ckpt import PublishConflict, Refusal, RefusalCode
 from alpha_ckpt.format import CapturePrefix, RegionDecl
 from alpha_ckpt.planner import Piece
 from alpha_ckpt.restore import open_generation
-from alpha_ckpt.save import publish_slices, word_bytes, write_manifest
+from alpha_ckpt.writer import publish_slices, word_bytes, write_manifest
 from alpha_ckpt.store import Store
 
 

@@ -18,6 +18,7 @@ import blake3
 import torch
 import zstandard
 
+from . import durable
 from .format import (
     DTYPES, CapturePrefix, RegionDecl, ShardRef, SliceRecord, aligned, canonical_json, check_name, digest_bytes,
     encode_head, manifest_header, schema_digest_of, shard_header,
@@ -66,10 +67,16 @@ def choose_codec(data: memoryview, requested: str) -> str:
     return "zstd" if len(zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(sample)) <= 0.8 * len(sample) else "raw"
 
 
+_WRITEBACK_MIN_BYTES = 8 << 20
+
+
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    start, length = offset, len(view)
     while view:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
+    if length >= _WRITEBACK_MIN_BYTES:
+        durable.start_writeback(fd, start, length)
 
 
 def _hash(view) -> str:
