@@ -12,11 +12,11 @@ from typing import Any, Mapping
 
 from .errors import DurableWriteError, PublishConflict, Refusal, RefusalCode
 from .format import CapturePrefix
-from .restore import Counters, load_state, verify_generation
+from .restore import Counters, latest_generation, load_state, verify_generation
 from .writer import DEFAULT_MAX_SHARD_BYTES, save_state
 from .store import Store
 
-__all__ = ["save", "load", "verify", "Store", "Refusal", "RefusalCode", "Counters", "DurableWriteError", "PublishConflict"]
+__all__ = ["save", "load", "verify", "latest", "Store", "Refusal", "RefusalCode", "Counters", "DurableWriteError", "PublishConflict"]
 __version__ = "0.1.0"
 
 
@@ -69,6 +69,17 @@ def verify(store: Store | str | os.PathLike, digest: str) -> None:
     s, owned = _store(store, create=False)
     try:
         verify_generation(s, digest)
+    finally:
+        if owned:
+            s.close()
+
+
+def latest(store: Store | str | os.PathLike, run: str, step: str) -> str | None:
+    """Root digest of the newest complete (fully validated) generation of ``run``/``step``, or None."""
+    s, owned = _store(store, create=False)
+    try:
+        record, _ = latest_generation(s, run, step)
+        return record.root if record else None
     finally:
         if owned:
             s.close()

@@ -3,6 +3,7 @@
     alpha-ckpt list    --store DIR [--run R] [--step S] [--json]
     alpha-ckpt inspect --store DIR DIGEST [--json]
     alpha-ckpt verify  --store DIR DIGEST [--json]
+    alpha-ckpt latest  --store DIR --run R --step S [--json]
 
 Exit codes: 0 done (verify: valid), 3 refused (verify: the refusal code is
 printed), 2 usage error.
@@ -17,7 +18,7 @@ from typing import Sequence
 
 from .errors import Refusal, StoreUsageError
 from .format import is_digest
-from .restore import open_generation, verify_generation
+from .restore import latest_generation, open_generation, verify_generation
 from .store import RefRecord, Store
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED = 0, 2, 3
@@ -38,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("list", parents=[common], help="generations of a run/step (default: all)")
     p.add_argument("--run")
     p.add_argument("--step")
+    p = sub.add_parser("latest", parents=[common], help="newest complete generation of a run/step (validated)")
+    p.add_argument("--run", required=True)
+    p.add_argument("--step", required=True)
     for name, text in (("inspect", "manifest, regions and shards of a generation"),
                        ("verify", "validate every object of a generation (exit 3 when refused)")):
         p = sub.add_parser(name, parents=[common], help=text)
@@ -116,6 +120,18 @@ def cmd_verify(store: Store, args, out) -> int:
     return EXIT_OK
 
 
+def cmd_latest(store: Store, args, out) -> int:
+    record, skipped = latest_generation(store, args.run, args.step)
+    why = [{"digest": d, "code": r.code.value, "message": r.message} for d, r in skipped]
+    if args.json:
+        print(json.dumps({"latest": _ref_json(record) if record else None, "skipped": why}), file=out)
+    else:
+        for s in why:
+            print(f"skipped {s['digest']}: [{s['code']}] {s['message']}", file=out)
+        print(record.root if record else f"no complete generation of {args.run}/{args.step}", file=out)
+    return EXIT_OK if record else EXIT_REFUSED
+
+
 def main(argv: Sequence[str] | None = None, out=None) -> int:
     out = out or sys.stdout
     parser = _parser()
@@ -131,7 +147,7 @@ def main(argv: Sequence[str] | None = None, out=None) -> int:
     except Refusal as refusal:
         return _refused(refusal, args, out)
     try:
-        return {"list": cmd_list, "inspect": cmd_inspect, "verify": cmd_verify}[args.command](store, args, out)
+        return {"list": cmd_list, "inspect": cmd_inspect, "verify": cmd_verify, "latest": cmd_latest}[args.command](store, args, out)
     except Refusal as refusal:
         return _refused(refusal, args, out)
     finally:

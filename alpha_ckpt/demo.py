@@ -12,22 +12,41 @@ import argparse
 import io
 import json
 import sys
+import tomllib
+from pathlib import Path
 
 import torch
 
 from . import cli, load, save
 
 
-def demo_state(seed: int) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(90, 64), torch.nn.ReLU(), torch.nn.Linear(64, 7))
+DEFAULT_CONFIG = {"run": "demo", "step": "fit", "seed": 0, "updates": 3, "batch": 256, "history_days": 90,
+                  "horizon_days": 7, "hidden": 64, "lr": 1e-3}
+
+
+def load_config(path: str | None) -> dict:
+    config = dict(DEFAULT_CONFIG)
+    if path:
+        with open(path, "rb") as f:
+            given = tomllib.load(f)
+        unknown = sorted(set(given) - set(config))
+        if unknown:
+            raise SystemExit(f"alpha-run: {path}: unknown keys {unknown}")
+        config.update(given)
+    return config
+
+
+def demo_state(c: dict) -> dict:
+    gen = torch.Generator().manual_seed(c["seed"])
+    model = torch.nn.Sequential(torch.nn.Linear(c["history_days"], c["hidden"]), torch.nn.ReLU(),
+                                torch.nn.Linear(c["hidden"], c["horizon_days"]))
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    features = torch.randn(256, 90, generator=gen)
-    target = torch.randn(256, 7, generator=gen)
-    for _ in range(3):
+    optimizer = torch.optim.Adam(model.parameters(), lr=c["lr"])
+    features = torch.randn(c["batch"], c["history_days"], generator=gen)
+    target = torch.randn(c["batch"], c["horizon_days"], generator=gen)
+    for _ in range(c["updates"]):
         optimizer.zero_grad()
         loss = torch.nn.functional.mse_loss(model(features), target)
         loss.backward()
@@ -35,20 +54,23 @@ def demo_state(seed: int) -> dict:
     state = {"model": dict(model.state_dict())}
     opt = optimizer.state_dict()["state"]
     state["optimizer"] = {str(k): {n: v for n, v in s.items()} for k, s in opt.items()}
-    state["metrics"] = {"loss_sum": loss.detach().double().reshape(()), "samples": torch.tensor(3 * 256)}
+    state["metrics"] = {"loss_sum": loss.detach().double().reshape(()), "samples": torch.tensor(c["updates"] * c["batch"])}
     return state
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="alpha-run", description=__doc__.splitlines()[0])
+    parser.add_argument("config", nargs="?", help="job config (TOML); default: the values of configs/demo.toml")
     parser.add_argument("--store", default="./alpha-store", help="store directory (default ./alpha-store)")
-    parser.add_argument("--run", default="demo")
-    parser.add_argument("--step", default="fit")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--run", help="run name (overrides the config)")
     args = parser.parse_args(argv)
-    state = demo_state(args.seed)
-    root = save(state, store=args.store, run=args.run, step=args.step, update=3, cursor=3 * 256, epoch=0,
-                metadata={"job": "demo", "seed": args.seed})
+    c = load_config(args.config)
+    if args.run:
+        c["run"] = args.run
+    args.run, args.step = c["run"], c["step"]
+    state = demo_state(c)
+    root = save(state, store=args.store, run=c["run"], step=c["step"], update=c["updates"],
+                cursor=c["updates"] * c["batch"], epoch=0, metadata={"job": "demo", "config": c})
     print(f"saved generation {root}", file=sys.stderr)
     for command in (["list", "--store", args.store, "--run", args.run, "--step", args.step],
                     ["verify", "--store", args.store, root]):

@@ -202,14 +202,16 @@ class _Payloads:
     def decode(self, wanted: Sequence[tuple[str, int]], workers: int = 2) -> dict[tuple[str, int], memoryview]:
         def one(key: tuple[str, int]) -> memoryview:
             digest, index = key
-            _, head = self.generation.shards[digest]
+            obj, head = self.generation.shards[digest]
             rec = head.slices[index]
+            obj.populate(head.head_len + rec.offset, rec.stored)
             return decode_slice(rec, self.payload(digest)[rec.offset:rec.offset + rec.stored], f"shard {digest[:16]}...")
 
         for digest in dict.fromkeys(d for d, _ in wanted):
             self.check_padding(digest)
-        # Largest first, so the two workers finish together.
-        order = sorted(wanted, key=lambda k: -self.generation.shards[k[0]][1].slices[k[1]].stored)
+        # File order: each worker reads in (populate) the next slice while the
+        # other hashes, so a cold restore overlaps disk reads with verification.
+        order = sorted(wanted, key=lambda k: (k[0], self.generation.shards[k[0]][1].slices[k[1]].offset))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="alpha-ckpt-verify") as pool:
             results = dict(zip(order, pool.map(one, order)))
         return results
@@ -296,3 +298,23 @@ def validate_object_bytes(data: bytes | memoryview, digest: str, what: str = "ob
     for rec in head.slices:
         decode_slice(rec, payload[rec.offset:rec.offset + rec.stored], what)
     return head
+
+
+def latest_generation(store: Store, run: str, step: str) -> tuple[RefRecord | None, list[tuple[str, Refusal]]]:
+    """The newest complete generation of (run, step), fully validated, and the newer ones skipped with why.
+
+    A generation is complete when its ref is readable and every object it names
+    validates; a damaged newer one never hides an intact older one.
+    """
+    skipped: list[tuple[str, Refusal]] = []
+    for record in reversed(store.list_refs(run, step)):
+        if isinstance(record, Refusal):
+            skipped.append(("(unreadable ref)", record))
+            continue
+        try:
+            verify_generation(store, record.root)
+        except Refusal as refusal:
+            skipped.append((record.root, refusal))
+            continue
+        return record, skipped
+    return None, skipped

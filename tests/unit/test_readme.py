@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 README = (Path(__file__).parents[2] / "README.md").read_text()
+CONFIG = Path(__file__).parents[2] / "configs" / "demo.toml"
 
 
 @pytest.mark.timeout(120)
@@ -20,8 +21,8 @@ def test_readme_python_example_runs(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_main_job_saves_lists_verifies_and_restores_bit_exactly(tmp_path):
-    assert "alpha-run --store ./alpha-store" in README
-    proc = subprocess.run([sys.executable, "-m", "alpha_ckpt.demo", "--store", str(tmp_path / "s")],
+    assert "alpha-run --store ./alpha-store configs/demo.toml" in README
+    proc = subprocess.run([sys.executable, "-m", "alpha_ckpt.demo", "--store", str(tmp_path / "s"), str(CONFIG)],
                           capture_output=True, text=True, timeout=100)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])

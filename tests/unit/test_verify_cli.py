@@ -143,3 +143,30 @@ def test_console_script_exit_codes(saved):
     os.unlink(path)
     bad = run("verify", "--store", str(store_dir), root)
     assert bad.returncode == 3 and "missing-shard" in bad.stdout
+
+
+def test_latest_skips_a_damaged_newer_generation_and_names_it(store_dir):
+    import torch
+    import alpha_ckpt
+    good = alpha_ckpt.save({"a": torch.ones(8)}, store=store_dir, run="r", step="fit", update=1, cursor=8, epoch=0)
+    bad = alpha_ckpt.save({"a": torch.full((8,), 2.0)}, store=store_dir, run="r", step="fit", update=2, cursor=16, epoch=0)
+    assert alpha_ckpt.latest(store_dir, "r", "fit") == bad
+    with Store(store_dir) as s:
+        shard = next(d for d in s.iter_objects() if d not in (good, bad) and _shard_of(s, bad, d))
+        path = s.object_path(shard)
+    data = bytearray(open(path, "rb").read())
+    data[-1] ^= 1
+    open(path, "wb").write(data)
+    assert alpha_ckpt.latest(store_dir, "r", "fit") == good
+    out = io.StringIO()
+    assert cli.main(["latest", "--store", str(store_dir), "--run", "r", "--step", "fit", "--json"], out=out) == 0
+    result = json.loads(out.getvalue())
+    assert result["latest"]["digest"] == good and result["latest"]["update"] == 1
+    assert result["skipped"] == [{"digest": bad, "code": "corrupt-shard", "message": result["skipped"][0]["message"]}]
+    assert cli.main(["latest", "--store", str(store_dir), "--run", "none", "--step", "fit"], out=io.StringIO()) == 3
+
+
+def _shard_of(store, root, digest):
+    from alpha_ckpt.restore import open_generation
+    with open_generation(store, root) as g:
+        return digest in g.shards
