@@ -16,7 +16,7 @@ import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import blake3
 import torch
@@ -144,14 +144,32 @@ def _check_finite(rec: SliceRecord, raw: memoryview, what: str) -> None:
         raise Refusal(RefusalCode.NON_FINITE, f"{what}: region ordinal {rec.ordinal} word {bad} is {float(words[bad - rec.lo])}")
 
 
-def decode_slice(rec: SliceRecord, stored: memoryview, what: str) -> memoryview:
-    """Check a slice's stored bytes and return its raw words (a view, or a bounded decompression)."""
+_CHUNK = 16 << 20
+
+
+def _no_wait(upto: int) -> None:
+    return None
+
+
+def decode_slice(rec: SliceRecord, stored: memoryview, what: str,
+                 wait: Callable[[int], None] = _no_wait) -> memoryview:
+    """Check a slice's stored bytes and return its raw words (a view, or a bounded decompression).
+
+    ``wait(n)`` returns once the first n stored bytes are in memory: raw slices
+    are hashed chunk by chunk as they arrive.
+    """
     w = f"{what} slice of region ordinal {rec.ordinal} words [{rec.lo}, {rec.hi})"
     if rec.codec == "raw":
-        if blake3.blake3(stored).hexdigest() != rec.blake3:
+        hasher = blake3.blake3()
+        for start in range(0, len(stored), _CHUNK):
+            end = min(start + _CHUNK, len(stored))
+            wait(end)
+            hasher.update(stored[start:end])
+        if hasher.hexdigest() != rec.blake3:
             raise Refusal(RefusalCode.CORRUPT_SHARD, f"{w}: BLAKE3 of its bytes does not match the header")
         raw = stored
     else:
+        wait(len(stored))
         if blake3.blake3(stored).hexdigest() != rec.stored_blake3:
             raise Refusal(RefusalCode.CORRUPT_SHARD, f"{w}: BLAKE3 of its compressed bytes does not match the header")
         try:
@@ -179,6 +197,53 @@ def check_zero_padding(head: ShardHead, payload: memoryview, what: str) -> None:
             raise Refusal(RefusalCode.CORRUPT_SHARD, f"{what}: alignment padding at payload byte {a} is not zero")
 
 
+class _Prefetcher(threading.Thread):
+    """Reads the slices in, in file order, one chunk ahead of the verifiers.
+
+    The disk is kept busy by this one thread (it mostly waits on I/O) while the
+    verifier threads hash what has arrived, so a cold restore costs about the
+    read time, not the read time plus the hash time.
+    """
+
+    def __init__(self, jobs: Sequence[tuple[tuple[str, int], ObjectFile, int, int]]):
+        super().__init__(name="alpha-ckpt-prefetch", daemon=True)
+        self._jobs = jobs
+        self._done: dict[tuple[str, int], int] = {key: 0 for key, _, _, _ in jobs}
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+        self._cancelled = False
+
+    def run(self) -> None:
+        try:
+            for key, obj, offset, length in self._jobs:
+                for start in range(0, length, _CHUNK):
+                    if self._cancelled:
+                        return
+                    end = min(start + _CHUNK, length)
+                    obj.populate(offset + start, end - start)
+                    with self._cond:
+                        self._done[key] = end
+                        self._cond.notify_all()
+        except BaseException as exc:  # handed to the verifiers, which raise it
+            with self._cond:
+                self._error = exc
+                self._cond.notify_all()
+
+    def waiter(self, key: tuple[str, int]) -> Callable[[int], None]:
+        def wait(upto: int) -> None:
+            with self._cond:
+                while self._done[key] < upto and self._error is None:
+                    self._cond.wait()
+                if self._error is not None and self._done[key] < upto:
+                    raise self._error
+        return wait
+
+    def stop(self) -> None:
+        with self._cond:
+            self._cancelled = True
+            self._cond.notify_all()
+
+
 class _Payloads:
     """Maps each shard once and validates slices in parallel (BLAKE3 and torch release the GIL)."""
 
@@ -202,18 +267,27 @@ class _Payloads:
     def decode(self, wanted: Sequence[tuple[str, int]], workers: int = 2) -> dict[tuple[str, int], memoryview]:
         def one(key: tuple[str, int]) -> memoryview:
             digest, index = key
-            obj, head = self.generation.shards[digest]
-            rec = head.slices[index]
-            obj.populate(head.head_len + rec.offset, rec.stored)
-            return decode_slice(rec, self.payload(digest)[rec.offset:rec.offset + rec.stored], f"shard {digest[:16]}...")
+            rec = self.generation.shards[digest][1].slices[index]
+            return decode_slice(rec, self.payload(digest)[rec.offset:rec.offset + rec.stored], f"shard {digest[:16]}...",
+                                prefetcher.waiter(key))
 
         for digest in dict.fromkeys(d for d, _ in wanted):
             self.check_padding(digest)
-        # File order: each worker reads in (populate) the next slice while the
-        # other hashes, so a cold restore overlaps disk reads with verification.
+        # File order, so the prefetcher reads sequentially and the verifiers follow it.
         order = sorted(wanted, key=lambda k: (k[0], self.generation.shards[k[0]][1].slices[k[1]].offset))
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="alpha-ckpt-verify") as pool:
-            results = dict(zip(order, pool.map(one, order)))
+        jobs = []
+        for key in order:
+            obj, head = self.generation.shards[key[0]]
+            rec = head.slices[key[1]]
+            jobs.append((key, obj, head.head_len + rec.offset, rec.stored))
+        prefetcher = _Prefetcher(jobs)
+        prefetcher.start()
+        try:
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="alpha-ckpt-verify") as pool:
+                results = dict(zip(order, pool.map(one, order)))
+        finally:
+            prefetcher.stop()
+            prefetcher.join()
         return results
 
     def release(self) -> None:
