@@ -134,17 +134,26 @@ def open_generation(store: Store, root: str, ref: RefRecord | None = None) -> Ge
 # ---------------------------------------------------------------- payload checks
 
 
-def _check_finite(rec: SliceRecord, raw: memoryview, what: str) -> None:
-    if not DTYPES[rec.dtype][1] or rec.hi == rec.lo:
-        return
-    words = torch.frombuffer(raw, dtype=torch_dtype(rec.dtype), count=rec.hi - rec.lo)
+def _first_non_finite(rec: SliceRecord, raw: memoryview, start: int = 0, end: int | None = None) -> int | None:
+    """Index (within the slice) of the first NaN/inf word in raw bytes [start, end), or None."""
+    end = len(raw) if end is None else end
+    if not DTYPES[rec.dtype][1] or end <= start:
+        return None
+    size = DTYPES[rec.dtype][0]
+    words = torch.frombuffer(raw, dtype=torch_dtype(rec.dtype), count=(end - start) // size, offset=start)
     low, high = torch.aminmax(words)  # NaN propagates; +-inf shows at the ends
-    if not (torch.isfinite(low) and torch.isfinite(high)):
-        bad = int((~torch.isfinite(words)).nonzero()[0, 0]) + rec.lo
-        raise Refusal(RefusalCode.NON_FINITE, f"{what}: region ordinal {rec.ordinal} word {bad} is {float(words[bad - rec.lo])}")
+    if torch.isfinite(low) and torch.isfinite(high):
+        return None
+    return start // size + int((~torch.isfinite(words)).nonzero()[0, 0])
 
 
-_CHUNK = 16 << 20
+def _refuse_non_finite(rec: SliceRecord, raw: memoryview, index: int, what: str) -> Refusal:
+    size = DTYPES[rec.dtype][0]
+    value = float(torch.frombuffer(raw, dtype=torch_dtype(rec.dtype), count=1, offset=index * size)[0])
+    return Refusal(RefusalCode.NON_FINITE, f"{what}: region ordinal {rec.ordinal} word {rec.lo + index} is {value}")
+
+
+_CHUNK = 16 << 20  # unit of reading ahead, hashing and finiteness checks
 
 
 def _no_wait(upto: int) -> None:
@@ -161,13 +170,19 @@ def decode_slice(rec: SliceRecord, stored: memoryview, what: str,
     w = f"{what} slice of region ordinal {rec.ordinal} words [{rec.lo}, {rec.hi})"
     if rec.codec == "raw":
         hasher = blake3.blake3()
+        bad = None
         for start in range(0, len(stored), _CHUNK):
             end = min(start + _CHUNK, len(stored))
             wait(end)
             hasher.update(stored[start:end])
+            if bad is None:
+                bad = _first_non_finite(rec, stored, start, end)
+        # A damaged byte is reported as corrupt even where it also reads as NaN.
         if hasher.hexdigest() != rec.blake3:
             raise Refusal(RefusalCode.CORRUPT_SHARD, f"{w}: BLAKE3 of its bytes does not match the header")
-        raw = stored
+        if bad is not None:
+            raise _refuse_non_finite(rec, stored, bad, w)
+        return stored
     else:
         wait(len(stored))
         if blake3.blake3(stored).hexdigest() != rec.stored_blake3:
@@ -186,8 +201,10 @@ def decode_slice(rec: SliceRecord, stored: memoryview, what: str,
         if len(out) != rec.raw or blake3.blake3(out).hexdigest() != rec.blake3:
             raise Refusal(RefusalCode.FORMAT, f"{w}: decompressed bytes do not match the header's BLAKE3")
         raw = memoryview(out)
-    _check_finite(rec, raw, w)
-    return raw
+        bad = _first_non_finite(rec, raw)
+        if bad is not None:
+            raise _refuse_non_finite(rec, raw, bad, w)
+        return raw
 
 
 def check_zero_padding(head: ShardHead, payload: memoryview, what: str) -> None:
@@ -197,44 +214,75 @@ def check_zero_padding(head: ShardHead, payload: memoryview, what: str) -> None:
             raise Refusal(RefusalCode.CORRUPT_SHARD, f"{what}: alignment padding at payload byte {a} is not zero")
 
 
-class _Prefetcher(threading.Thread):
-    """Reads the slices in, in file order, one chunk ahead of the verifiers.
+class _Prefetcher:
+    """Reads the slices in, in file order, ahead of the verifiers, on ``streams`` threads.
 
-    The disk is kept busy by this one thread (it mostly waits on I/O) while the
+    The chunks to read are split into contiguous runs, one per stream: two
+    concurrent sequential readers get more from a virtual disk than one (cold
+    1 GiB: 0.44 s vs 0.56 s here). The threads mostly wait on I/O while the
     verifier threads hash what has arrived, so a cold restore costs about the
     read time, not the read time plus the hash time.
     """
 
-    def __init__(self, jobs: Sequence[tuple[tuple[str, int], ObjectFile, int, int]]):
-        super().__init__(name="alpha-ckpt-prefetch", daemon=True)
-        self._jobs = jobs
-        self._done: dict[tuple[str, int], int] = {key: 0 for key, _, _, _ in jobs}
+    def __init__(self, jobs: Sequence[tuple[tuple[str, int], ObjectFile, int, int]], streams: int = 2):
+        chunks = [(key, obj, offset, start, min(start + _CHUNK, length))
+                  for key, obj, offset, length in jobs for start in range(0, length, _CHUNK)]
+        total = sum(end - start for _, _, _, start, end in chunks)
+        runs: list[list] = [[] for _ in range(max(1, streams))]
+        done_bytes = 0
+        for chunk in chunks:
+            runs[min(len(runs) - 1, done_bytes * len(runs) // max(total, 1))].append(chunk)
+            done_bytes += chunk[4] - chunk[3]
+        self.runs = [r for r in runs if r]
+        self._length = {key: length for key, _, _, length in jobs}
+        self._arrived = {key: 0 for key, _, _, _ in jobs}  # bytes from the slice start that are in memory
+        self._finished: dict[tuple[str, int], set[int]] = {key: set() for key, _, _, _ in jobs}  # chunk starts read
         self._cond = threading.Condition()
         self._error: BaseException | None = None
         self._cancelled = False
+        self._threads = [threading.Thread(target=self._read, args=(run,), name=f"alpha-ckpt-prefetch-{i}", daemon=True)
+                         for i, run in enumerate(self.runs)]
 
-    def run(self) -> None:
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def _read(self, run) -> None:
         try:
-            for key, obj, offset, length in self._jobs:
-                for start in range(0, length, _CHUNK):
-                    if self._cancelled:
-                        return
-                    end = min(start + _CHUNK, length)
-                    obj.populate(offset + start, end - start)
-                    with self._cond:
-                        self._done[key] = end
-                        self._cond.notify_all()
+            for key, obj, offset, start, end in run:
+                if self._cancelled:
+                    return
+                obj.populate(offset + start, end - start)
+                with self._cond:
+                    # Chunks of one slice may finish out of order (two streams):
+                    # advance the contiguous prefix over every chunk that is in.
+                    finished = self._finished[key]
+                    finished.add(start)
+                    arrived = self._arrived[key]
+                    while arrived in finished:
+                        finished.discard(arrived)
+                        arrived = min(arrived + _CHUNK, self._length[key])
+                    self._arrived[key] = arrived
+                    self._cond.notify_all()
         except BaseException as exc:  # handed to the verifiers, which raise it
             with self._cond:
                 self._error = exc
                 self._cond.notify_all()
 
+    def order(self) -> list[tuple[str, int]]:
+        """Verification order: alternate between the streams, each in file order."""
+        per_run = [list(dict.fromkeys(c[0] for c in run)) for run in self.runs]
+        out: list[tuple[str, int]] = []
+        for i in range(max(map(len, per_run), default=0)):
+            out.extend(keys[i] for keys in per_run if i < len(keys))
+        return list(dict.fromkeys(out))
+
     def waiter(self, key: tuple[str, int]) -> Callable[[int], None]:
         def wait(upto: int) -> None:
             with self._cond:
-                while self._done[key] < upto and self._error is None:
+                while self._arrived[key] < upto and self._error is None:
                     self._cond.wait()
-                if self._error is not None and self._done[key] < upto:
+                if self._error is not None and self._arrived[key] < upto:
                     raise self._error
         return wait
 
@@ -242,6 +290,8 @@ class _Prefetcher(threading.Thread):
         with self._cond:
             self._cancelled = True
             self._cond.notify_all()
+        for t in self._threads:
+            t.join()
 
 
 class _Payloads:
@@ -273,21 +323,21 @@ class _Payloads:
 
         for digest in dict.fromkeys(d for d, _ in wanted):
             self.check_padding(digest)
-        # File order, so the prefetcher reads sequentially and the verifiers follow it.
-        order = sorted(wanted, key=lambda k: (k[0], self.generation.shards[k[0]][1].slices[k[1]].offset))
+        # File order, so the prefetchers read sequentially and the verifiers follow them.
         jobs = []
-        for key in order:
+        for key in sorted(wanted, key=lambda k: (k[0], self.generation.shards[k[0]][1].slices[k[1]].offset)):
             obj, head = self.generation.shards[key[0]]
             rec = head.slices[key[1]]
             jobs.append((key, obj, head.head_len + rec.offset, rec.stored))
         prefetcher = _Prefetcher(jobs)
+        order = prefetcher.order() + [k for k in wanted if not self.generation.shards[k[0]][1].slices[k[1]].stored]
+        order = list(dict.fromkeys(order))
         prefetcher.start()
         try:
             with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="alpha-ckpt-verify") as pool:
                 results = dict(zip(order, pool.map(one, order)))
         finally:
             prefetcher.stop()
-            prefetcher.join()
         return results
 
     def release(self) -> None:

@@ -67,6 +67,21 @@ def choose_codec(data: memoryview, requested: str) -> str:
     return "zstd" if len(zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(sample)) <= 0.8 * len(sample) else "raw"
 
 
+_CODEC_CHOICES = ("raw", "zstd", "auto")
+
+
+def _check_compression(compression: str | Mapping[str, str], names: set[str]) -> None:
+    """Refuse a bad compression request before anything is written."""
+    choices = [compression] if isinstance(compression, str) else list(compression.values())
+    bad = [c for c in choices if c not in _CODEC_CHOICES]
+    if bad:
+        raise ValueError(f"unknown compression {bad[0]!r} (choose from {', '.join(_CODEC_CHOICES)})")
+    if not isinstance(compression, str):
+        unknown = sorted(set(compression) - names)
+        if unknown:
+            raise ValueError(f"compression names regions the state does not have: {unknown}")
+
+
 _WRITEBACK_MIN_BYTES = 8 << 20
 
 
@@ -164,6 +179,7 @@ def save_state(state_dict: Mapping[str, Any], *, store: Store, prefix: CapturePr
     canonical_json(metadata)  # refuse non-JSON metadata before writing anything
     named = flatten_state(state_dict)
     regions = regions_of(named)
+    _check_compression(compression, {r.name for r in regions})
     data = {r.ordinal: _u8_view(word_bytes(t)) for r, (_, t) in zip(regions, named)}
     pieces = [Piece(r.ordinal, 0, r.words, DTYPES[r.dtype][0]) for r in regions]
     shards = []

@@ -161,3 +161,60 @@ def test_unknown_digest_is_missing(saved):
     with pytest.raises(Refusal) as info:
         alpha_ckpt.verify(store_dir, "ab" * 32)
     assert info.value.code == RefusalCode.MISSING_SHARD
+
+
+@pytest.mark.parametrize("compression", ["lz4", {"model.w": "gzip"}, {"no.such.region": "zstd"}])
+def test_a_bad_compression_request_is_refused_before_anything_is_written(store_dir, compression):
+    with pytest.raises(ValueError):
+        alpha_ckpt.save(small_state(), store=store_dir, run="r", step="s", update=0, cursor=0, epoch=0,
+                        compression=compression)
+    with Store(store_dir) as s:
+        assert list(s.iter_objects()) == [] and s.list_refs("r", "s") == []
+
+
+def test_auto_compression_picks_zstd_only_where_it_pays(store_dir):
+    state = {"zeros": torch.zeros(1 << 16), "noise": torch.randn(1 << 16)}
+    root = alpha_ckpt.save(state, store=store_dir, run="r", step="s", update=0, cursor=0, epoch=0, compression="auto")
+    import io, json
+    from alpha_ckpt import cli
+    out = io.StringIO()
+    cli.main(["inspect", "--store", str(store_dir), root, "--json"], out=out)
+    codecs = {s["region"]: s["codec"] for shard in json.loads(out.getvalue())["shards"] for s in shard["slices"]}
+    assert codecs == {"zeros": "zstd", "noise": "raw"}
+    back = zeros_like_state(state)
+    alpha_ckpt.load(back, store=store_dir, digest=root)
+    assert_bit_equal(state, back)
+
+
+@pytest.mark.parametrize("compression", ["raw", "zstd"])
+def test_non_finite_word_is_located_across_read_chunks(store_dir, compression):
+    # 20 MiB: more than one 16 MiB read-ahead chunk, read by two streams.
+    big = torch.zeros(5 << 20)
+    big[4_500_000] = float("inf")
+    root = alpha_ckpt.save({"big": big}, store=store_dir, run="r", step="s", update=0, cursor=0, epoch=0,
+                           compression=compression)
+    with pytest.raises(Refusal) as info:
+        alpha_ckpt.verify(store_dir, root)
+    assert info.value.code == RefusalCode.NON_FINITE and "word 4500000 is inf" in info.value.message
+
+
+def test_a_multi_chunk_slice_round_trips_when_chunks_arrive_out_of_order(store_dir):
+    g = torch.Generator().manual_seed(3)
+    state = {"big": torch.randn(11 << 20, generator=g), "small": torch.randn(10, generator=g)}
+    root = alpha_ckpt.save(state, store=store_dir, run="r", step="s", update=0, cursor=0, epoch=0)
+    back = zeros_like_state(state)
+    alpha_ckpt.load(back, store=store_dir, digest=root)
+    assert_bit_equal(state, back)
+
+
+def test_damage_that_reads_as_nan_is_reported_as_corrupt_not_non_finite(store_dir):
+    root = alpha_ckpt.save({"a": torch.ones(64)}, store=store_dir, run="r", step="s", update=0, cursor=0, epoch=0)
+    with Store(store_dir) as s:
+        shard = next(d for d in s.iter_objects() if d != root)
+        path = s.object_path(shard)
+    data = bytearray(open(path, "rb").read())
+    data[-4:] = bytes.fromhex("0000c07f")  # the last word now reads as NaN
+    open(path, "wb").write(data)
+    with pytest.raises(Refusal) as info:
+        alpha_ckpt.verify(store_dir, root)
+    assert info.value.code == RefusalCode.CORRUPT_SHARD
