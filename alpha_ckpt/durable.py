@@ -56,12 +56,14 @@ def _fault(kind: str, point: str) -> None:
         _fault_hook(kind, point)
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
 class _Renamer:
     """renameat2(RENAME_NOREPLACE) through libc, with the link()+unlink() fallback."""
 
     def __init__(self) -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        self._renameat2 = getattr(libc, "renameat2", None)
+        self._renameat2 = getattr(_libc, "renameat2", None)
         if self._renameat2 is not None:
             self._renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
             self._renameat2.restype = ctypes.c_int
@@ -98,7 +100,6 @@ class _Renamer:
 _renamer = _Renamer()
 
 _SYNC_FILE_RANGE_WRITE = 2
-_libc = ctypes.CDLL(None, use_errno=True)
 _sync_file_range = getattr(_libc, "sync_file_range", None)
 if _sync_file_range is not None:
     _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
@@ -142,7 +143,8 @@ def durable_commit(
     outlives a failure of this process.
     """
     tmp_name = f"{os.getpid()}-{secrets.token_hex(8)}.tmp"
-    fd = os.open(tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=tmp_dir)
+    # Read-only once published: nothing is meant to modify an object or a ref in place.
+    fd = os.open(tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444, dir_fd=tmp_dir)
     published = False
     try:
         stage = "write"
@@ -185,10 +187,17 @@ def durable_commit(
 
 
 def make_dir_durable(parent_fd: int, name: str) -> int:
-    """mkdir ``name`` under ``parent_fd`` (if missing), fsync the parent, return an fd of it."""
+    """mkdir ``name`` under ``parent_fd`` (if missing), fsync the parent, return an fd of it.
+
+    The parent is fsynced even when the directory already exists: an earlier
+    process may have died between its mkdir and its fsync.
+    """
     try:
         os.mkdir(name, 0o755, dir_fd=parent_fd)
-        os.fsync(parent_fd)
     except FileExistsError:
         pass
+    try:
+        os.fsync(parent_fd)
+    except OSError as exc:
+        raise DurableWriteError("dir-fsync", exc.errno or errno.EIO, f"making {name!r} durable: {exc}") from exc
     return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)

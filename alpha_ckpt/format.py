@@ -429,7 +429,7 @@ def parse_manifest_header(header: Any, digest: str, head_len: int, what: str) ->
     for i, r in enumerate(header["regions"]):
         w = f"{what} region {i}"
         _require_keys(r, ("ordinal", "name", "dtype", "shape"), w)
-        if r["ordinal"] != i:
+        if type(r["ordinal"]) is not int or r["ordinal"] != i:
             raise _fail(w, f"ordinal {r['ordinal']!r} is not its declaration position {i}")
         if not isinstance(r["name"], str):
             raise _fail(w, "name must be a string")
@@ -446,7 +446,10 @@ def parse_manifest_header(header: Any, digest: str, head_len: int, what: str) ->
         for t in s["slices"]:
             if not isinstance(t, list) or len(t) != 3:
                 raise _fail(w, "each slice is [ordinal, lo, hi]")
-            triples.append((_uint(t[0], w), _uint(t[1], w), _uint(t[2], w)))
+            ordinal = _uint(t[0], w)
+            if ordinal >= len(regions):
+                raise Refusal(RefusalCode.COVERAGE, f"{w} names region ordinal {ordinal}, which the schema does not declare")
+            triples.append((ordinal, _uint(t[1], w), _uint(t[2], w)))
         shards.append(ShardRef(_digest(s["digest"], w), _uint(s["size"], w), tuple(triples)))
     owners = header["owners"]
     if type(owners) is not int or owners < 1:

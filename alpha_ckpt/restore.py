@@ -147,9 +147,12 @@ def _first_non_finite(rec: SliceRecord, raw: memoryview, start: int = 0, end: in
     return start // size + int((~torch.isfinite(words)).nonzero()[0, 0])
 
 
-def _refuse_non_finite(rec: SliceRecord, raw: memoryview, index: int, what: str) -> Refusal:
+def _word_value(rec: SliceRecord, raw: memoryview, index: int) -> float:
     size = DTYPES[rec.dtype][0]
-    value = float(torch.frombuffer(raw, dtype=torch_dtype(rec.dtype), count=1, offset=index * size)[0])
+    return float(torch.frombuffer(raw, dtype=torch_dtype(rec.dtype), count=1, offset=index * size)[0])
+
+
+def _refuse_non_finite(rec: SliceRecord, index: int, value: float, what: str) -> Refusal:
     return Refusal(RefusalCode.NON_FINITE, f"{what}: region ordinal {rec.ordinal} word {rec.lo + index} is {value}")
 
 
@@ -161,11 +164,13 @@ def _no_wait(upto: int) -> None:
 
 
 def decode_slice(rec: SliceRecord, stored: memoryview, what: str,
-                 wait: Callable[[int], None] = _no_wait) -> memoryview:
-    """Check a slice's stored bytes and return its raw words (a view, or a bounded decompression).
+                 wait: Callable[[int], None] = _no_wait, keep: bool = True) -> memoryview | None:
+    """Check a slice's stored bytes and return its raw words (a view, or a decompressed copy).
 
     ``wait(n)`` returns once the first n stored bytes are in memory: raw slices
-    are hashed chunk by chunk as they arrive.
+    are hashed chunk by chunk as they arrive. With ``keep=False`` (verification
+    only) a zstd slice is checked through one bounded chunk buffer and nothing
+    is returned, so no declared size is ever allocated.
     """
     w = f"{what} slice of region ordinal {rec.ordinal} words [{rec.lo}, {rec.hi})"
     if rec.codec == "raw":
@@ -181,30 +186,81 @@ def decode_slice(rec: SliceRecord, stored: memoryview, what: str,
         if hasher.hexdigest() != rec.blake3:
             raise Refusal(RefusalCode.CORRUPT_SHARD, f"{w}: BLAKE3 of its bytes does not match the header")
         if bad is not None:
-            raise _refuse_non_finite(rec, stored, bad, w)
+            raise _refuse_non_finite(rec, bad, _word_value(rec, stored, bad), w)
         return stored
-    else:
-        wait(len(stored))
-        if blake3.blake3(stored).hexdigest() != rec.stored_blake3:
-            raise Refusal(RefusalCode.CORRUPT_SHARD, f"{w}: BLAKE3 of its compressed bytes does not match the header")
-        try:
-            claimed = zstandard.frame_content_size(stored)
-        except zstandard.ZstdError as exc:
-            raise Refusal(RefusalCode.FORMAT, f"{w}: not a zstd frame ({exc})") from None
-        # python-zstandard allocates whatever size a frame claims: check it first.
-        if claimed != rec.raw:
-            raise Refusal(RefusalCode.FORMAT, f"{w}: zstd frame claims {claimed} bytes, header declares {rec.raw}")
-        try:
-            out = zstandard.ZstdDecompressor().decompress(stored, max_output_size=rec.raw, allow_extra_data=False)
-        except zstandard.ZstdError as exc:
-            raise Refusal(RefusalCode.FORMAT, f"{w}: zstd frame does not decode ({exc})") from None
-        if len(out) != rec.raw or blake3.blake3(out).hexdigest() != rec.blake3:
-            raise Refusal(RefusalCode.FORMAT, f"{w}: decompressed bytes do not match the header's BLAKE3")
-        raw = memoryview(out)
-        bad = _first_non_finite(rec, raw)
-        if bad is not None:
-            raise _refuse_non_finite(rec, raw, bad, w)
-        return raw
+    wait(len(stored))
+    if blake3.blake3(stored).hexdigest() != rec.stored_blake3:
+        raise Refusal(RefusalCode.CORRUPT_SHARD, f"{w}: BLAKE3 of its compressed bytes does not match the header")
+    _check_zstd_frame(stored, rec.raw, w)
+    # Decompress chunk by chunk: into the slice's own buffer when the caller keeps
+    # it (its size is the destination's), else through one reused chunk buffer.
+    out = bytearray(rec.raw) if keep else None
+    scratch = None if keep else bytearray(min(_CHUNK, rec.raw))
+    hasher, bad, pos = blake3.blake3(), None, 0
+    size = DTYPES[rec.dtype][0]
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(stored, read_across_frames=False) as reader:
+            while pos < rec.raw:
+                target = memoryview(out)[pos:pos + _CHUNK] if keep else memoryview(scratch)[:min(_CHUNK, rec.raw - pos)]
+                filled = 0
+                while filled < len(target):
+                    n = reader.readinto(target[filled:])
+                    if n == 0:
+                        break
+                    filled += n
+                if filled < len(target):  # the frame ended early: refused below by the length check
+                    pos += filled
+                    break
+                hasher.update(target)
+                if bad is None:
+                    local = _first_non_finite(rec, target)
+                    if local is not None:
+                        bad = (pos // size + local, _word_value(rec, target, local))
+                pos += filled
+            if reader.read(1):
+                raise Refusal(RefusalCode.FORMAT, f"{w}: zstd frame decodes to more than the declared {rec.raw} bytes")
+    except zstandard.ZstdError as exc:
+        raise Refusal(RefusalCode.FORMAT, f"{w}: zstd frame does not decode ({exc})") from None
+    if pos != rec.raw or hasher.hexdigest() != rec.blake3:
+        raise Refusal(RefusalCode.FORMAT, f"{w}: decompressed bytes do not match the header's length and BLAKE3")
+    if bad is not None:
+        raise _refuse_non_finite(rec, bad[0], bad[1], w)
+    return memoryview(out) if keep else None
+
+
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def _check_zstd_frame(stored: memoryview, raw: int, what: str) -> None:
+    """Exactly one zstd frame, declaring exactly ``raw`` bytes, and nothing after it.
+
+    python-zstandard allocates whatever size a frame claims, so the claim is
+    checked before anything is decompressed; the frame's length is found by
+    walking its block headers.
+    """
+    if bytes(stored[:4]) != _ZSTD_MAGIC:
+        raise Refusal(RefusalCode.FORMAT, f"{what}: not a zstd frame")
+    try:
+        claimed = zstandard.frame_content_size(stored)
+        position = zstandard.frame_header_size(stored)
+        has_checksum = zstandard.get_frame_parameters(stored).has_checksum
+    except zstandard.ZstdError as exc:
+        raise Refusal(RefusalCode.FORMAT, f"{what}: bad zstd frame header ({exc})") from None
+    if claimed != raw:
+        raise Refusal(RefusalCode.FORMAT, f"{what}: zstd frame claims {claimed} bytes, header declares {raw}")
+    while True:
+        if position + 3 > len(stored):
+            raise Refusal(RefusalCode.FORMAT, f"{what}: zstd frame is truncated")
+        block = int.from_bytes(stored[position:position + 3], "little")
+        block_type, block_size = (block >> 1) & 3, block >> 3
+        if block_type == 3:
+            raise Refusal(RefusalCode.FORMAT, f"{what}: zstd block of reserved type")
+        position += 3 + (1 if block_type == 1 else block_size)  # an RLE block stores one byte
+        if block & 1:
+            break
+    position += 4 if has_checksum else 0
+    if position != len(stored):
+        raise Refusal(RefusalCode.FORMAT, f"{what}: zstd frame is {position} bytes, the slice stores {len(stored)}")
 
 
 def check_zero_padding(head: ShardHead, payload: memoryview, what: str) -> None:
@@ -212,6 +268,10 @@ def check_zero_padding(head: ShardHead, payload: memoryview, what: str) -> None:
     for a, b in padding_ranges(head):
         if any(payload[a:b]):
             raise Refusal(RefusalCode.CORRUPT_SHARD, f"{what}: alignment padding at payload byte {a} is not zero")
+
+
+class _Cancelled(Exception):
+    """Raised in a verifier still waiting for bytes after another one refused."""
 
 
 class _Prefetcher:
@@ -289,6 +349,8 @@ class _Prefetcher:
     def stop(self) -> None:
         with self._cond:
             self._cancelled = True
+            if self._error is None:
+                self._error = _Cancelled("verification stopped")
             self._cond.notify_all()
         for t in self._threads:
             t.join()
@@ -314,12 +376,14 @@ class _Payloads:
     def check_padding(self, digest: str) -> None:
         check_zero_padding(self.generation.shards[digest][1], self.payload(digest), f"shard {digest[:16]}...")
 
-    def decode(self, wanted: Sequence[tuple[str, int]], workers: int = 2) -> dict[tuple[str, int], memoryview]:
-        def one(key: tuple[str, int]) -> memoryview:
+    def decode(self, wanted: Sequence[tuple[str, int]], *, keep: bool = True,
+               workers: int = 2) -> dict[tuple[str, int], memoryview | None]:
+        """Validate the wanted slices (all of them, or raise the first refusal in file order)."""
+        def one(key: tuple[str, int]) -> memoryview | None:
             digest, index = key
             rec = self.generation.shards[digest][1].slices[index]
             return decode_slice(rec, self.payload(digest)[rec.offset:rec.offset + rec.stored], f"shard {digest[:16]}...",
-                                prefetcher.waiter(key))
+                                prefetcher.waiter(key), keep=keep)
 
         for digest in dict.fromkeys(d for d, _ in wanted):
             self.check_padding(digest)
@@ -330,14 +394,19 @@ class _Payloads:
             rec = head.slices[key[1]]
             jobs.append((key, obj, head.head_len + rec.offset, rec.stored))
         prefetcher = _Prefetcher(jobs)
-        order = prefetcher.order() + [k for k in wanted if not self.generation.shards[k[0]][1].slices[k[1]].stored]
-        order = list(dict.fromkeys(order))
+        order = prefetcher.order()
+        order += [key for key, _, _, length in jobs if not length]  # empty slices: nothing to read
+        results: dict[tuple[str, int], memoryview | None] = {}
+        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="alpha-ckpt-verify")
         prefetcher.start()
         try:
-            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="alpha-ckpt-verify") as pool:
-                results = dict(zip(order, pool.map(one, order)))
+            futures = [(key, pool.submit(one, key)) for key in order]
+            for key, future in futures:
+                results[key] = future.result()
         finally:
+            # On a refusal, stop reading and drop the queued slices at once.
             prefetcher.stop()
+            pool.shutdown(wait=True, cancel_futures=True)
         return results
 
     def release(self) -> None:
@@ -350,7 +419,7 @@ def verify_generation(store: Store, root: str) -> Generation:
     try:
         payloads = _Payloads(generation)
         keys = [(d, i) for d, (_, head) in generation.shards.items() for i in range(len(head.slices))]
-        payloads.decode(keys)
+        payloads.decode(keys, keep=False)
         payloads.release()
     finally:
         generation.close()
@@ -420,7 +489,7 @@ def validate_object_bytes(data: bytes | memoryview, digest: str, what: str = "ob
     payload = view[head_len:]
     check_zero_padding(head, payload, what)
     for rec in head.slices:
-        decode_slice(rec, payload[rec.offset:rec.offset + rec.stored], what)
+        decode_slice(rec, payload[rec.offset:rec.offset + rec.stored], what, keep=False)
     return head
 
 

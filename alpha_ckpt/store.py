@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import re
 import stat
 import time
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from .format import CapturePrefix, canonical_json, check_name, digest_bytes, is_
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 REF_DIGITS = 10
+REF_NAME_RE = re.compile(r"\A[0-9]{%d}\Z" % REF_DIGITS)
+MAX_PUBLISHED_AT = 1e11  # seconds since the epoch: year 5138
 _MADV_POPULATE_READ = 22  # Linux 5.14+; not exported by Python's mmap module
 MAX_REF_BYTES = 4096
 
@@ -45,35 +48,36 @@ class RefRecord:
 
 
 class ObjectFile:
-    """A read-only, validated-to-be-regular object file, mapped into memory."""
+    """A read-only, validated-to-be-regular object file, mapped into memory.
+
+    The map is shared and read-only: the page-cache pages themselves, no copy
+    (a private writable mapping would be copied page by page when populated).
+    Pages are brought in by :meth:`populate`, range by range, so verifying one
+    range overlaps reading the next.
+    """
 
     def __init__(self, fd: int, size: int, digest: str):
         self.fd, self.size, self.digest = fd, size, digest
-        self._map = None
+        self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) if size else None
 
     def view(self) -> memoryview:
-        """The whole file, mapped shared and read-only: the page-cache pages themselves, no copy.
-
-        Pages are brought in by :meth:`populate`, range by range, so verifying
-        one range overlaps reading the next (a private writable mapping would be
-        copied page by page instead).
-        """
-        if self.size == 0:
-            return memoryview(b"")
-        if self._map is None:
-            self._map = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        return memoryview(self._map)
+        return memoryview(self._map) if self._map is not None else memoryview(b"")
 
     def populate(self, offset: int, length: int) -> None:
         """Read [offset, offset + length) in and map it now (one call, not one fault per page)."""
-        if length <= 0:
+        if length <= 0 or self._map is None:
             return
-        self.view()
         start = offset - offset % mmap.PAGESIZE
         try:
             self._map.madvise(_MADV_POPULATE_READ, start, offset + length - start)
-        except OSError:  # kernels before 5.14: start readahead and let faults do the rest
-            self._map.madvise(mmap.MADV_WILLNEED, start, offset + length - start)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:  # kernels before 5.14: start readahead, faults do the rest
+                self._map.madvise(mmap.MADV_WILLNEED, start, offset + length - start)
+            elif exc.errno == errno.EFAULT:  # the file shrank under us; touching it would SIGBUS
+                raise Refusal(RefusalCode.CORRUPT_SHARD, f"object {self.digest[:16]}... shrank while being read") from None
+            else:
+                raise Refusal(RefusalCode.CORRUPT_SHARD,
+                              f"object {self.digest[:16]}... cannot be read: {exc.strerror}") from None
 
     def read_at(self, offset: int, length: int) -> bytes:
         return os.pread(self.fd, length, offset)
@@ -104,7 +108,8 @@ class Store:
         if create:
             os.makedirs(self.root, exist_ok=True)
         try:
-            self._root_fd = os.open(self.root, _DIR_FLAGS)
+            # The root is the user's path and may be a symlink; nothing below it may.
+            self._root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except FileNotFoundError:
             raise StoreUsageError(f"store {self.root!r} does not exist") from None
         if create:
@@ -241,11 +246,27 @@ class Store:
                 finally:
                     os.close(run_fd)
             try:
-                return os.open(f"{run}/{step}", _DIR_FLAGS, dir_fd=refs)
+                run_fd = os.open(run, _DIR_FLAGS, dir_fd=refs)
             except FileNotFoundError:
                 return None
+            except OSError as exc:
+                raise self._not_a_directory(f"refs/{run}", exc)
+            try:
+                return os.open(step, _DIR_FLAGS, dir_fd=run_fd)
+            except FileNotFoundError:
+                return None
+            except OSError as exc:
+                raise self._not_a_directory(f"refs/{run}/{step}", exc)
+            finally:
+                os.close(run_fd)
         finally:
             os.close(refs)
+
+    @staticmethod
+    def _not_a_directory(path: str, exc: OSError) -> Exception:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            return Refusal(RefusalCode.FORMAT, f"store entry {path} is a symlink or not a directory")
+        return exc
 
     def publish_ref(self, prefix: CapturePrefix, root: str, root_size: int, total_bytes: int, owners: int) -> RefRecord:
         """Publish the next generation of (run, step): a NOREPLACE ref naming ``root``.
@@ -275,7 +296,7 @@ class Store:
     def _ref_numbers(dir_fd: int) -> list[int]:
         out = []
         for name in os.listdir(dir_fd):
-            if len(name) == REF_DIGITS and name.isdigit():
+            if REF_NAME_RE.match(name):
                 out.append(int(name))
         return sorted(out)
 
@@ -313,27 +334,42 @@ class Store:
 
     def find_ref(self, root: str) -> RefRecord | None:
         """The first ref (any run/step) that names ``root``, or None."""
-        refs_root = os.path.join(self.root, "refs")
-        for run in sorted(os.listdir(refs_root)) if os.path.isdir(refs_root) else []:
-            run_dir = os.path.join(refs_root, run)
-            for step in sorted(os.listdir(run_dir)) if os.path.isdir(run_dir) else []:
-                try:
-                    refs = self.list_refs(run, step)
-                except Refusal:
-                    continue
-                for record in refs:
-                    if isinstance(record, RefRecord) and record.root == root:
-                        return record
+        for run, step in self.runs():
+            for record in self.list_refs(run, step):
+                if isinstance(record, RefRecord) and record.root == root:
+                    return record
         return None
 
     def runs(self) -> list[tuple[str, str]]:
-        refs_root = os.path.join(self.root, "refs")
+        """Every (run, step) with a refs directory; symlinks and odd names are skipped."""
         out = []
-        for run in sorted(os.listdir(refs_root)) if os.path.isdir(refs_root) else []:
-            run_dir = os.path.join(refs_root, run)
-            for step in sorted(os.listdir(run_dir)) if os.path.isdir(run_dir) else []:
-                out.append((run, step))
+        try:
+            refs = os.open("refs", _DIR_FLAGS, dir_fd=self._root_fd)
+        except FileNotFoundError:
+            return out
+        try:
+            for run in sorted(_plain_subdirs(refs)):
+                run_fd = os.open(run, _DIR_FLAGS, dir_fd=refs)
+                try:
+                    out.extend((run, step) for step in sorted(_plain_subdirs(run_fd)))
+                finally:
+                    os.close(run_fd)
+        finally:
+            os.close(refs)
         return out
+
+
+def _plain_subdirs(dir_fd: int) -> list[str]:
+    names = []
+    for name in os.listdir(dir_fd):
+        try:
+            check_name(name, "name")
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except (Refusal, OSError):
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            names.append(name)
+    return names
 
 
 def _write_all(fd: int, data) -> None:
@@ -366,7 +402,9 @@ def decode_ref(data: bytes, what: str) -> RefRecord:
         raise Refusal(RefusalCode.FORMAT, f"{what}: unexpected ref fields")
     prefix = CapturePrefix.from_json(obj["prefix"], what)
     ints = [obj["generation"], obj["root_size"], obj["bytes"], obj["owners"]]
-    if not all(type(v) is int and v >= 0 for v in ints) or not isinstance(obj["published_at"], (int, float)):
+    published_at = obj["published_at"]
+    if not all(type(v) is int and v >= 0 for v in ints) or type(published_at) not in (int, float) \
+            or not 0 <= published_at < MAX_PUBLISHED_AT:
         raise Refusal(RefusalCode.FORMAT, f"{what}: bad counters")
     if not is_digest(obj["root"]) or (obj["run"], obj["step"]) != (prefix.run, prefix.step):
         raise Refusal(RefusalCode.FORMAT, f"{what}: bad root digest or run/step")
