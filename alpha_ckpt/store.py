@@ -11,6 +11,7 @@ runtime bindings: a copied or moved store works unchanged.
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -19,6 +20,8 @@ import stat
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
+
+import numpy as np
 
 from . import durable
 from .errors import PublishConflict, Refusal, RefusalCode, StoreUsageError
@@ -29,6 +32,14 @@ REF_DIGITS = 10
 REF_NAME_RE = re.compile(r"\A[0-9]{%d}\Z" % REF_DIGITS)
 MAX_PUBLISHED_AT = 1e11  # seconds since the epoch: year 5138
 _MADV_POPULATE_READ = 22  # Linux 5.14+; not exported by Python's mmap module
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
+
+
+def _madvise(address: int, length: int, advice: int) -> int:
+    """madvise(2) with the GIL released; returns 0 or the errno."""
+    return 0 if _libc.madvise(address, length, advice) == 0 else ctypes.get_errno()
 MAX_REF_BYTES = 4096
 
 
@@ -59,6 +70,9 @@ class ObjectFile:
     def __init__(self, fd: int, size: int, digest: str):
         self.fd, self.size, self.digest = fd, size, digest
         self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) if size else None
+        # The map's address, for madvise through ctypes (which, unlike mmap.madvise,
+        # releases the GIL while the kernel reads: verifiers hash meanwhile).
+        self._address = np.frombuffer(self._map, dtype=np.uint8).ctypes.data if size else 0
 
     def view(self) -> memoryview:
         return memoryview(self._map) if self._map is not None else memoryview(b"")
@@ -68,16 +82,13 @@ class ObjectFile:
         if length <= 0 or self._map is None:
             return
         start = offset - offset % mmap.PAGESIZE
-        try:
-            self._map.madvise(_MADV_POPULATE_READ, start, offset + length - start)
-        except OSError as exc:
-            if exc.errno == errno.EINVAL:  # kernels before 5.14: start readahead, faults do the rest
-                self._map.madvise(mmap.MADV_WILLNEED, start, offset + length - start)
-            elif exc.errno == errno.EFAULT:  # the file shrank under us; touching it would SIGBUS
-                raise Refusal(RefusalCode.CORRUPT_SHARD, f"object {self.digest[:16]}... shrank while being read") from None
-            else:
-                raise Refusal(RefusalCode.CORRUPT_SHARD,
-                              f"object {self.digest[:16]}... cannot be read: {exc.strerror}") from None
+        err = _madvise(self._address + start, offset + length - start, _MADV_POPULATE_READ)
+        if err == errno.EINVAL:  # kernels before 5.14: start readahead, faults do the rest
+            err = _madvise(self._address + start, offset + length - start, mmap.MADV_WILLNEED)
+        if err == errno.EFAULT:  # the file shrank under us; touching it would SIGBUS
+            raise Refusal(RefusalCode.CORRUPT_SHARD, f"object {self.digest[:16]}... shrank while being read")
+        if err:
+            raise Refusal(RefusalCode.CORRUPT_SHARD, f"object {self.digest[:16]}... cannot be read: {os.strerror(err)}")
 
     def read_at(self, offset: int, length: int) -> bytes:
         return os.pread(self.fd, length, offset)
