@@ -1,0 +1,78 @@
+"""Job configuration: a TOML file plus `--set KEY=VALUE` overrides."""
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    run: str = "nightly"
+    step: str = "fit"
+    seed: int = 20261129
+    stores: int = 12
+    items: int = 40
+    history_days: int = 90
+    horizon_days: int = 7
+    hidden: int = 32
+    batch: int = 96
+    optimizer: str = "adam"
+    parameters: str = "replicated"
+    lr: float = 0.01
+    momentum: float = 0.9
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in ("sgd", "momentum", "adam"):
+            raise ValueError(f"optimizer must be sgd, momentum or adam, not {self.optimizer!r}")
+        if self.parameters not in ("replicated", "partitioned"):
+            raise ValueError(f"parameters must be replicated or partitioned, not {self.parameters!r}")
+        for name in ("stores", "items", "history_days", "horizon_days", "hidden", "batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+
+    @property
+    def samples(self) -> int:
+        return self.stores * self.items
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _coerce(name: str, text: str, default):
+    kind = type(default)
+    try:
+        if kind is bool:
+            return {"true": True, "false": False}[text.lower()]
+        return kind(text)
+    except (KeyError, ValueError):
+        raise ValueError(f"--set {name}={text}: expected a {kind.__name__}") from None
+
+
+def load_config(path: str | None, overrides: list[str] = ()) -> JobConfig:
+    """Read ``path`` (TOML), then apply ``KEY=VALUE`` overrides; unknown keys are errors."""
+    defaults = JobConfig()
+    values = {}
+    if path:
+        with open(path, "rb") as f:
+            values.update(tomllib.load(f))
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE")
+        if not hasattr(defaults, key):
+            raise ValueError(f"--set {key}: unknown key")
+        values[key] = _coerce(key, text, getattr(defaults, key))
+    unknown = sorted(set(values) - {f.name for f in dataclasses.fields(JobConfig)})
+    if unknown:
+        raise ValueError(f"{path}: unknown keys {unknown}")
+    for key, value in values.items():
+        default = getattr(defaults, key)
+        if isinstance(default, float) and isinstance(value, int):
+            values[key] = float(value)
+        elif type(value) is not type(default):
+            raise ValueError(f"{key}: expected a {type(default).__name__}, got {value!r}")
+    return JobConfig(**values)
