@@ -1,0 +1,115 @@
+"""alpha-run: start the owners of a job like torchrun does, on torch's own elastic launcher.
+
+    alpha-run --nproc 4 --store S --updates 5 configs/forecast.toml
+    alpha-run --nproc 4 --store S --updates 5 --resume-from ROOT_DIGEST configs/forecast.toml
+    alpha-run --nnodes 2 --node-rank 0 --nproc 2 --rdzv-endpoint HOST:PORT ... configs/forecast.toml
+
+torchrun's launcher flags are accepted and handed to torch.distributed.run,
+which sets the same worker environment (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT, ...) and does the rendezvous. Each owner runs
+`python -m alpha_ckpt.worker`, which also runs under plain torchrun.
+
+Exit codes: 0 done, 3 checkpoint refused, 75 retryable failure (an owner
+died, a publish failed), 2 usage error, 130 interrupted.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_RETRY, EXIT_INTERRUPTED = 0, 2, 3, 75, 130
+
+# torchrun flags we pass through unchanged: (flag, argparse kwargs)
+_TORCHRUN_FLAGS = (
+    ("--nnodes", {"default": "1"}),
+    ("--node-rank", {"type": int, "default": 0}),
+    ("--master-addr", {}),
+    ("--master-port", {"type": int}),
+    ("--rdzv-endpoint", {}),
+    ("--rdzv-backend", {}),
+    ("--rdzv-id", {}),
+    ("--max-restarts", {"type": int, "default": 0}),
+)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="alpha-run", description="Launch the owners of an alpha_ckpt job (torchrun-compatible).")
+    p.add_argument("config", help="job config (TOML), e.g. configs/forecast.toml")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", "--nproc", dest="nproc", type=int, default=1)
+    for flag, kwargs in _TORCHRUN_FLAGS:
+        p.add_argument(flag, flag.replace("-", "_").replace("__", "--", 1), **kwargs)
+    p.add_argument("--standalone", action="store_true")
+    p.add_argument("--backend", help="gloo or nccl (default: nccl when CUDA is present)")
+    p.add_argument("--store", default="./alpha-store", help="store directory (default ./alpha-store)")
+    p.add_argument("--run", help="run name (overrides the config)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    p.add_argument("--updates", type=int, required=True, help="committed update count to reach (absolute)")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="publish a generation every K updates")
+    resume = p.add_mutually_exclusive_group()
+    resume.add_argument("--resume-from", metavar="ROOT_DIGEST", help="continue exactly this generation or refuse")
+    resume.add_argument("--resume", choices=["latest"], help="continue the newest complete generation")
+    p.add_argument("--publisher", choices=["star", "tree"], default="star")
+    p.add_argument("--timeout", type=float, default=120.0, help="process-group timeout in seconds (default 120)")
+    return p
+
+
+def torchrun_argv(args) -> list[str]:
+    out = ["--nproc-per-node", str(args.nproc), "--nnodes", args.nnodes, "--node-rank", str(args.node_rank),
+           "--max-restarts", str(args.max_restarts)]
+    for flag in ("--master-addr", "--master-port", "--rdzv-endpoint", "--rdzv-backend", "--rdzv-id"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            out += [flag, str(value)]
+    if args.standalone:
+        out.append("--standalone")
+    worker = [args.config, "--store", args.store, "--updates", str(args.updates),
+              "--checkpoint-every", str(args.checkpoint_every), "--publisher", args.publisher,
+              "--timeout", str(args.timeout)]
+    # The run name travels as a config override: a worker flag named --run would be
+    # an ambiguous prefix of torchrun's --run-path when torchrun parses the command.
+    for item in args.set + ([f"run={args.run}"] if args.run else []):
+        worker += ["--set", item]
+    for flag in ("resume_from", "resume", "backend"):
+        value = getattr(args, flag)
+        if value is not None:
+            worker += ["--" + flag.replace("_", "-"), value]
+    return out + ["-m", "alpha_ckpt.worker"] + worker
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    if args.publisher == "tree":
+        print("alpha-run: --publisher tree is not available yet; use --publisher star", file=sys.stderr)
+        return EXIT_USAGE
+    if args.resume_from is not None:
+        from .format import is_digest
+        if not is_digest(args.resume_from):
+            print(f"alpha-run: --resume-from needs a full 64-hex root digest, got {args.resume_from!r}", file=sys.stderr)
+            return EXIT_USAGE
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+    try:
+        run(get_args_parser().parse_args(torchrun_argv(args)))
+    except ChildFailedError as exc:
+        codes = {failure.exitcode for failure in exc.failures.values()}
+        # A refusal is a collective verdict: every owner exits 3, and the agent may
+        # stop the slower ones with a signal first. Any other failure is retryable.
+        if EXIT_REFUSED in codes:
+            return EXIT_REFUSED
+        if EXIT_USAGE in codes and len(codes) == 1:
+            return EXIT_USAGE
+        return EXIT_RETRY
+    except SignalException:
+        return EXIT_INTERRUPTED
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    return EXIT_OK
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

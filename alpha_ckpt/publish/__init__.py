@@ -1,0 +1,1 @@
+"""Publishers: how the owners' captures of one update boundary become one generation."""

@@ -1,0 +1,277 @@
+"""One owner of the forecasting job. Started by `alpha-run` (or plain `torchrun -m alpha_ckpt.worker`).
+
+    torchrun --nproc-per-node 4 -m alpha_ckpt.worker configs/forecast.toml --store S --updates 5
+
+Every owner trains its share of each update, combines gradients in owner
+order, and at checkpoint boundaries takes part in star publication. A resume
+is validated by owner 0 and the verdict is agreed by all owners before any of
+them trains. Exit codes: 0 done, 3 refused, 75 retryable failure, 2 usage.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import blake3
+import torch
+import torch.distributed as dist
+
+from . import durable
+from .errors import DurableWriteError, Refusal, RefusalCode
+from .format import CapturePrefix, canonical_json
+from .learner.config import JobConfig, load_config
+from .learner.data import shares
+from .learner.digest import state_digest
+from .learner.model import COMBINE_ORDER, LearnerState, apply_update, combine, configure_determinism, share_gradient
+from .manifest import check_schema_matches, flatten_state, regions_of
+from .planner import WantedSlice
+from .publish.star import PublishFailed, build_capture, publish_star
+from .publish.wire import broadcast_json
+from .restore import latest_generation, open_generation, restore_slices, verify_generation
+from .store import Store
+
+EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_RETRY = 0, 2, 3, 75
+_IDENTITY_EXCLUDES = ("run", "step", "parameters")
+
+
+def learner_identity(config: JobConfig) -> str:
+    """The rule (model, initial state, rates, hyper-parameters) and the input sequence; not the placement."""
+    rule = {k: v for k, v in config.to_json().items() if k not in _IDENTITY_EXCLUDES}
+    return blake3.blake3(canonical_json({"learner": "forecast-mlp-v1", "rule": rule})).hexdigest()
+
+
+def numerical_contract() -> dict:
+    return {"combine_order": COMBINE_ORDER, "dtype": "float32", "intra_op_threads": 1, "deterministic": True}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="alpha_ckpt.worker", description=__doc__.splitlines()[0])
+    p.add_argument("config")
+    p.add_argument("--store", default="./alpha-store")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--updates", type=int, required=True, help="committed update count to reach (absolute)")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="publish every K updates (and at the end)")
+    p.add_argument("--resume-from", metavar="ROOT_DIGEST")
+    p.add_argument("--resume", choices=["latest"])
+    p.add_argument("--publisher", default="star", choices=["star", "tree"])
+    p.add_argument("--backend")
+    p.add_argument("--timeout", type=float, default=120.0, help="process-group timeout, seconds")
+    return p.parse_args(argv)
+
+
+class Owner:
+    def __init__(self, config: JobConfig, store: Store):
+        self.config, self.store = config, store
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.state = LearnerState.initial(config)
+        self.epoch = 0
+        self.last_generation = None
+        self.named = flatten_state(self.state.tensors())
+        self.regions = regions_of(self.named)
+        self.owned = [self._owned(name, t) for name, t in self.named]
+
+    def _owned(self, name: str, t: torch.Tensor):
+        """None for replicated words; this owner's contiguous word range for partitioned ones."""
+        partitioned = self.config.parameters == "partitioned" and name.startswith(("model.", "optim.")) \
+            and not name.startswith("optim.scalars.")
+        return shares(t.numel(), self.world)[self.rank] if partitioned else None
+
+    def metadata(self) -> dict:
+        return {"learner": learner_identity(self.config), "contract": numerical_contract(),
+                "config": self.config.to_json(), "parameters": self.config.parameters}
+
+    # -------------------------------------------------------------- training
+
+    def train_update(self) -> None:
+        c, s = self.config, self.state
+        lo, hi = shares(c.batch, self.world)[self.rank]
+        grads, loss = share_gradient(c, s.params, s.cursor + lo, s.cursor + hi)
+        names = list(grads)
+        flat = torch.cat([grads[n].reshape(-1) for n in names])
+        gathered = [torch.empty_like(flat) for _ in range(self.world)]
+        dist.all_gather(gathered, flat)
+        losses = [torch.empty_like(loss) for _ in range(self.world)]
+        dist.all_gather(losses, loss)
+        partials = []
+        for g in gathered:
+            parts, offset = {}, 0
+            for n in names:
+                numel = grads[n].numel()
+                parts[n] = g[offset:offset + numel].view_as(grads[n])
+                offset += numel
+            partials.append(parts)
+        loss_sum = losses[0].clone()
+        for other in losses[1:]:
+            loss_sum = loss_sum + other
+        ranges = None
+        if c.parameters == "partitioned":
+            ranges = {n: shares(p.numel(), self.world)[self.rank] for n, p in s.params.items()}
+        apply_update(c, s, combine(partials), loss_sum, ranges)
+        if c.parameters == "partitioned":
+            self._all_gather_params()
+
+    def _all_gather_params(self) -> None:
+        """Each owner broadcasts its updated ranges, so every owner holds the whole parameters."""
+        for r in range(self.world):
+            pieces = [p.view(-1)[slice(*shares(p.numel(), self.world)[r])] for p in self.state.params.values()]
+            buf = torch.cat(pieces) if r == self.rank else torch.empty(sum(x.numel() for x in pieces))
+            dist.broadcast(buf, r)
+            offset = 0
+            for piece in pieces:
+                piece.copy_(buf[offset:offset + piece.numel()])
+                offset += piece.numel()
+
+    def materialize(self) -> dict:
+        """The whole logical state on every owner (partitioned optimizer state gathered)."""
+        for (name, t), own in zip(self.named, self.owned):
+            if own is None or name.startswith("model."):
+                continue
+            flat = t.view(-1)
+            for r in range(self.world):
+                lo, hi = shares(t.numel(), self.world)[r]
+                buf = flat[lo:hi].clone() if r == self.rank else torch.empty(hi - lo, dtype=t.dtype)
+                dist.broadcast(buf, r)
+                flat[lo:hi] = buf
+        return self.state.tensors()
+
+    # -------------------------------------------------------------- checkpoints
+
+    def prefix(self) -> CapturePrefix:
+        return CapturePrefix(self.config.run, self.config.step, self.state.update, self.state.cursor, self.epoch)
+
+    def publish(self) -> str:
+        capture = build_capture(self.prefix(), self.regions, [t for _, t in self.named], self.owned)
+        root = publish_star(self.store if self.rank == 0 else None, capture, self.regions, self.metadata())
+        self.last_generation = root
+        return root
+
+    def _check_binding(self, generation) -> None:
+        m = generation.manifest
+        meta = m.metadata if isinstance(m.metadata, dict) else {}
+        if (m.prefix.run, m.prefix.step) != (self.config.run, self.config.step):
+            raise Refusal(RefusalCode.FOREIGN_LEARNER, f"generation belongs to {m.prefix.run}/{m.prefix.step}, "
+                          f"this job is {self.config.run}/{self.config.step}")
+        if meta.get("learner") != learner_identity(self.config):
+            raise Refusal(RefusalCode.FOREIGN_LEARNER, "generation was saved by another learner (model, rates, "
+                          "hyper-parameters or input sequence differ)")
+        if meta.get("contract") != numerical_contract():
+            raise Refusal(RefusalCode.CONTRACT_MISMATCH, f"generation was saved under contract {meta.get('contract')}, "
+                          f"this job runs {numerical_contract()}")
+        if m.prefix.cursor != m.prefix.update * self.config.batch:
+            raise Refusal(RefusalCode.RESET_CURSOR, f"generation's cursor {m.prefix.cursor} does not follow "
+                          f"{m.prefix.update} updates of {self.config.batch}")
+
+    def resume(self, root: str | None, latest: bool) -> None:
+        """Collective: owner 0 validates, every owner learns the verdict, then every owner loads its words."""
+        verdict = None
+        if self.rank == 0:
+            try:
+                if latest:
+                    record, _ = latest_generation(self.store, self.config.run, self.config.step)
+                    if record is None:
+                        raise Refusal(RefusalCode.MISSING_SHARD, f"no complete generation of {self.config.run}/{self.config.step}")
+                    root = record.root
+                verify_generation(self.store, root)
+                with open_generation(self.store, root) as generation:
+                    self._check_binding(generation)
+                    check_schema_matches(generation.manifest.regions, self.regions, f"generation {root[:16]}...")
+                verdict = {"ok": True, "root": root}
+            except Refusal as refusal:
+                verdict = {"ok": False, "code": refusal.code.value, "message": refusal.message}
+        verdict = broadcast_json(verdict)
+        if not verdict["ok"]:
+            raise Refusal(verdict["code"], verdict["message"])
+        root = verdict["root"]
+        with open_generation(self.store, root) as generation:
+            wanted, targets = [], []
+            for i, ((name, t), own) in enumerate(zip(self.named, self.owned)):
+                lo, hi = (0, t.numel()) if own is None or name.startswith("model.") else own
+                size = t.element_size()
+                wanted.append(WantedSlice(i, lo, hi, i))
+                targets.append(t.view(-1).view(torch.uint8)[lo * size:hi * size] if t.dim() else
+                               t.view(1).view(torch.uint8))
+            restore_slices(generation, wanted, targets)
+            p = generation.manifest.prefix
+        self.state.update, self.state.cursor, self.epoch = p.update, p.cursor, p.epoch + 1
+        self.last_generation = root
+
+    def publish_output(self) -> str:
+        """Owner 0 publishes the fitted model once, atomically (safetensors), as the step's declared output."""
+        from safetensors.torch import save as safetensors_save
+        data = safetensors_save({n: p.contiguous() for n, p in self.state.params.items()},
+                                metadata={"run": self.config.run, "step": self.config.step,
+                                          "update": str(self.state.update)})
+        root_fd = os.open(self.store.root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            out_fd = durable.make_dir_durable(root_fd, "outputs")
+            run_fd = durable.make_dir_durable(out_fd, self.config.run)
+            step_fd = durable.make_dir_durable(run_fd, self.config.step)
+            tmp_fd = os.open("tmp", os.O_RDONLY | os.O_DIRECTORY, dir_fd=root_fd)
+            name = f"model-{blake3.blake3(data).hexdigest()[:16]}.safetensors"
+            try:
+                durable.durable_commit(tmp_dir=tmp_fd, dest_dir=step_fd, write=lambda fd: os.write(fd, data) and None,
+                                       name=name, kind="output")
+            except FileExistsError:
+                pass  # the same bytes were published before: same name, same content
+            finally:
+                for fd in (tmp_fd, step_fd, run_fd, out_fd):
+                    os.close(fd)
+        finally:
+            os.close(root_fd)
+        return os.path.join(self.store.root, "outputs", self.config.run, self.config.step, name)
+
+
+def run_owner(args) -> int:
+    config = load_config(args.config, args.set)
+    if args.publisher != "star":
+        print("alpha-run: --publisher tree is not available yet; use --publisher star", file=sys.stderr)
+        return EXIT_USAGE
+    backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
+    configure_determinism()
+    store = Store(args.store)
+    owner = Owner(config, store)
+    try:
+        if args.resume_from or args.resume:
+            owner.resume(args.resume_from, latest=args.resume == "latest")
+        while owner.state.update < args.updates:
+            owner.train_update()
+            due = args.checkpoint_every and owner.state.update % args.checkpoint_every == 0
+            if due or owner.state.update == args.updates:
+                owner.publish()
+        tensors = owner.materialize()
+        output = owner.publish_output() if owner.rank == 0 else None
+        if owner.rank == 0:
+            print(json.dumps({"state_digest": state_digest(tensors, owner.state.update, owner.state.cursor),
+                              "last_generation": owner.last_generation, "update": owner.state.update,
+                              "cursor": owner.state.cursor, "epoch": owner.epoch, "owners": owner.world,
+                              "output": output}), flush=True)
+        dist.barrier()
+        return EXIT_OK
+    finally:
+        store.close()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        code = run_owner(args)
+    except Refusal as refusal:
+        print(f"alpha-run: refused [{refusal.code.value}] {refusal.message}", file=sys.stderr)
+        code = EXIT_REFUSED
+    except (PublishFailed, DurableWriteError) as exc:
+        print(f"alpha-run: publish failed: {exc}", file=sys.stderr)
+        code = EXIT_RETRY
+    except (RuntimeError, ConnectionError, dist.DistBackendError) as exc:
+        print(f"alpha-run: owner failed: {exc}", file=sys.stderr)
+        code = EXIT_RETRY
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""alpha-run as a user runs it: the job, its resume, and the refusals before any owner trains."""
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = str(ROOT / "configs" / "forecast.toml")
+SMALL = ["--set", "batch=24", "--set", "hidden=16"]
+
+
+def alpha_run(store, *args, nproc=2):
+    cmd = [sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", str(nproc), "--store", str(store), *SMALL, *args,
+           CONFIG]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+
+
+def final(proc) -> dict:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def store_hash(store) -> str:
+    h = hashlib.sha256()
+    for d, _, files in sorted(os.walk(store)):
+        for f in sorted(files):
+            p = os.path.join(d, f)
+            h.update(p.encode() + open(p, "rb").read())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    store = tmp_path_factory.mktemp("store")
+    first = final(alpha_run(store, "--updates", "2", "--checkpoint-every", "2"))
+    return store, first
+
+
+@pytest.mark.timeout(300)
+def test_job_and_split_resume_match_the_oracle(saved):
+    store, first = saved
+    resumed = final(alpha_run(store, "--updates", "3", "--resume-from", first["last_generation"]))
+    oracle = subprocess.run([sys.executable, "-m", "alpha_ckpt.oracle", CONFIG, "--updates", "3", "--placements", "2",
+                             *SMALL], capture_output=True, text=True, timeout=120)
+    assert resumed["state_digest"] == json.loads(oracle.stdout)["state_digest"]
+    assert (resumed["update"], resumed["epoch"], resumed["owners"]) == (3, 1, 2)
+    assert os.path.exists(resumed["output"]) and resumed["output"].endswith(".safetensors")
+
+
+@pytest.mark.timeout(300)
+def test_a_flipped_byte_is_refused_with_exit_3_and_the_store_unchanged(saved, tmp_path):
+    store, first = saved
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-a", str(store), str(copy)], check=True)
+    shard = max((os.path.join(d, f) for d, _, fs in os.walk(copy / "objects") for f in fs), key=os.path.getsize)
+    os.chmod(shard, 0o644)
+    data = bytearray(open(shard, "rb").read())
+    data[len(data) // 2] ^= 0x01
+    open(shard, "wb").write(data)
+    before = store_hash(copy)
+    proc = alpha_run(copy, "--updates", "3", "--resume-from", first["last_generation"])
+    assert proc.returncode == 3 and "corrupt-shard" in proc.stderr
+    assert store_hash(copy) == before
+
+
+@pytest.mark.timeout(300)
+def test_a_changed_learning_rate_is_another_learner(saved):
+    store, first = saved
+    before = store_hash(store)
+    proc = alpha_run(store, "--updates", "3", "--resume-from", first["last_generation"], "--set", "lr=0.5")
+    assert proc.returncode == 3 and "foreign-learner" in proc.stderr
+    assert store_hash(store) == before
+
+
+@pytest.mark.timeout(60)
+def test_usage_errors_exit_2(tmp_path):
+    assert alpha_run(tmp_path, "--updates", "1", "--publisher", "tree").returncode == 2
+    assert alpha_run(tmp_path, "--updates", "1", "--resume-from", "abc").returncode == 2
