@@ -48,6 +48,8 @@ def parser() -> argparse.ArgumentParser:
     resume = p.add_mutually_exclusive_group()
     resume.add_argument("--resume-from", metavar="ROOT_DIGEST", help="continue exactly this generation or refuse")
     resume.add_argument("--resume", choices=["latest"], help="continue the newest complete generation")
+    resume.add_argument("--branch-from", metavar="ROOT_DIGEST",
+                        help="start a new run (--run, no generations yet) from another run's generation")
     p.add_argument("--publisher", choices=["star", "tree"], default="star")
     p.add_argument("--timeout", type=float, default=120.0, help="process-group timeout in seconds (default 120)")
     return p
@@ -69,7 +71,7 @@ def torchrun_argv(args) -> list[str]:
     # an ambiguous prefix of torchrun's --run-path when torchrun parses the command.
     for item in args.set + ([f"run={args.run}"] if args.run else []):
         worker += ["--set", item]
-    for flag in ("resume_from", "resume", "backend"):
+    for flag in ("resume_from", "resume", "branch_from", "backend"):
         value = getattr(args, flag)
         if value is not None:
             worker += ["--" + flag.replace("_", "-"), value]
@@ -81,11 +83,15 @@ def main(argv=None) -> int:
     if args.publisher == "tree":
         print("alpha-run: --publisher tree is not available yet; use --publisher star", file=sys.stderr)
         return EXIT_USAGE
-    if args.resume_from is not None:
-        from .format import is_digest
-        if not is_digest(args.resume_from):
-            print(f"alpha-run: --resume-from needs a full 64-hex root digest, got {args.resume_from!r}", file=sys.stderr)
+    from .format import is_digest
+    for flag in ("resume_from", "branch_from"):
+        value = getattr(args, flag)
+        if value is not None and not is_digest(value):
+            print(f"alpha-run: --{flag.replace('_', '-')} needs a full 64-hex root digest, got {value!r}", file=sys.stderr)
             return EXIT_USAGE
+    if args.branch_from is not None and args.run is None:
+        print("alpha-run: --branch-from needs --run NEW_RUN", file=sys.stderr)
+        return EXIT_USAGE
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run

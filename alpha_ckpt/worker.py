@@ -13,6 +13,7 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import sys
 
 import blake3
@@ -29,12 +30,14 @@ from .learner.model import COMBINE_ORDER, LearnerState, apply_update, combine, c
 from .manifest import check_schema_matches, flatten_state, regions_of
 from .planner import WantedSlice
 from .publish.star import PublishFailed, build_capture, publish_star
-from .publish.wire import broadcast_json
+from .publish.wire import broadcast_json, gather_json
+from .device import check_devices, current_device
 from .restore import latest_generation, open_generation, restore_slices, verify_generation
 from .store import Store
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_RETRY = 0, 2, 3, 75
-_IDENTITY_EXCLUDES = ("run", "step", "parameters")
+KILL_ENV = "ALPHA_CKPT_KILL_OWNER"
+_IDENTITY_EXCLUDES = ("run", "step", "parameters", "bind_placement")
 
 
 def learner_identity(config: JobConfig) -> str:
@@ -56,6 +59,7 @@ def parse_args(argv):
     p.add_argument("--checkpoint-every", type=int, default=0, help="publish every K updates (and at the end)")
     p.add_argument("--resume-from", metavar="ROOT_DIGEST")
     p.add_argument("--resume", choices=["latest"])
+    p.add_argument("--branch-from", metavar="ROOT_DIGEST", help="start this run from another run's generation")
     p.add_argument("--publisher", default="star", choices=["star", "tree"])
     p.add_argument("--backend")
     p.add_argument("--timeout", type=float, default=120.0, help="process-group timeout, seconds")
@@ -72,6 +76,8 @@ class Owner:
         self.named = flatten_state(self.state.tensors())
         self.regions = regions_of(self.named)
         self.owned = [self._owned(name, t) for name, t in self.named]
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.devices = gather_json(current_device(device))  # owner 0: every owner's product and UUID
 
     def _owned(self, name: str, t: torch.Tensor):
         """None for replicated words; this owner's contiguous word range for partitioned ones."""
@@ -81,7 +87,8 @@ class Owner:
 
     def metadata(self) -> dict:
         return {"learner": learner_identity(self.config), "contract": numerical_contract(),
-                "config": self.config.to_json(), "parameters": self.config.parameters}
+                "config": self.config.to_json(), "parameters": self.config.parameters,
+                "devices": self.devices, "bind_placement": self.config.bind_placement}
 
     # -------------------------------------------------------------- training
 
@@ -148,10 +155,14 @@ class Owner:
         self.last_generation = root
         return root
 
-    def _check_binding(self, generation) -> None:
+    def _check_binding(self, generation, branch: bool) -> None:
         m = generation.manifest
         meta = m.metadata if isinstance(m.metadata, dict) else {}
-        if (m.prefix.run, m.prefix.step) != (self.config.run, self.config.step):
+        if branch:
+            if self.store.list_refs(self.config.run, self.config.step):
+                raise Refusal(RefusalCode.FOREIGN_LEARNER, f"cannot branch into {self.config.run}/{self.config.step}: "
+                              "that run already has generations")
+        elif (m.prefix.run, m.prefix.step) != (self.config.run, self.config.step):
             raise Refusal(RefusalCode.FOREIGN_LEARNER, f"generation belongs to {m.prefix.run}/{m.prefix.step}, "
                           f"this job is {self.config.run}/{self.config.step}")
         if meta.get("learner") != learner_identity(self.config):
@@ -163,9 +174,26 @@ class Owner:
         if m.prefix.cursor != m.prefix.update * self.config.batch:
             raise Refusal(RefusalCode.RESET_CURSOR, f"generation's cursor {m.prefix.cursor} does not follow "
                           f"{m.prefix.update} updates of {self.config.batch}")
+        check_devices(meta.get("devices") or [], self.devices, bool(meta.get("bind_placement")))
+        if not branch:
+            self._check_not_stale(m.prefix)
 
-    def resume(self, root: str | None, latest: bool) -> None:
-        """Collective: owner 0 validates, every owner learns the verdict, then every owner loads its words."""
+    def _check_not_stale(self, prefix: CapturePrefix) -> None:
+        """Once a continuation has published, every generation of an older epoch is stale (no silent forks)."""
+        newer = [r for r in self.store.list_refs(prefix.run, prefix.step)
+                 if not isinstance(r, Refusal) and r.prefix.epoch > prefix.epoch]
+        if newer:
+            r = newer[0]
+            raise Refusal(RefusalCode.STALE_EPOCH, f"generation is of epoch {prefix.epoch}, but a continuation of "
+                          f"{prefix.run}/{prefix.step} already published generation {r.generation} in epoch "
+                          f"{r.prefix.epoch}; resume that one, or branch a new run (--branch-from)")
+
+    def resume(self, root: str | None, latest: bool, branch: bool = False) -> None:
+        """Collective: owner 0 validates, every owner learns the verdict, then every owner loads its words.
+
+        A continuation runs in the generation's epoch + 1; a branch starts a new
+        run (epoch 0) from another run's generation.
+        """
         verdict = None
         if self.rank == 0:
             try:
@@ -176,7 +204,7 @@ class Owner:
                     root = record.root
                 verify_generation(self.store, root)
                 with open_generation(self.store, root) as generation:
-                    self._check_binding(generation)
+                    self._check_binding(generation, branch)
                     check_schema_matches(generation.manifest.regions, self.regions, f"generation {root[:16]}...")
                 verdict = {"ok": True, "root": root}
             except Refusal as refusal:
@@ -195,7 +223,7 @@ class Owner:
                                t.view(1).view(torch.uint8))
             restore_slices(generation, wanted, targets)
             p = generation.manifest.prefix
-        self.state.update, self.state.cursor, self.epoch = p.update, p.cursor, p.epoch + 1
+        self.state.update, self.state.cursor, self.epoch = p.update, p.cursor, (0 if branch else p.epoch + 1)
         self.last_generation = root
 
     def publish_output(self) -> str:
@@ -235,10 +263,14 @@ def run_owner(args) -> int:
     store = Store(args.store)
     owner = Owner(config, store)
     try:
-        if args.resume_from or args.resume:
-            owner.resume(args.resume_from, latest=args.resume == "latest")
+        if args.resume_from or args.resume or args.branch_from:
+            owner.resume(args.resume_from or args.branch_from, latest=args.resume == "latest",
+                         branch=args.branch_from is not None)
+        kill_at = os.environ.get(KILL_ENV)  # test hook: "RANK:UPDATE" SIGKILLs that owner after that update
         while owner.state.update < args.updates:
             owner.train_update()
+            if kill_at == f"{owner.rank}:{owner.state.update}":
+                os.kill(os.getpid(), signal.SIGKILL)
             due = args.checkpoint_every and owner.state.update % args.checkpoint_every == 0
             if due or owner.state.update == args.updates:
                 owner.publish()
@@ -274,4 +306,10 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip C++ static destructors: gloo's threads can otherwise hit std::terminate
+    # at interpreter exit ("terminate called without an active exception",
+    # SIGABRT) after a run that finished and published correctly.
+    os._exit(exit_code)

@@ -24,6 +24,7 @@ class JobConfig:
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
+    bind_placement: bool = False  # refuse a resume on other devices (UUIDs), not only another product
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("sgd", "momentum", "adam"):

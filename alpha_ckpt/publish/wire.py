@@ -40,3 +40,14 @@ def broadcast_json(obj, src: int = 0):
         else torch.empty(int(length.item()), dtype=torch.uint8)
     dist.broadcast(buf, src)
     return json.loads(buf.numpy().tobytes().decode("ascii"))
+
+
+def gather_json(obj, dst: int = 0):
+    """Owner ``dst`` gets every owner's JSON value in owner order; the others get None."""
+    if dist.get_rank() != dst:
+        send_bytes(canonical_json(obj), dst)
+        return None
+    out = []
+    for r in range(dist.get_world_size()):
+        out.append(obj if r == dst else json.loads(recv_bytes(r).decode("ascii")))
+    return out

@@ -80,3 +80,32 @@ def test_a_changed_learning_rate_is_another_learner(saved):
 def test_usage_errors_exit_2(tmp_path):
     assert alpha_run(tmp_path, "--updates", "1", "--publisher", "tree").returncode == 2
     assert alpha_run(tmp_path, "--updates", "1", "--resume-from", "abc").returncode == 2
+
+
+@pytest.mark.timeout(400)
+def test_after_a_continuation_publishes_the_older_generation_is_stale_and_a_branch_is_explicit(tmp_path):
+    store = tmp_path / "store"
+    first = final(alpha_run(store, "--updates", "2", "--checkpoint-every", "2"))
+    cont = final(alpha_run(store, "--updates", "3", "--resume-from", first["last_generation"]))
+    assert cont["epoch"] == 1
+    before = store_hash(store)
+    again = alpha_run(store, "--updates", "3", "--resume-from", first["last_generation"])
+    assert again.returncode == 3 and "stale-epoch" in again.stderr
+    assert store_hash(store) == before
+    branch = final(alpha_run(store, "--updates", "3", "--branch-from", first["last_generation"], "--run", "what-if"))
+    assert branch["state_digest"] == cont["state_digest"] and branch["epoch"] == 0
+    latest = final(alpha_run(store, "--updates", "4", "--resume", "latest"))
+    assert latest["update"] == 4 and latest["epoch"] == 2
+
+
+@pytest.mark.timeout(400)
+def test_a_killed_owner_makes_the_job_exit_75_and_resume_latest_finishes_the_same_state(tmp_path):
+    store = tmp_path / "store"
+    straight = final(alpha_run(tmp_path / "straight", "--updates", "6"))
+    env = dict(os.environ, ALPHA_CKPT_KILL_OWNER="1:5")
+    cmd = [sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", "2", "--store", str(store), *SMALL,
+           "--updates", "6", "--checkpoint-every", "2", "--timeout", "30", CONFIG]
+    killed = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert killed.returncode == 75, killed.stderr[-2000:]
+    resumed = final(alpha_run(store, "--updates", "6", "--resume", "latest"))
+    assert resumed["state_digest"] == straight["state_digest"]
