@@ -109,3 +109,37 @@ def test_a_killed_owner_makes_the_job_exit_75_and_resume_latest_finishes_the_sam
     assert killed.returncode == 75, killed.stderr[-2000:]
     resumed = final(alpha_run(store, "--updates", "6", "--resume", "latest"))
     assert resumed["state_digest"] == straight["state_digest"]
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(300)
+def test_two_nodes_on_one_machine_train_the_job_of_four_owners(tmp_path):
+    endpoint = f"127.0.0.1:{_free_port()}"
+    def node(rank):
+        cmd = [sys.executable, "-m", "alpha_ckpt.launcher", "--nnodes", "2", "--node-rank", str(rank), "--nproc", "2",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes",
+               "--store", str(tmp_path / "shared"), *SMALL, "--updates", "2", CONFIG]
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    nodes = [node(1), node(0)]
+    outs = [p.communicate(timeout=240) for p in nodes]
+    assert all(p.returncode == 0 for p in nodes), [err[-1500:] for _, err in outs]
+    # c10d rendezvous assigns ranks by join order: owner 0 may be on either node.
+    (printed,) = [out for out, _ in outs if out.strip()]
+    result = json.loads(printed.strip().splitlines()[-1])
+    oracle = subprocess.run([sys.executable, "-m", "alpha_ckpt.oracle", CONFIG, "--updates", "2", "--placements", "4",
+                             *SMALL], capture_output=True, text=True, timeout=120)
+    assert result["owners"] == 4 and result["state_digest"] == json.loads(oracle.stdout)["state_digest"]
+
+
+@pytest.mark.timeout(300)
+def test_eight_owners_run_on_a_two_core_machine_and_match_the_oracle(tmp_path):
+    result = final(alpha_run(tmp_path / "store", "--updates", "2", nproc=8))
+    oracle = subprocess.run([sys.executable, "-m", "alpha_ckpt.oracle", CONFIG, "--updates", "2", "--placements", "8",
+                             *SMALL], capture_output=True, text=True, timeout=120)
+    assert result["owners"] == 8 and result["state_digest"] == json.loads(oracle.stdout)["state_digest"]
