@@ -18,7 +18,9 @@ import sys
 from .learner.config import JobConfig, load_config
 from .learner.data import shares
 from .learner.digest import state_digest
-from .learner.model import LearnerState, apply_update, combine, configure_determinism, share_gradient
+from .learner.model import (
+    LearnerState, apply_update, combine, configure_determinism, share_gradient, sum_in_owner_order,
+)
 
 
 def parse_placements(text: str | None, updates: int) -> list[int]:
@@ -48,10 +50,7 @@ def step(config: JobConfig, state: LearnerState, owners: int) -> None:
         grads, loss = share_gradient(config, state.params, state.cursor + lo, state.cursor + hi)
         partials.append(grads)
         losses.append(loss)
-    loss_sum = losses[0].clone()
-    for loss in losses[1:]:
-        loss_sum = loss_sum + loss
-    apply_update(config, state, combine(partials), loss_sum)
+    apply_update(config, state, combine(partials), sum_in_owner_order(losses))
 
 
 def run(config: JobConfig, updates: int, placements: list[int], state: LearnerState | None = None) -> LearnerState:

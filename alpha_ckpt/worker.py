@@ -26,7 +26,9 @@ from .format import CapturePrefix, canonical_json
 from .learner.config import JobConfig, load_config
 from .learner.data import shares
 from .learner.digest import state_digest
-from .learner.model import COMBINE_ORDER, LearnerState, apply_update, combine, configure_determinism, share_gradient
+from .learner.model import (
+    COMBINE_ORDER, LearnerState, apply_update, combine, configure_determinism, share_gradient, sum_in_owner_order,
+)
 from .manifest import check_schema_matches, flatten_state, regions_of
 from .planner import WantedSlice
 from .publish.star import PublishFailed, build_capture, publish_star
@@ -110,9 +112,7 @@ class Owner:
                 parts[n] = g[offset:offset + numel].view_as(grads[n])
                 offset += numel
             partials.append(parts)
-        loss_sum = losses[0].clone()
-        for other in losses[1:]:
-            loss_sum = loss_sum + other
+        loss_sum = sum_in_owner_order(losses)
         ranges = None
         if c.parameters == "partitioned":
             ranges = {n: shares(p.numel(), self.world)[self.rank] for n, p in s.params.items()}

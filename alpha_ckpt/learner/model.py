@@ -90,10 +90,14 @@ def share_gradient(config: JobConfig, params: dict[str, torch.Tensor], start: in
 
 def combine(partials: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Sum per-owner partial gradients in owner order (the declared combine order)."""
-    total = {n: g.clone() for n, g in partials[0].items()}
-    for part in partials[1:]:
-        for n, g in part.items():
-            total[n] = total[n] + g
+    return {n: sum_in_owner_order([part[n] for part in partials]) for n in partials[0]}
+
+
+def sum_in_owner_order(values: list[torch.Tensor]) -> torch.Tensor:
+    """((v0 + v1) + v2) + ...: the one summation order every placement and the oracle use."""
+    total = values[0].clone()
+    for value in values[1:]:
+        total = total + value
     return total
 
 
