@@ -38,7 +38,6 @@ class Published:
     root: str
     ref: RefRecord
     shards: tuple[ShardRef, ...]
-    bytes_written: int
 
 
 def word_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -99,7 +98,7 @@ def _hash(view) -> str:
 
 
 def write_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regions: Sequence[RegionDecl],
-                parts: Sequence[tuple[Piece, memoryview, str]], pool: ThreadPoolExecutor) -> tuple[ShardRef, int]:
+                parts: Sequence[tuple[Piece, memoryview, str]], pool: ThreadPoolExecutor) -> ShardRef:
     """Durably write one shard holding ``parts`` = (piece, its raw bytes, requested codec)."""
     records: list[SliceRecord] = []
     payloads: list[memoryview] = []
@@ -137,9 +136,9 @@ def write_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regions
             os.ftruncate(fd, end)
         return digest_bytes(head)
 
-    digest, written = store.put_object(write)
+    digest, _ = store.put_object(write)
     size = head_len + max((r.offset + r.stored for r in records), default=0)
-    return ShardRef(digest, size, tuple((p.ordinal, p.lo, p.hi) for p, _, _ in parts)), size if written else 0
+    return ShardRef(digest, size, tuple((p.ordinal, p.lo, p.hi) for p, _, _ in parts))
 
 
 def write_manifest(store: Store, prefix: CapturePrefix, regions: Sequence[RegionDecl], shards: Sequence[ShardRef],
@@ -159,17 +158,12 @@ def publish_slices(store: Store, prefix: CapturePrefix, regions: Sequence[Region
                    owners: int = 1) -> Published:
     """Write each shard (its (piece, raw bytes, codec) parts in physical order), the manifest, then the ref."""
     schema = schema_digest_of(regions)
-    shard_refs: list[ShardRef] = []
-    written = 0
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="alpha-ckpt-hash") as pool:
-        for parts in shards:
-            ref, n = write_shard(store, prefix, schema, regions, parts, pool)
-            shard_refs.append(ref)
-            written += n
+        shard_refs = [write_shard(store, prefix, schema, regions, parts, pool) for parts in shards]
     root, root_size = write_manifest(store, prefix, regions, shard_refs, owners, metadata)
     total = root_size + sum(s.size for s in shard_refs)
     record = store.publish_ref(prefix, root, root_size, total, owners=owners)
-    return Published(root, record, tuple(shard_refs), written + root_size)
+    return Published(root, record, tuple(shard_refs))
 
 
 def save_state(state_dict: Mapping[str, Any], *, store: Store, prefix: CapturePrefix, metadata: Any = None,

@@ -13,6 +13,7 @@ Called by every owner at the same update boundary (collective):
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -25,7 +26,6 @@ from ..planner import Piece
 from ..store import Store
 from ..writer import publish_slices, word_bytes
 from .wire import broadcast_json, recv_bytes, send_bytes
-import json
 
 
 @dataclass(frozen=True)
