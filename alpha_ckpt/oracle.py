@@ -2,7 +2,8 @@
 
     python -m alpha_ckpt.oracle CONFIG --updates N [--placements 4:3,3:2] [--set KEY=VALUE ...]
 
-``--placements 4:3,3:2`` means 4 owners for 3 updates, then 3 owners for 2
+``--device cuda`` runs on the GPU, to compare with NCCL jobs (their kernels
+differ from the CPU's, so their bits do too). ``--placements 4:3,3:2`` means 4 owners for 3 updates, then 3 owners for 2
 (the last segment is extended or cut to reach ``--updates``; default: one
 owner throughout). For every update it computes each owner's share gradient
 exactly as that owner would, combines the shares in the declared order, and
@@ -53,9 +54,10 @@ def step(config: JobConfig, state: LearnerState, owners: int) -> None:
     apply_update(config, state, combine(partials), sum_in_owner_order(losses))
 
 
-def run(config: JobConfig, updates: int, placements: list[int], state: LearnerState | None = None) -> LearnerState:
+def run(config: JobConfig, updates: int, placements: list[int], state: LearnerState | None = None,
+        device: str = "cpu") -> LearnerState:
     configure_determinism()
-    state = state or LearnerState.initial(config)
+    state = state or LearnerState.initial(config, device)
     while state.update < updates:
         step(config, state, placements[state.update])
     return state
@@ -67,6 +69,7 @@ def main(argv=None) -> int:
     parser.add_argument("--updates", type=int, required=True)
     parser.add_argument("--placements")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--device", default="cpu", help="compute device: cpu (gloo jobs) or cuda (NCCL jobs)")
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config, args.set)
@@ -74,7 +77,7 @@ def main(argv=None) -> int:
     except ValueError as exc:
         print(f"oracle: {exc}", file=sys.stderr)
         return 2
-    state = run(config, args.updates, placements)
+    state = run(config, args.updates, placements, device=args.device)
     print(json.dumps({"state_digest": state_digest(state.tensors(), state.update, state.cursor), "last_generation": None,
                       "update": state.update, "cursor": state.cursor, "epoch": 0, "owners": placements[-1],
                       "output": None}))

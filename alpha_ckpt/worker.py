@@ -48,8 +48,17 @@ def learner_identity(config: JobConfig) -> str:
     return blake3.blake3(canonical_json({"learner": "forecast-mlp-v1", "rule": rule})).hexdigest()
 
 
-def numerical_contract() -> dict:
-    return {"combine_order": COMBINE_ORDER, "dtype": "float32", "intra_op_threads": 1, "deterministic": True}
+def numerical_contract(compute: str = "cpu") -> dict:
+    """What the bits depend on besides the state: kernels (CPU or CUDA), dtype, threads and the combine order."""
+    return {"combine_order": COMBINE_ORDER, "dtype": "float32", "intra_op_threads": 1, "deterministic": True,
+            "compute": compute}
+
+
+def compute_device(backend: str) -> torch.device:
+    """NCCL owners compute on their local CUDA device (LOCAL_RANK, as torchrun sets it); gloo owners on the host."""
+    if backend == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
 
 
 def parse_args(argv):
@@ -69,16 +78,15 @@ def parse_args(argv):
 
 
 class Owner:
-    def __init__(self, config: JobConfig, store: Store):
-        self.config, self.store = config, store
+    def __init__(self, config: JobConfig, store: Store, device: torch.device = torch.device("cpu")):
+        self.config, self.store, self.device = config, store, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.state = LearnerState.initial(config)
+        self.state = LearnerState.initial(config, device)
         self.epoch = 0
         self.last_generation = None
         self.named = flatten_state(self.state.tensors())
         self.regions = regions_of(self.named)
         self.owned = [self._owned(name, t) for name, t in self.named]
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.devices = gather_json(current_device(device))  # owner 0: every owner's product and UUID
 
     def _owned(self, name: str, t: torch.Tensor):
@@ -88,7 +96,7 @@ class Owner:
         return shares(t.numel(), self.world)[self.rank] if partitioned else None
 
     def metadata(self) -> dict:
-        return {"learner": learner_identity(self.config), "contract": numerical_contract(),
+        return {"learner": learner_identity(self.config), "contract": numerical_contract(self.device.type),
                 "config": self.config.to_json(), "parameters": self.config.parameters,
                 "devices": self.devices, "bind_placement": self.config.bind_placement}
 
@@ -124,7 +132,8 @@ class Owner:
         """Each owner broadcasts its updated ranges, so every owner holds the whole parameters."""
         for r in range(self.world):
             pieces = [p.view(-1)[slice(*shares(p.numel(), self.world)[r])] for p in self.state.params.values()]
-            buf = torch.cat(pieces) if r == self.rank else torch.empty(sum(x.numel() for x in pieces))
+            buf = torch.cat(pieces) if r == self.rank else torch.empty(sum(x.numel() for x in pieces),
+                                                                       device=self.device)
             dist.broadcast(buf, r)
             offset = 0
             for piece in pieces:
@@ -139,7 +148,7 @@ class Owner:
             flat = t.view(-1)
             for r in range(self.world):
                 lo, hi = shares(t.numel(), self.world)[r]
-                buf = flat[lo:hi].clone() if r == self.rank else torch.empty(hi - lo, dtype=t.dtype)
+                buf = flat[lo:hi].clone() if r == self.rank else torch.empty(hi - lo, dtype=t.dtype, device=self.device)
                 dist.broadcast(buf, r)
                 flat[lo:hi] = buf
         return self.state.tensors()
@@ -168,9 +177,9 @@ class Owner:
         if meta.get("learner") != learner_identity(self.config):
             raise Refusal(RefusalCode.FOREIGN_LEARNER, "generation was saved by another learner (model, rates, "
                           "hyper-parameters or input sequence differ)")
-        if meta.get("contract") != numerical_contract():
+        if meta.get("contract") != numerical_contract(self.device.type):
             raise Refusal(RefusalCode.CONTRACT_MISMATCH, f"generation was saved under contract {meta.get('contract')}, "
-                          f"this job runs {numerical_contract()}")
+                          f"this job runs {numerical_contract(self.device.type)}")
         if m.prefix.cursor != m.prefix.update * self.config.batch:
             raise Refusal(RefusalCode.RESET_CURSOR, f"generation's cursor {m.prefix.cursor} does not follow "
                           f"{m.prefix.update} updates of {self.config.batch}")
@@ -213,23 +222,29 @@ class Owner:
         if not verdict["ok"]:
             raise Refusal(verdict["code"], verdict["message"])
         root = verdict["root"]
+        # Restore into host memory first: validation and the copy run on the CPU,
+        # and a CUDA owner's state is only touched once every byte passed.
+        host = [t if t.device.type == "cpu" else torch.empty_like(t, device="cpu") for _, t in self.named]
         with open_generation(self.store, root) as generation:
             wanted, targets = [], []
             for i, ((name, t), own) in enumerate(zip(self.named, self.owned)):
                 lo, hi = (0, t.numel()) if own is None or name.startswith("model.") else own
                 size = t.element_size()
                 wanted.append(WantedSlice(i, lo, hi, i))
-                targets.append(t.view(-1).view(torch.uint8)[lo * size:hi * size] if t.dim() else
-                               t.view(1).view(torch.uint8))
+                targets.append(host[i].view(-1).view(torch.uint8)[lo * size:hi * size] if t.dim() else
+                               host[i].view(1).view(torch.uint8))
             restore_slices(generation, wanted, targets)
             p = generation.manifest.prefix
+        for (_, t), h in zip(self.named, host):
+            if h is not t:
+                t.copy_(h)
         self.state.update, self.state.cursor, self.epoch = p.update, p.cursor, (0 if branch else p.epoch + 1)
         self.last_generation = root
 
     def publish_output(self) -> str:
         """Owner 0 publishes the fitted model once, atomically (safetensors), as the step's declared output."""
         from safetensors.torch import save as safetensors_save
-        data = safetensors_save({n: p.contiguous() for n, p in self.state.params.items()},
+        data = safetensors_save({n: p.detach().cpu().contiguous() for n, p in self.state.params.items()},
                                 metadata={"run": self.config.run, "step": self.config.step,
                                           "update": str(self.state.update)})
         root_fd = os.open(self.store.root, os.O_RDONLY | os.O_DIRECTORY)
@@ -258,10 +273,15 @@ def run_owner(args) -> int:
         print("alpha-run: --publisher tree is not available yet; use --publisher star", file=sys.stderr)
         return EXIT_USAGE
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
-    configure_determinism()
+    device = compute_device(backend)
+    configure_determinism()  # before the first CUDA kernel: cuBLAS reads its workspace setting once
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout), device_id=device)
+    else:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
     store = Store(args.store)
-    owner = Owner(config, store)
+    owner = Owner(config, store, device)
     try:
         if args.resume_from or args.resume or args.branch_from:
             owner.resume(args.resume_from or args.branch_from, latest=args.resume == "latest",

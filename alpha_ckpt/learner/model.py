@@ -11,6 +11,7 @@ Bit-determinism rules followed here:
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -23,8 +24,13 @@ PARAMS = ("w1", "b1", "w2", "b2")
 
 
 def configure_determinism() -> None:
+    """One intra-op thread, deterministic kernels; on CUDA also deterministic cuBLAS and no TF32."""
+    # cuBLAS is only deterministic with a fixed workspace; it must be set before the first CUDA matmul.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
 
 
 def param_shapes(config: JobConfig) -> dict[str, tuple[int, ...]]:
@@ -58,14 +64,17 @@ class LearnerState:
     cursor: int = 0
 
     @classmethod
-    def initial(cls, config: JobConfig) -> "LearnerState":
-        params = initial_params(config)
+    def initial(cls, config: JobConfig, device: torch.device | str = "cpu") -> "LearnerState":
+        """The initial state, drawn on the CPU (so every device starts from the same bits), placed on ``device``."""
+        params = {n: p.to(device) for n, p in initial_params(config).items()}
         slots = {kind: {n: torch.zeros_like(p) for n, p in params.items()} for kind in optimizer_state_names(config)}
         scalars = {}
         if config.optimizer == "adam":
-            scalars = {"step": torch.zeros((), dtype=torch.int64), "beta1_power": torch.ones((), dtype=torch.float32),
-                       "beta2_power": torch.ones((), dtype=torch.float32)}
-        metrics = {"loss_sum": torch.zeros((), dtype=torch.float64), "samples": torch.zeros((), dtype=torch.int64)}
+            scalars = {"step": torch.zeros((), dtype=torch.int64, device=device),
+                       "beta1_power": torch.ones((), dtype=torch.float32, device=device),
+                       "beta2_power": torch.ones((), dtype=torch.float32, device=device)}
+        metrics = {"loss_sum": torch.zeros((), dtype=torch.float64, device=device),
+                   "samples": torch.zeros((), dtype=torch.int64, device=device)}
         return cls(params, slots, scalars, metrics)
 
     def tensors(self) -> dict:
@@ -77,7 +86,8 @@ class LearnerState:
 def share_gradient(config: JobConfig, params: dict[str, torch.Tensor], start: int, stop: int
                    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Gradient of the summed squared error over input positions [start, stop), and that sum (float64)."""
-    x, y = batch(config, start, stop)
+    device = next(iter(params.values())).device
+    x, y = (t.to(device) for t in batch(config, start, stop))  # samples are drawn on the CPU, keyed
     leaves = {n: p.detach().clone().requires_grad_(True) for n, p in params.items()}
     h = torch.relu(x @ leaves["w1"].t() + leaves["b1"])
     err = h @ leaves["w2"].t() + leaves["b2"] - y

@@ -143,3 +143,61 @@ def test_eight_owners_run_on_a_two_core_machine_and_match_the_oracle(tmp_path):
     oracle = subprocess.run([sys.executable, "-m", "alpha_ckpt.oracle", CONFIG, "--updates", "2", "--placements", "8",
                              *SMALL], capture_output=True, text=True, timeout=120)
     assert result["owners"] == 8 and result["state_digest"] == json.loads(oracle.stdout)["state_digest"]
+
+
+@pytest.mark.timeout(300)
+def test_a_generation_saved_on_another_device_product_is_refused_before_training(saved, tmp_path):
+    store, first = saved
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-a", str(store), str(copy)], check=True)
+    forged = subprocess.run([sys.executable, "-m", "alpha_ckpt.forge", "--store", str(copy), first["last_generation"],
+                             "--edit", 'devices.0.product="NVIDIA H200"'], capture_output=True, text=True, timeout=60)
+    assert forged.returncode == 0, forged.stderr
+    before = store_hash(copy)
+    proc = alpha_run(copy, "--updates", "3", "--resume-from", forged.stdout.strip())
+    assert proc.returncode == 3 and "device-mismatch" in proc.stderr, proc.stderr[-2000:]
+    assert store_hash(copy) == before
+    # The untouched generation in the same store still resumes: only the forged binding was refused.
+    assert final(alpha_run(copy, "--updates", "3", "--resume-from", first["last_generation"]))["update"] == 3
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if text.encode() in f.read():
+                        pids.append(int(pid))
+            except OSError:
+                pass
+    return pids
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_stops_every_owner_and_leaves_the_last_generation_whole(tmp_path):
+    import signal
+    import time
+    store = tmp_path / "interrupted"
+    cmd = [sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", "2", "--store", str(store), *SMALL,
+           "--updates", "100000", "--checkpoint-every", "2", CONFIG]
+    # A terminal's Ctrl-C signals the whole foreground process group: launcher and owners.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list((store / "refs").glob("*/*/*")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert list((store / "refs").glob("*/*/*")), "no generation was published"
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err[-2000:]
+    deadline = time.monotonic() + 10
+    while _processes_mentioning(str(store)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_mentioning(str(store)) == []
+    latest = subprocess.run([sys.executable, "-m", "alpha_ckpt.cli", "latest", "--store", str(store), "--run", "nightly",
+                             "--step", "fit", "--json"], capture_output=True, text=True, timeout=60)
+    assert latest.returncode == 0, latest.stdout + latest.stderr
