@@ -82,17 +82,22 @@ def cmd_list(store: Store, args, out) -> int:
 def cmd_inspect(store: Store, args, out) -> int:
     with open_generation(store, args.digest) as generation:
         m = generation.manifest
+
+        def shard_info(rec):
+            return {"digest": rec.digest, "bytes": rec.size,
+                    "slices": [{"ordinal": s.ordinal, "region": m.regions[s.ordinal].name, "lo": s.lo, "hi": s.hi,
+                                "offset": s.offset, "stored": s.stored, "raw": s.raw, "codec": s.codec,
+                                "blake3": s.blake3} for s in generation.shards[rec.digest][1].slices]}
         info = {
             "digest": m.digest, "bytes": m.size, "prefix": m.prefix.to_json(), "schema_digest": m.schema_digest,
-            "owners": m.owners, "metadata": m.metadata,
+            "owners": m.owners, "metadata": m.metadata, "publisher": m.publisher.to_json(),
             "regions": [r.to_json() | {"words": r.words} for r in m.regions],
-            "shards": [
-                {"digest": rec.digest, "bytes": rec.size,
-                 "slices": [{"ordinal": s.ordinal, "region": m.regions[s.ordinal].name, "lo": s.lo, "hi": s.hi,
-                             "offset": s.offset, "stored": s.stored, "raw": s.raw, "codec": s.codec, "blake3": s.blake3}
-                            for s in generation.shards[rec.digest][1].slices]}
-                for rec in m.shards],
-            "children": [],
+            "shards": [shard_info(rec) for rec in m.shards],
+            "children": [c.to_json() for c in m.children],
+            # A tree's group manifests, the root first (a star has only its root).
+            "groups": [{"digest": g.digest, "bytes": g.size, "role": g.publisher.role, "subtree": g.publisher.subtree,
+                        "children": [c.to_json() for c in g.children], "shards": [shard_info(r) for r in g.shards]}
+                       for g in generation.manifests] if m.publisher.kind == "tree" else [],
         }
     if args.json:
         print(json.dumps(info), file=out)
@@ -100,14 +105,22 @@ def cmd_inspect(store: Store, args, out) -> int:
     p = m.prefix
     print(f"manifest {m.digest}  ({m.size} bytes)", file=out)
     print(f"  capture  run={p.run} step={p.step} update={p.update} cursor={p.cursor} epoch={p.epoch} owners={m.owners}", file=out)
+    publisher = m.publisher
+    print("  publisher star" if publisher.kind == "star" else
+          f"  publisher tree, fan-out {publisher.fanout}, {len(info['groups'])} group manifests", file=out)
     print(f"  schema   {m.schema_digest}  ({len(m.regions)} regions)", file=out)
     for r in info["regions"]:
         print(f"    [{r['ordinal']}] {r['name']}  {r['dtype']}{r['shape']}  {r['words']} words", file=out)
-    for s in info["shards"]:
-        print(f"  shard {s['digest']}  ({s['bytes']} bytes)", file=out)
-        for sl in s["slices"]:
-            print(f"    [{sl['ordinal']}] {sl['region']} words [{sl['lo']}, {sl['hi']})  {sl['codec']} "
-                  f"{sl['stored']} bytes at {sl['offset']}", file=out)
+    groups = info["groups"] or [{"role": None, "digest": m.digest, "children": [], "shards": info["shards"]}]
+    for g in groups:
+        if g["role"] is not None:
+            kids = ", ".join(f"role {c['role']} ({c['size']})" for c in g["children"]) or "none"
+            print(f"  group role {g['role']}, subtree {g['subtree']}  {g['digest']}  children: {kids}", file=out)
+        for s in g["shards"]:
+            print(f"  shard {s['digest']}  ({s['bytes']} bytes)", file=out)
+            for sl in s["slices"]:
+                print(f"    [{sl['ordinal']}] {sl['region']} words [{sl['lo']}, {sl['hi']})  {sl['codec']} "
+                      f"{sl['stored']} bytes at {sl['offset']}", file=out)
     return EXIT_OK
 
 

@@ -57,5 +57,9 @@ class PublishConflict(Exception):
     """Another publisher already created the ref this publisher raced for."""
 
 
+class PublishFailed(Exception):
+    """A collective publication did not publish this generation; every owner raises it (exit 75)."""
+
+
 class StoreUsageError(ValueError):
     """A caller passed a bad name or argument (not a property of a checkpoint)."""

@@ -199,6 +199,37 @@ class ShardRef:
 
 
 @dataclass(frozen=True)
+class ChildRef:
+    """A tree group manifest's record of one child: its role, subtree size and group manifest."""
+
+    role: int
+    size: int
+    digest: str
+    bytes: int  # the child group manifest's exact size
+
+    def to_json(self) -> dict:
+        return {"role": self.role, "size": self.size, "digest": self.digest, "bytes": self.bytes}
+
+
+@dataclass(frozen=True)
+class Publisher:
+    """Who wrote a manifest: the star (one manifest), or role ``role`` of a tree of ``fanout``."""
+
+    kind: str             # "star" | "tree"
+    fanout: int = 0       # tree only
+    role: int = 0         # tree only: this group manifest's role (preorder)
+    subtree: int = 0      # tree only: roles [role, role + subtree) are below this manifest
+
+    def to_json(self) -> dict:
+        if self.kind == "star":
+            return {"kind": "star"}
+        return {"kind": "tree", "fanout": self.fanout, "role": self.role, "subtree": self.subtree}
+
+
+STAR = Publisher("star")
+
+
+@dataclass(frozen=True)
 class ManifestHead:
     digest: str
     head_len: int
@@ -208,6 +239,8 @@ class ManifestHead:
     shards: tuple[ShardRef, ...]
     owners: int
     metadata: Any
+    publisher: Publisher = STAR
+    children: tuple[ChildRef, ...] = ()
 
     @property
     def size(self) -> int:
@@ -240,12 +273,13 @@ def shard_header(prefix: CapturePrefix, schema_digest: str, slices: Sequence[Sli
 
 def manifest_header(
     prefix: CapturePrefix, schema_digest: str, regions: Sequence[RegionDecl], shards: Sequence[ShardRef],
-    owners: int, metadata: Any,
+    owners: int, metadata: Any, publisher: Publisher = STAR, children: Sequence[ChildRef] = (),
 ) -> dict:
     return {
         "kind": "manifest", "prefix": prefix.to_json(), "schema_digest": schema_digest,
         "regions": [r.to_json() for r in regions], "shards": [s.to_json() for s in shards],
-        "children": [], "owners": owners, "metadata": metadata, "payload_bytes": 0,
+        "children": [c.to_json() for c in children], "owners": owners, "metadata": metadata, "payload_bytes": 0,
+        "publisher": publisher.to_json(),
     }
 
 
@@ -413,14 +447,15 @@ def padding_ranges(head: ShardHead) -> list[tuple[int, int]]:
 
 
 def parse_manifest_header(header: Any, digest: str, head_len: int, what: str) -> ManifestHead:
-    keys = ("kind", "prefix", "schema_digest", "regions", "shards", "children", "owners", "metadata", "payload_bytes")
+    keys = ("kind", "prefix", "schema_digest", "regions", "shards", "children", "owners", "metadata", "payload_bytes",
+            "publisher")
     _require_keys(header, keys, what)
     if header["kind"] != "manifest":
         raise _fail(what, f"expected a manifest, found a {header['kind']}")
     if header["payload_bytes"] != 0:
         raise _fail(what, "a manifest has no payload")
-    if header["children"] != []:
-        raise _fail(what, "child manifests are not supported by this version")
+    publisher = _publisher(header["publisher"], what)
+    children = _children(header["children"], publisher, what)
     prefix = CapturePrefix.from_json(header["prefix"], what)
     schema = _digest(header["schema_digest"], f"{what} schema_digest")
     if not isinstance(header["regions"], list) or not isinstance(header["shards"], list):
@@ -454,4 +489,34 @@ def parse_manifest_header(header: Any, digest: str, head_len: int, what: str) ->
     owners = header["owners"]
     if type(owners) is not int or owners < 1:
         raise _fail(what, f"owners must be a positive integer, got {owners!r}")
-    return ManifestHead(digest, head_len, prefix, schema, tuple(regions), tuple(shards), owners, header["metadata"])
+    if publisher.kind == "tree" and publisher.role + publisher.subtree > owners:
+        raise _fail(what, f"tree role {publisher.role} with subtree {publisher.subtree} exceeds {owners} owners")
+    return ManifestHead(digest, head_len, prefix, schema, tuple(regions), tuple(shards), owners, header["metadata"],
+                        publisher, children)
+
+
+def _publisher(obj: Any, what: str) -> Publisher:
+    w = f"{what} publisher"
+    if isinstance(obj, dict) and obj.get("kind") == "star":
+        _require_keys(obj, ("kind",), w)
+        return STAR
+    _require_keys(obj, ("kind", "fanout", "role", "subtree"), w)
+    if obj["kind"] != "tree":
+        raise _fail(w, f"unknown publisher {obj['kind']!r}")
+    fanout, role, subtree = (_uint(obj[k], w) for k in ("fanout", "role", "subtree"))
+    if fanout < 1 or subtree < 1:
+        raise _fail(w, "fanout and subtree must be at least 1")
+    return Publisher("tree", fanout, role, subtree)
+
+
+def _children(obj: Any, publisher: Publisher, what: str) -> tuple[ChildRef, ...]:
+    if not isinstance(obj, list):
+        raise _fail(what, "children must be a list")
+    if publisher.kind == "star" and obj:
+        raise _fail(what, "a star manifest has no child manifests")
+    out = []
+    for i, c in enumerate(obj):
+        w = f"{what} child record {i}"
+        _require_keys(c, ("role", "size", "digest", "bytes"), w)
+        out.append(ChildRef(_uint(c["role"], w), _uint(c["size"], w), _digest(c["digest"], w), _uint(c["bytes"], w)))
+    return tuple(out)

@@ -50,7 +50,11 @@ def parser() -> argparse.ArgumentParser:
     resume.add_argument("--resume", choices=["latest"], help="continue the newest complete generation")
     resume.add_argument("--branch-from", metavar="ROOT_DIGEST",
                         help="start a new run (--run, no generations yet) from another run's generation")
-    p.add_argument("--publisher", choices=["star", "tree"], default="star")
+    p.add_argument("--publisher", choices=["star", "tree"], default="star",
+                   help="star: owner 0 gathers and publishes; tree: bounded fan-out manifest tree")
+    p.add_argument("--fanout", type=int, default=8, help="tree: children per owner at most (default 8)")
+    p.add_argument("--commit-timeout", type=float, default=60.0,
+                   help="tree: seconds a parent waits for its children's commitments (default 60)")
     p.add_argument("--timeout", type=float, default=120.0, help="process-group timeout in seconds (default 120)")
     return p
 
@@ -66,7 +70,7 @@ def torchrun_argv(args) -> list[str]:
         out.append("--standalone")
     worker = [args.config, "--store", args.store, "--updates", str(args.updates),
               "--checkpoint-every", str(args.checkpoint_every), "--publisher", args.publisher,
-              "--timeout", str(args.timeout)]
+              "--fanout", str(args.fanout), "--commit-timeout", str(args.commit_timeout), "--timeout", str(args.timeout)]
     # The run name travels as a config override: a worker flag named --run would be
     # an ambiguous prefix of torchrun's --run-path when torchrun parses the command.
     for item in args.set + ([f"run={args.run}"] if args.run else []):
@@ -80,8 +84,8 @@ def torchrun_argv(args) -> list[str]:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    if args.publisher == "tree":
-        print("alpha-run: --publisher tree is not available yet; use --publisher star", file=sys.stderr)
+    if args.fanout < 1 or args.commit_timeout <= 0:
+        print("alpha-run: --fanout must be at least 1 and --commit-timeout positive", file=sys.stderr)
         return EXIT_USAGE
     from .format import is_digest
     for flag in ("resume_from", "branch_from"):

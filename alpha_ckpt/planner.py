@@ -5,6 +5,8 @@ bounded size, splitting on word boundaries. Restore side: :func:`plan_restore`
 maps saved slices onto destination slices, admitting joins (one destination
 fed by several saved slices), splits (one saved slice feeding several
 destinations), changed region boundaries and any physical order of slices.
+Placement: :func:`shares` splits a range among owners, and :class:`Hierarchy`
+is the shape of a bounded-fan-out publication tree.
 """
 from __future__ import annotations
 
@@ -131,3 +133,67 @@ def plan_restore(saved: Sequence[SavedSlice], wanted: Sequence[WantedSlice]) -> 
             pos = end
             i += 1
     return RestorePlan(tuple(copies), tuple(sources))
+
+
+def shares(total: int, owners: int) -> list[tuple[int, int]]:
+    """Split [0, total) into ``owners`` contiguous shares; sizes differ by at most one, larger first."""
+    if owners < 1:
+        raise ValueError("owners must be at least 1")
+    base, extra = divmod(total, owners)
+    out, lo = [], 0
+    for r in range(owners):
+        hi = lo + base + (1 if r < extra else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+@dataclass(frozen=True)
+class Hierarchy:
+    """A publication tree of ``owners`` roles with at most ``fanout`` children per role.
+
+    Roles are numbered in preorder, so the subtree of a role of size ``n`` is
+    the range [role, role + n). A role's n - 1 descendants are split among
+    min(fanout, n - 1) children as :func:`shares` splits them (sizes differ by
+    at most one, larger first), which keeps the height at about log_fanout(owners).
+    Every query walks one root-to-role path: O(fanout x height), never O(owners).
+    """
+
+    owners: int
+    fanout: int
+
+    def __post_init__(self) -> None:
+        if self.owners < 1 or self.fanout < 1:
+            raise ValueError(f"a hierarchy needs owners >= 1 and fanout >= 1, got {self.owners} and {self.fanout}")
+
+    def children(self, role: int, size: int) -> list[tuple[int, int]]:
+        """(child role, child subtree size) of ``role`` whose subtree has ``size`` roles."""
+        below = size - 1
+        out, child = [], role + 1
+        for lo, hi in shares(below, min(self.fanout, below)) if below else []:
+            out.append((child, hi - lo))
+            child += hi - lo
+        return out
+
+    def path(self, role: int) -> list[tuple[int, int]]:
+        """(role, subtree size) from the root down to ``role``, inclusive."""
+        if not 0 <= role < self.owners:
+            raise ValueError(f"role {role} is outside [0, {self.owners})")
+        out = [(0, self.owners)]
+        while out[-1][0] != role:
+            out.append(next((c, n) for c, n in self.children(*out[-1]) if c <= role < c + n))
+        return out
+
+    def subtree(self, role: int) -> int:
+        return self.path(role)[-1][1]
+
+    def parent(self, role: int) -> int | None:
+        return self.path(role)[-2][0] if role else None
+
+    def height(self) -> int:
+        """Edges on the longest root-to-leaf path (the first child always has the largest subtree)."""
+        height, role, size = 0, 0, self.owners
+        while size > 1:
+            role, size = self.children(role, size)[0]
+            height += 1
+        return height

@@ -24,11 +24,11 @@ import zstandard
 
 from .errors import Refusal, RefusalCode
 from .format import (
-    DTYPES, PREFIX_LEN, CapturePrefix, ManifestHead, ShardHead, SliceRecord, decode_head, padding_ranges,
+    DTYPES, PREFIX_LEN, CapturePrefix, ChildRef, ManifestHead, ShardHead, SliceRecord, decode_head, padding_ranges,
     parse_manifest_header, parse_shard_header, split_head,
 )
 from .manifest import check_coverage, check_schema_matches, check_shard_against_record, flatten_state, regions_of, torch_dtype
-from .planner import SavedSlice, WantedSlice, plan_restore
+from .planner import Hierarchy, PlanError, SavedSlice, WantedSlice, plan_restore
 from .store import ObjectFile, RefRecord, Store
 
 _HEAD_READ = 64 << 10
@@ -67,8 +67,9 @@ class Generation:
     """An opened generation whose manifest and shard heads are validated (payloads not yet)."""
 
     def __init__(self, store: Store, root: str, ref: RefRecord | None, manifest: ManifestHead,
-                 shards: dict[str, tuple[ObjectFile, ShardHead]]):
+                 shards: dict[str, tuple[ObjectFile, ShardHead]], manifests: tuple[ManifestHead, ...] = ()):
         self.store, self.root, self.ref, self.manifest, self.shards = store, root, ref, manifest, shards
+        self.manifests = manifests or (manifest,)  # every manifest read: the root first
 
     @property
     def prefix(self) -> CapturePrefix:
@@ -90,23 +91,90 @@ class Generation:
                 for digest, (_, head) in self.shards.items() for i, s in enumerate(head.slices)]
 
 
-def open_generation(store: Store, root: str, ref: RefRecord | None = None) -> Generation:
-    """Validate the root manifest and every shard head; check coverage."""
+def _read_manifest(store: Store, digest: str, size: int | None, what: str) -> ManifestHead:
+    with store.open_object(digest, what) as obj:
+        _check_size(obj, size, what)
+        header, head_len = _read_head(obj, what, size_is_known=size is not None)
+    if header.get("kind") != "manifest":
+        raise Refusal(RefusalCode.FORMAT, f"{what} is a {header.get('kind')}, not a manifest")
+    return parse_manifest_header(header, digest, head_len, what)
+
+
+def _check_group(group: ManifestHead, record: ChildRef, root: ManifestHead, hierarchy: Hierarchy, what: str) -> None:
+    """A child group manifest against its parent's record, the root, and the hierarchy's shape."""
+    p = group.publisher
+    if p.kind != "tree" or p.fanout != hierarchy.fanout or group.owners != hierarchy.owners:
+        raise Refusal(RefusalCode.COVERAGE, f"{what} is not a group manifest of this tree "
+                      f"({hierarchy.owners} owners, fan-out {hierarchy.fanout})")
+    if (p.role, p.subtree) != (record.role, record.size):
+        raise Refusal(RefusalCode.COVERAGE, f"{what} is role {p.role} with {p.subtree} roles; its parent's record "
+                      f"says role {record.role} with {record.size}")
+    if group.prefix != root.prefix or group.schema_digest != root.schema_digest:
+        raise Refusal(RefusalCode.MIXED_CAPTURE, f"{what} captured {group.prefix}, the root {root.prefix}")
+    _check_children_prescribed(group, hierarchy, what)
+
+
+def _check_children_prescribed(group: ManifestHead, hierarchy: Hierarchy, what: str) -> None:
+    below = group.publisher.subtree - 1
+    if len(group.children) != min(hierarchy.fanout, below):  # before building the prescription: bounded work
+        raise Refusal(RefusalCode.COVERAGE, f"{what} records {len(group.children)} children, the hierarchy prescribes "
+                      f"{min(hierarchy.fanout, below)}")
+    prescribed = hierarchy.children(group.publisher.role, group.publisher.subtree)
+    if [(c.role, c.size) for c in group.children] != prescribed:
+        raise Refusal(RefusalCode.COVERAGE, f"{what} records children {[(c.role, c.size) for c in group.children]}, "
+                      f"the hierarchy prescribes {prescribed}")
+
+
+def _tree_manifests(store: Store, root: ManifestHead, role: int | None) -> list[ManifestHead]:
+    """The root, then every group manifest (role None) or those on the path down to ``role``."""
+    p = root.publisher
+    hierarchy = Hierarchy(root.owners, p.fanout)
+    if (p.role, p.subtree) != (0, root.owners):
+        raise Refusal(RefusalCode.COVERAGE, f"root manifest is role {p.role} with {p.subtree} roles, "
+                      f"not the root of {root.owners}")
+    _check_children_prescribed(root, hierarchy, "root manifest")
+    if role is not None and not 0 <= role < root.owners:
+        raise Refusal(RefusalCode.PLACEMENT_BOUND, f"the tree has roles [0, {root.owners}), there is no role {role}")
+    out, pending = [root], [root]
+    while pending:
+        parent = pending.pop()
+        for record in parent.children:
+            if role is not None and not record.role <= role < record.role + record.size:
+                continue  # never a sibling subtree
+            what = f"group manifest of role {record.role} ({record.digest[:16]}...)"
+            group = _read_manifest(store, record.digest, record.bytes, what)
+            _check_group(group, record, root, hierarchy, what)
+            out.append(group)
+            pending.append(group)
+    return sorted(out, key=lambda g: g.publisher.role)  # preorder: the root first, a path top-down
+
+
+def open_generation(store: Store, root: str, ref: RefRecord | None = None, *, role: int | None = None) -> Generation:
+    """Validate the root manifest and the shard heads it leads to; check coverage.
+
+    For a tree, ``role=None`` reads every group manifest (verification);
+    ``role=r`` reads only the height + 1 manifests from the root down to role
+    r, and opens r's own shards and the root's (which hold the replicated
+    words): a restore never touches a sibling subtree. Coverage of a path is
+    structural (each parent checked its children's roles and subtree sizes);
+    a word the role wants that is not on its path is refused when planned.
+    """
     if ref is None:
         store.check_digest(root)
         ref = store.find_ref(root)
     what = f"root manifest {root[:16]}..."
-    with store.open_object(root, "root manifest") as obj:
-        _check_size(obj, ref.root_size if ref else None, what)
-        header, head_len = _read_head(obj, what, size_is_known=ref is not None)
-    if header.get("kind") != "manifest":
-        raise Refusal(RefusalCode.FORMAT, f"{what} is a {header.get('kind')}, not a manifest")
-    manifest = parse_manifest_header(header, root, head_len, what)
+    manifest = _read_manifest(store, root, ref.root_size if ref else None, what)
     if ref is not None and ref.prefix != manifest.prefix:
         raise Refusal(RefusalCode.MIXED_CAPTURE, f"{what}: ref {ref.run}/{ref.step}/{ref.generation} records another capture prefix")
+    if manifest.publisher.kind == "tree":
+        groups = _tree_manifests(store, manifest, role)
+        records = [r for g in ((groups[0], groups[-1]) if role is not None else groups) for r in g.shards]
+        records = list({r.digest: r for r in records}.values())  # the root may be the role itself
+    else:
+        groups, records = [manifest], list(manifest.shards)
     shards: dict[str, tuple[ObjectFile, ShardHead]] = {}
     try:
-        for record in manifest.shards:
+        for record in records:
             w = f"shard {record.digest[:16]}..."
             if record.digest in shards:
                 raise Refusal(RefusalCode.COVERAGE, f"{w} is named twice by the manifest")
@@ -122,13 +190,14 @@ def open_generation(store: Store, root: str, ref: RefRecord | None = None) -> Ge
                 obj.close()
                 raise
             shards[record.digest] = (obj, head)
-        check_coverage(manifest.regions, ((o, lo, hi, f"shard {r.digest[:16]}...")
-                                          for r in manifest.shards for (o, lo, hi) in r.slices), what)
+        if role is None or manifest.publisher.kind == "star":
+            check_coverage(manifest.regions, ((o, lo, hi, f"shard {r.digest[:16]}...")
+                                              for r in records for (o, lo, hi) in r.slices), what)
     except BaseException:
         for obj, _ in shards.values():
             obj.close()
         raise
-    return Generation(store, root, ref, manifest, shards)
+    return Generation(store, root, ref, manifest, shards, tuple(groups))
 
 
 # ---------------------------------------------------------------- payload checks
@@ -157,6 +226,7 @@ def _refuse_non_finite(rec: SliceRecord, index: int, value: float, what: str) ->
 
 
 _CHUNK = 16 << 20  # unit of reading ahead, hashing and finiteness checks
+_SMALL_RESTORE = 1 << 20  # below this many stored bytes, validate in the calling thread
 
 
 def _no_wait(upto: int) -> None:
@@ -387,6 +457,15 @@ class _Payloads:
 
         for digest in dict.fromkeys(d for d, _ in wanted):
             self.check_padding(digest)
+        total = sum(self.generation.shards[d][1].slices[i].stored for d, i in wanted)
+        if total <= _SMALL_RESTORE:
+            # Small reads: starting threads would cost more than the reading and hashing.
+            results = {}
+            for digest, index in sorted(wanted, key=lambda k: (k[0], self.generation.shards[k[0]][1].slices[k[1]].offset)):
+                rec = self.generation.shards[digest][1].slices[index]
+                results[(digest, index)] = decode_slice(rec, self.payload(digest)[rec.offset:rec.offset + rec.stored],
+                                                        f"shard {digest[:16]}...", keep=keep)
+            return results
         # File order, so the prefetchers read sequentially and the verifiers follow them.
         jobs = []
         for key in sorted(wanted, key=lambda k: (k[0], self.generation.shards[k[0]][1].slices[k[1]].offset)):
@@ -434,18 +513,45 @@ def _flat_destination(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return staging.reshape(-1).view(torch.uint8), staging
 
 
+class PreparedRestore:
+    """Every slice a restore reads, validated and held (views of the mapped files); nothing copied yet.
+
+    Distributed owners each prepare their own part, agree on the verdict, and
+    only then :meth:`copy_into` their tensors: no owner copies a byte of a
+    generation that any owner refused.
+    """
+
+    def __init__(self, generation: Generation, wanted: Sequence[WantedSlice]):
+        self.generation = generation
+        try:
+            self.plan = plan_restore(generation.saved_slices(), wanted)
+        except PlanError as exc:
+            raise Refusal(RefusalCode.COVERAGE, f"generation {generation.root[:16]}...: {exc}") from None
+        self._payloads = _Payloads(generation)
+        self._raws = self._payloads.decode(list(dict.fromkeys((c.source, c.index) for c in self.plan.copies)))
+
+    @property
+    def bytes_read(self) -> int:
+        """Stored bytes of every slice validated (what the restore read of the shards' payloads)."""
+        return sum(self.generation.shards[d][1].slices[i].stored for d, i in self._raws)
+
+    def copy_into(self, targets: Sequence[torch.Tensor]) -> None:
+        """Fill ``targets[w.dest]`` (flat uint8, exactly words [lo, hi) of its region) by the plan."""
+        _copy_by_plan(self.plan, self.generation, self._raws, targets)
+        self.release()
+
+    def release(self) -> None:
+        self._raws.clear()
+        self._payloads.release()
+
+
 def restore_slices(generation: Generation, wanted: Sequence[WantedSlice], targets: Sequence[torch.Tensor]) -> None:
     """Validate every saved slice the plan reads, then fill ``targets[w.dest]`` (flat uint8) by the plan.
 
     Each wanted slice's target holds exactly words [lo, hi) of its region.
     Nothing is written to any target unless every read slice validated.
     """
-    plan = plan_restore(generation.saved_slices(), wanted)
-    payloads = _Payloads(generation)
-    raws = payloads.decode(list(dict.fromkeys((c.source, c.index) for c in plan.copies)))
-    _copy_by_plan(plan, generation, raws, targets)
-    raws.clear()
-    payloads.release()
+    PreparedRestore(generation, wanted).copy_into(targets)
 
 
 def load_state(state_dict: Mapping[str, Any], *, store: Store, root: str) -> Counters:

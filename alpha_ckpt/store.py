@@ -116,6 +116,7 @@ class Store:
 
     def __init__(self, root: str | os.PathLike, *, create: bool = True):
         self.root = os.fspath(root)
+        self.objects_opened = 0  # objects opened for reading: tests prove a restore reads only its path
         if create:
             os.makedirs(self.root, exist_ok=True)
         try:
@@ -214,6 +215,7 @@ class Store:
     def open_object(self, digest: str, what: str) -> ObjectFile:
         """Open an object for reading: a regular file, never through a symlink."""
         self.check_digest(digest)
+        self.objects_opened += 1
         try:
             fan = self._fan_dir(digest, create=False)
             fd = os.open(digest, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=fan)

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from . import durable
-from .errors import DurableWriteError, Refusal, RefusalCode
-from .format import CapturePrefix, canonical_json
+from .errors import DurableWriteError, PublishFailed, Refusal, RefusalCode
+from .format import DTYPES, CapturePrefix, canonical_json
 from .learner.config import JobConfig, load_config
 from .learner.data import shares
 from .learner.digest import state_digest
@@ -30,15 +30,18 @@ from .learner.model import (
     COMBINE_ORDER, LearnerState, apply_update, combine, configure_determinism, share_gradient, sum_in_owner_order,
 )
 from .manifest import check_schema_matches, flatten_state, regions_of
-from .planner import WantedSlice
-from .publish.star import PublishFailed, build_capture, publish_star
+from .writer import word_bytes
+from .planner import Hierarchy, Piece, WantedSlice
+from .publish.star import build_capture, publish_star
+from .publish.tree import GroupTransport, TreeRole
 from .publish.wire import broadcast_json, gather_json
 from .device import check_devices, current_device
-from .restore import latest_generation, open_generation, restore_slices, verify_generation
+from .restore import PreparedRestore, latest_generation, open_generation
 from .store import Store
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_RETRY = 0, 2, 3, 75
 KILL_ENV = "ALPHA_CKPT_KILL_OWNER"
+TREE_FAULT_ENV = "ALPHA_CKPT_TREE_FAULT"
 _IDENTITY_EXCLUDES = ("run", "step", "parameters", "bind_placement")
 
 
@@ -72,13 +75,17 @@ def parse_args(argv):
     p.add_argument("--resume", choices=["latest"])
     p.add_argument("--branch-from", metavar="ROOT_DIGEST", help="start this run from another run's generation")
     p.add_argument("--publisher", default="star", choices=["star", "tree"])
+    p.add_argument("--fanout", type=int, default=8, help="tree publisher: children per owner at most")
+    p.add_argument("--commit-timeout", type=float, default=60.0,
+                   help="tree publisher: seconds a parent waits for its children's commitments")
     p.add_argument("--backend")
     p.add_argument("--timeout", type=float, default=120.0, help="process-group timeout, seconds")
     return p.parse_args(argv)
 
 
 class Owner:
-    def __init__(self, config: JobConfig, store: Store, device: torch.device = torch.device("cpu")):
+    def __init__(self, config: JobConfig, store: Store, device: torch.device = torch.device("cpu"), *,
+                 publisher: str = "star", fanout: int = 8, commit_timeout: float = 60.0):
         self.config, self.store, self.device = config, store, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.state = LearnerState.initial(config, device)
@@ -87,7 +94,16 @@ class Owner:
         self.named = flatten_state(self.state.tensors())
         self.regions = regions_of(self.named)
         self.owned = [self._owned(name, t) for name, t in self.named]
-        self.devices = gather_json(current_device(device))  # owner 0: every owner's product and UUID
+        self.publisher = publisher
+        self.hierarchy = Hierarchy(self.world, fanout)
+        self.commit_timeout = commit_timeout
+        self.own_device = current_device(device)
+        # The star records every owner's device in its one manifest (owner 0 gathers them);
+        # the tree records each owner's in its own group manifest, so no owner gathers all.
+        self.devices = gather_json(self.own_device) if publisher == "star" else None
+        # NCCL moves only device memory and its receives cannot time out: tree
+        # messages travel over a gloo group beside it.
+        self.control_group = dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None
 
     def _owned(self, name: str, t: torch.Tensor):
         """None for replicated words; this owner's contiguous word range for partitioned ones."""
@@ -96,9 +112,13 @@ class Owner:
         return shares(t.numel(), self.world)[self.rank] if partitioned else None
 
     def metadata(self) -> dict:
-        return {"learner": learner_identity(self.config), "contract": numerical_contract(self.device.type),
+        """The root manifest's bindings (the star's also lists every owner's device)."""
+        meta = {"learner": learner_identity(self.config), "contract": numerical_contract(self.device.type),
                 "config": self.config.to_json(), "parameters": self.config.parameters,
-                "devices": self.devices, "bind_placement": self.config.bind_placement}
+                "bind_placement": self.config.bind_placement}
+        if self.publisher == "star":
+            meta["devices"] = self.devices
+        return meta
 
     # -------------------------------------------------------------- training
 
@@ -159,10 +179,37 @@ class Owner:
         return CapturePrefix(self.config.run, self.config.step, self.state.update, self.state.cursor, self.epoch)
 
     def publish(self) -> str:
-        capture = build_capture(self.prefix(), self.regions, [t for _, t in self.named], self.owned)
-        root = publish_star(self.store if self.rank == 0 else None, capture, self.regions, self.metadata())
+        if self.publisher == "tree":
+            root = self._publish_tree()
+        else:
+            capture = build_capture(self.prefix(), self.regions, [t for _, t in self.named], self.owned)
+            root = publish_star(self.store if self.rank == 0 else None, capture, self.regions, self.metadata())
         self.last_generation = root
         return root
+
+    def _publish_tree(self) -> str:
+        """Own words to own shards, group manifest, commitment; the root's ref; completion down the tree."""
+        parts, replicated = [], blake3.blake3()
+        for region, (_, t), own in zip(self.regions, self.named, self.owned):
+            size = DTYPES[region.dtype][0]
+            words = word_bytes(t)  # host bytes: a view of a CPU tensor, a copy of a CUDA one
+            if own is None:
+                replicated.update(memoryview(words.numpy()) if words.numel() else b"")
+                if self.rank != 0:
+                    continue  # replicated words are published once, by the root
+            lo, hi = own if own is not None else (0, region.words)
+            view = memoryview(words.numpy())[lo * size:hi * size] if words.numel() else memoryview(b"")
+            parts.append((Piece(region.ordinal, lo, hi, size), view, "raw"))
+        metadata = {**(self.metadata() if self.rank == 0 else {}), "device": self.own_device}
+        fault = os.environ.get(TREE_FAULT_ENV, "")  # test hook: "RANK:FAULT" injects FAULT at that owner
+        role = TreeRole(self.store, self.hierarchy, self.rank, GroupTransport(self.control_group),
+                        timeout=self.commit_timeout,
+                        fault=fault.partition(":")[2] if fault.partition(":")[0] == str(self.rank) else None)
+        completion = role.complete(role.commit(self.prefix(), self.regions, [parts] if parts else [],
+                                               replicated.hexdigest(), metadata))
+        if not completion["ok"]:
+            raise PublishFailed(completion["reason"])
+        return completion["root"]
 
     def _check_binding(self, generation, branch: bool) -> None:
         m = generation.manifest
@@ -183,7 +230,8 @@ class Owner:
         if m.prefix.cursor != m.prefix.update * self.config.batch:
             raise Refusal(RefusalCode.RESET_CURSOR, f"generation's cursor {m.prefix.cursor} does not follow "
                           f"{m.prefix.update} updates of {self.config.batch}")
-        check_devices(meta.get("devices") or [], self.devices, bool(meta.get("bind_placement")))
+        if m.publisher.kind == "star":  # a tree's owners each check their own group's device
+            check_devices(meta.get("devices") or [], self.devices or [], bool(meta.get("bind_placement")))
         if not branch:
             self._check_not_stale(m.prefix)
 
@@ -198,10 +246,13 @@ class Owner:
                           f"{r.prefix.epoch}; resume that one, or branch a new run (--branch-from)")
 
     def resume(self, root: str | None, latest: bool, branch: bool = False) -> None:
-        """Collective: owner 0 validates, every owner learns the verdict, then every owner loads its words.
+        """Collective: owner 0 checks the generation's bindings, then every owner validates what it reads.
 
-        A continuation runs in the generation's epoch + 1; a branch starts a new
-        run (epoch 0) from another run's generation.
+        Each owner reads only its own words (a tree: the height + 1 manifests
+        down to its role, its own shards and the root's) and validates them
+        completely; the owners agree on the verdict before any of them copies
+        a byte. A continuation runs in the generation's epoch + 1; a branch
+        starts a new run (epoch 0) from another run's generation.
         """
         verdict = None
         if self.rank == 0:
@@ -211,8 +262,7 @@ class Owner:
                     if record is None:
                         raise Refusal(RefusalCode.MISSING_SHARD, f"no complete generation of {self.config.run}/{self.config.step}")
                     root = record.root
-                verify_generation(self.store, root)
-                with open_generation(self.store, root) as generation:
+                with open_generation(self.store, root, role=0) as generation:
                     self._check_binding(generation, branch)
                     check_schema_matches(generation.manifest.regions, self.regions, f"generation {root[:16]}...")
                 verdict = {"ok": True, "root": root}
@@ -222,24 +272,56 @@ class Owner:
         if not verdict["ok"]:
             raise Refusal(verdict["code"], verdict["message"])
         root = verdict["root"]
-        # Restore into host memory first: validation and the copy run on the CPU,
-        # and a CUDA owner's state is only touched once every byte passed.
+        # Restore into host memory: validation and the copy run on the CPU, and
+        # a CUDA owner's state is only touched once every owner's bytes passed.
         host = [t if t.device.type == "cpu" else torch.empty_like(t, device="cpu") for _, t in self.named]
-        with open_generation(self.store, root) as generation:
-            wanted, targets = [], []
-            for i, ((name, t), own) in enumerate(zip(self.named, self.owned)):
-                lo, hi = (0, t.numel()) if own is None or name.startswith("model.") else own
+        generation, prepared, refusal = None, None, None
+        try:
+            generation = open_generation(self.store, root, role=self.rank)
+            m = generation.manifest
+            if m.publisher.kind == "tree":
+                if m.owners != self.world:
+                    raise Refusal(RefusalCode.PLACEMENT_BOUND, f"this tree generation was published by {m.owners} "
+                                  f"owners, this job has {self.world}")
+                saved = generation.manifests[-1].metadata
+                check_devices([saved.get("device") if isinstance(saved, dict) else None], [self.own_device],
+                              bool(m.metadata.get("bind_placement")) if isinstance(m.metadata, dict) else False)
+            wanted = [WantedSlice(i, *(own or (0, t.numel())), i) for i, ((_, t), own) in enumerate(zip(self.named, self.owned))]
+            prepared = PreparedRestore(generation, wanted)
+        except Refusal as exc:
+            refusal = exc
+        try:
+            self._agree(refusal)
+            targets = []
+            for i, ((_, t), own) in enumerate(zip(self.named, self.owned)):
+                lo, hi = own or (0, t.numel())
                 size = t.element_size()
-                wanted.append(WantedSlice(i, lo, hi, i))
                 targets.append(host[i].view(-1).view(torch.uint8)[lo * size:hi * size] if t.dim() else
                                host[i].view(1).view(torch.uint8))
-            restore_slices(generation, wanted, targets)
+            prepared.copy_into(targets)
             p = generation.manifest.prefix
+        finally:
+            if generation is not None:
+                generation.close()
         for (_, t), h in zip(self.named, host):
             if h is not t:
                 t.copy_(h)
+        if self.config.parameters == "partitioned":
+            self._all_gather_params()  # each owner restored its own range of the parameters
         self.state.update, self.state.cursor, self.epoch = p.update, p.cursor, (0 if branch else p.epoch + 1)
         self.last_generation = root
+
+    def _agree(self, refusal: Refusal | None) -> None:
+        """Collective verdict: if any owner refused, every owner raises the lowest-ranked owner's refusal."""
+        first = torch.tensor([self.rank if refusal is not None else self.world], dtype=torch.int64)
+        dist.all_reduce(first, op=dist.ReduceOp.MIN, group=self.control_group)
+        src = int(first.item())
+        if src == self.world:
+            return
+        mine = {"code": refusal.code.value, "message": f"owner {self.rank}: {refusal.message}"} \
+            if self.rank == src else None
+        verdict = broadcast_json(mine, src)
+        raise Refusal(verdict["code"], verdict["message"])
 
     def publish_output(self) -> str:
         """Owner 0 publishes the fitted model once, atomically (safetensors), as the step's declared output."""
@@ -269,8 +351,8 @@ class Owner:
 
 def run_owner(args) -> int:
     config = load_config(args.config, args.set)
-    if args.publisher != "star":
-        print("alpha-run: --publisher tree is not available yet; use --publisher star", file=sys.stderr)
+    if args.fanout < 1 or args.commit_timeout <= 0:
+        print("alpha-run: --fanout must be at least 1 and --commit-timeout positive", file=sys.stderr)
         return EXIT_USAGE
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     device = compute_device(backend)
@@ -281,7 +363,8 @@ def run_owner(args) -> int:
     else:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
     store = Store(args.store)
-    owner = Owner(config, store, device)
+    owner = Owner(config, store, device, publisher=args.publisher, fanout=args.fanout,
+                  commit_timeout=args.commit_timeout)
     try:
         if args.resume_from or args.resume or args.branch_from:
             owner.resume(args.resume_from or args.branch_from, latest=args.resume == "latest",

@@ -20,8 +20,8 @@ import zstandard
 
 from . import durable
 from .format import (
-    DTYPES, CapturePrefix, RegionDecl, ShardRef, SliceRecord, aligned, canonical_json, check_name, digest_bytes,
-    encode_head, manifest_header, schema_digest_of, shard_header,
+    DTYPES, STAR, CapturePrefix, ChildRef, Publisher, RegionDecl, ShardRef, SliceRecord, aligned, canonical_json,
+    check_name, digest_bytes, encode_head, manifest_header, schema_digest_of, shard_header,
 )
 from .manifest import flatten_state, regions_of
 from .planner import Piece, pack_shards
@@ -141,9 +141,25 @@ def write_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regions
     return ShardRef(digest, size, tuple((p.ordinal, p.lo, p.hi) for p, _, _ in parts))
 
 
+def write_shards(store: Store, prefix: CapturePrefix, regions: Sequence[RegionDecl],
+                 shards: Sequence[Sequence[tuple[Piece, memoryview, str]]],
+                 pool: ThreadPoolExecutor | None = None) -> list[ShardRef]:
+    """Durably write each shard (its (piece, raw bytes, codec) parts in physical order)."""
+    schema = schema_digest_of(regions)
+    if pool is not None:
+        return [write_shard(store, prefix, schema, regions, parts, pool) for parts in shards]
+    if not shards:
+        return []
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="alpha-ckpt-hash") as own_pool:
+        return [write_shard(store, prefix, schema, regions, parts, own_pool) for parts in shards]
+
+
 def write_manifest(store: Store, prefix: CapturePrefix, regions: Sequence[RegionDecl], shards: Sequence[ShardRef],
-                   owners: int, metadata: Any) -> tuple[str, int]:
-    head = encode_head(manifest_header(prefix, schema_digest_of(regions), regions, shards, owners, metadata))
+                   owners: int, metadata: Any, publisher: Publisher = STAR,
+                   children: Sequence[ChildRef] = ()) -> tuple[str, int]:
+    """Durably write a manifest (the star's root, or one tree group manifest); returns (digest, size)."""
+    head = encode_head(manifest_header(prefix, schema_digest_of(regions), regions, shards, owners, metadata,
+                                       publisher, children))
 
     def write(fd: int) -> str:
         _pwrite_all(fd, memoryview(head), 0)
@@ -157,9 +173,7 @@ def publish_slices(store: Store, prefix: CapturePrefix, regions: Sequence[Region
                    shards: Sequence[Sequence[tuple[Piece, memoryview, str]]], *, metadata: Any = None,
                    owners: int = 1) -> Published:
     """Write each shard (its (piece, raw bytes, codec) parts in physical order), the manifest, then the ref."""
-    schema = schema_digest_of(regions)
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="alpha-ckpt-hash") as pool:
-        shard_refs = [write_shard(store, prefix, schema, regions, parts, pool) for parts in shards]
+    shard_refs = write_shards(store, prefix, regions, shards)
     root, root_size = write_manifest(store, prefix, regions, shard_refs, owners, metadata)
     total = root_size + sum(s.size for s in shard_refs)
     record = store.publish_ref(prefix, root, root_size, total, owners=owners)

@@ -14,6 +14,7 @@ import math
 import blake3
 import torch
 
+from ..planner import shares  # noqa: F401  (the input sequence's split among owners)
 from .config import JobConfig
 
 
@@ -56,16 +57,3 @@ def batch(config: JobConfig, start: int, stop: int) -> tuple[torch.Tensor, torch
     if not pairs:
         return torch.empty(0, config.history_days), torch.empty(0, config.horizon_days)
     return torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
-
-
-def shares(total: int, owners: int) -> list[tuple[int, int]]:
-    """Split [0, total) into ``owners`` contiguous shares; sizes differ by at most one, larger first."""
-    if owners < 1:
-        raise ValueError("owners must be at least 1")
-    base, extra = divmod(total, owners)
-    out, lo = [], 0
-    for r in range(owners):
-        hi = lo + base + (1 if r < extra else 0)
-        out.append((lo, hi))
-        lo = hi
-    return out

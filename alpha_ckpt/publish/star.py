@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from ..errors import Refusal, RefusalCode
+from ..errors import PublishFailed, Refusal, RefusalCode
 from ..format import DTYPES, CapturePrefix, RegionDecl, canonical_json
 from ..planner import Piece
 from ..store import Store
@@ -49,10 +49,6 @@ def build_capture(prefix: CapturePrefix, regions: Sequence[RegionDecl], tensors:
         chunks.append(word_bytes(tensor)[lo * size:hi * size].numpy().tobytes())
         pieces.append((region.ordinal, lo, hi, own is None))
     return Capture(prefix, tuple(pieces), b"".join(chunks))
-
-
-class PublishFailed(Exception):
-    """The star did not publish this generation; every owner raises it."""
 
 
 def publish_star(store: Store | None, capture: Capture, regions: Sequence[RegionDecl], metadata: Any) -> str:

@@ -41,8 +41,12 @@ def saved(tmp_path_factory):
 
 
 @pytest.mark.timeout(300)
-def test_job_and_split_resume_match_the_oracle(saved):
+def test_job_and_split_resume_match_the_oracle(saved, tmp_path):
     store, first = saved
+    # A continuation makes the saved generation stale: continue in a copy, so the
+    # refusal tests below see the store as saved, whatever order they run in.
+    subprocess.run(["cp", "-a", str(store), str(tmp_path / "copy")], check=True)
+    store = tmp_path / "copy"
     resumed = final(alpha_run(store, "--updates", "3", "--resume-from", first["last_generation"]))
     oracle = subprocess.run([sys.executable, "-m", "alpha_ckpt.oracle", CONFIG, "--updates", "3", "--placements", "2",
                              *SMALL], capture_output=True, text=True, timeout=120)
@@ -56,7 +60,11 @@ def test_a_flipped_byte_is_refused_with_exit_3_and_the_store_unchanged(saved, tm
     store, first = saved
     copy = tmp_path / "copy"
     subprocess.run(["cp", "-a", str(store), str(copy)], check=True)
-    shard = max((os.path.join(d, f) for d, _, fs in os.walk(copy / "objects") for f in fs), key=os.path.getsize)
+    # A shard of the very generation resumed (other tests add generations to this store).
+    info = subprocess.run([sys.executable, "-m", "alpha_ckpt.cli", "inspect", "--store", str(copy), "--json",
+                           first["last_generation"]], capture_output=True, text=True, timeout=60, check=True)
+    digest = max(json.loads(info.stdout)["shards"], key=lambda s: s["bytes"])["digest"]
+    shard = copy / "objects" / digest[:2] / digest
     os.chmod(shard, 0o644)
     data = bytearray(open(shard, "rb").read())
     data[len(data) // 2] ^= 0x01
@@ -78,7 +86,8 @@ def test_a_changed_learning_rate_is_another_learner(saved):
 
 @pytest.mark.timeout(60)
 def test_usage_errors_exit_2(tmp_path):
-    assert alpha_run(tmp_path, "--updates", "1", "--publisher", "tree").returncode == 2
+    assert alpha_run(tmp_path, "--updates", "1", "--publisher", "ring").returncode == 2
+    assert alpha_run(tmp_path, "--updates", "1", "--publisher", "tree", "--fanout", "0").returncode == 2
     assert alpha_run(tmp_path, "--updates", "1", "--resume-from", "abc").returncode == 2
 
 

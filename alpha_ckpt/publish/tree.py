@@ -1,0 +1,322 @@
+"""Manifest-tree publication on a bounded-fan-out hierarchy.
+
+Every owner (its role is its rank) takes part at the same update boundary:
+
+1. it writes its own shards durably (the root also holds the replicated words);
+2. it receives one commitment from each child the hierarchy prescribes,
+   waiting at most ``timeout`` seconds, and checks each: the same capture
+   prefix as its own, exactly the prescribed role and subtree size, and the
+   same digest of the replicated state (diverged replicas publish nothing);
+3. it writes its group manifest (the prefix, a record per own shard, one
+   record per child: role, subtree size, digest and size of the child's group
+   manifest) and sends its parent only a commitment: the prefix plus that one
+   record;
+4. the root publishes the ref naming its group manifest; then the completion
+   is released down the tree. No owner reports the update committed before
+   it arrives.
+
+Any failure (a missing or refused commitment, a failed write) becomes an
+abort that travels up to the root, and then, as a failed completion, down to
+every owner that can still hear. Messages are fixed-size canonical JSON (no
+pickle), point to point between parent and child only. No owner holds another
+owner's tensor bytes; an owner holds at most fanout + 1 messages and its own
+group manifest.
+
+The same code runs over a process group (:class:`GroupTransport`) and, to
+simulate large hierarchies in one process, over :class:`MemoryTransport`.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..errors import DurableWriteError, PublishConflict, Refusal, RefusalCode
+from ..format import CapturePrefix, ChildRef, Publisher, RegionDecl, canonical_json
+from ..planner import Hierarchy, Piece
+from ..store import Store
+from ..writer import write_manifest, write_shards
+
+MESSAGE_BYTES = 1024  # every message: canonical JSON padded with spaces
+FAULTS = ("kill-before-commit", "withhold-commit", "wrong-prefix", "extra-role", "wrong-role")
+
+
+def encode_message(obj: Any) -> bytes:
+    data = canonical_json(obj)
+    if len(data) > MESSAGE_BYTES:
+        raise ValueError(f"message of {len(data)} bytes exceeds {MESSAGE_BYTES}")
+    return data + b" " * (MESSAGE_BYTES - len(data))
+
+
+def decode_message(data: bytes, what: str) -> dict:
+    try:
+        obj = json.loads(bytes(data).decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        raise Refusal(RefusalCode.FORMAT, f"{what} is not a JSON message") from None
+    if not isinstance(obj, dict) or obj.get("kind") not in ("commit", "abort", "complete"):
+        raise Refusal(RefusalCode.FORMAT, f"{what} is not a commitment, abort or completion")
+    return obj
+
+
+@dataclass(frozen=True)
+class Commitment:
+    """What a child sends its parent: its capture prefix and the record of its group manifest."""
+
+    prefix: CapturePrefix
+    record: ChildRef
+    replicas: str       # BLAKE3 of the replicated words this owner holds
+    subtree_bytes: int  # bytes of every object published by the subtree (for the ref)
+
+    def to_json(self) -> dict:
+        return {"kind": "commit", "prefix": self.prefix.to_json(), "record": self.record.to_json(),
+                "replicas": self.replicas, "subtree_bytes": self.subtree_bytes}
+
+    @classmethod
+    def from_json(cls, obj: dict, what: str) -> "Commitment":
+        try:
+            r = obj["record"]
+            record = ChildRef(int(r["role"]), int(r["size"]), str(r["digest"]), int(r["bytes"]))
+            return cls(CapturePrefix.from_json(obj["prefix"], what), record, str(obj["replicas"]),
+                       int(obj["subtree_bytes"]))
+        except (KeyError, TypeError, ValueError):
+            raise Refusal(RefusalCode.FORMAT, f"{what} is not a well-formed commitment") from None
+
+
+def check_commitment(commitment: Commitment, *, role: int, size: int, prefix: CapturePrefix, replicas: str) -> ChildRef:
+    """The parent's checks of child ``role``'s commitment (pure). Complete coverage follows by induction."""
+    claimed = commitment.record
+    if commitment.prefix != prefix:
+        raise Refusal(RefusalCode.MIXED_CAPTURE, f"the commitment for role {role} captured {commitment.prefix}, "
+                      f"its parent captured {prefix}")
+    if claimed.role != role:
+        raise Refusal(RefusalCode.COVERAGE, f"a commitment claims role {claimed.role} where the hierarchy "
+                      f"prescribes role {role}")
+    if claimed.size != size:
+        raise Refusal(RefusalCode.COVERAGE, f"role {role} claims a subtree of {claimed.size} roles; the hierarchy "
+                      f"prescribes {size}")
+    if commitment.replicas != replicas:
+        raise Refusal(RefusalCode.MIXED_CAPTURE, f"role {role}'s replicated state differs from its parent's")
+    return claimed
+
+
+# ---------------------------------------------------------------- transports
+
+
+class Transport(Protocol):
+    def send(self, dst: int, message: bytes) -> None:
+        """Deliver one message to ``dst``; ConnectionError when ``dst`` is gone."""
+
+    def receive(self, sources: Sequence[int], timeout: float) -> dict[int, bytes]:
+        """One message from each of ``sources`` that arrives within ``timeout`` seconds (the rest are absent)."""
+
+
+class GroupTransport:
+    """Messages over a torch.distributed process group, as uint8 tensors of MESSAGE_BYTES.
+
+    NCCL jobs pass a gloo group for these control messages: it moves host
+    memory and its receives honour a timeout.
+    """
+
+    def __init__(self, group: Any = None):
+        self.group = group
+
+    def send(self, dst: int, message: bytes) -> None:
+        try:
+            dist.send(torch.frombuffer(bytearray(message), dtype=torch.uint8), dst, group=self.group)
+        except (RuntimeError, ConnectionError) as exc:  # DistBackendError is a RuntimeError
+            raise ConnectionError(f"owner {dst} cannot be reached: {exc}") from None
+
+    def receive(self, sources: Sequence[int], timeout: float) -> dict[int, bytes]:
+        # Post every receive first so that no child's send waits on another child.
+        posted = []
+        for src in sources:
+            buf = torch.empty(MESSAGE_BYTES, dtype=torch.uint8)
+            posted.append((src, buf, dist.irecv(buf, src, group=self.group)))
+        deadline = time.monotonic() + timeout
+        out = {}
+        for src, buf, work in posted:
+            try:
+                work.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
+            except RuntimeError:
+                continue  # timed out, or the peer is gone: absent
+            out[src] = buf.numpy().tobytes()
+        return out
+
+
+class MemoryTransport:
+    """In-process mailboxes between roles, for simulating hierarchies of any size in one process."""
+
+    def __init__(self):
+        self._boxes: dict[tuple[int, int], deque] = {}
+        self.gone: set[int] = set()
+
+    def endpoint(self, role: int) -> "_MemoryEndpoint":
+        return _MemoryEndpoint(self, role)
+
+
+class _MemoryEndpoint:
+    def __init__(self, net: MemoryTransport, role: int):
+        self.net, self.role = net, role
+
+    def send(self, dst: int, message: bytes) -> None:
+        if dst in self.net.gone:
+            raise ConnectionError(f"role {dst} is gone")
+        self.net._boxes.setdefault((self.role, dst), deque()).append(bytes(message))
+
+    def receive(self, sources: Sequence[int], timeout: float) -> dict[int, bytes]:
+        out = {}
+        for src in sources:
+            box = self.net._boxes.get((src, self.role))
+            if box:
+                out[src] = box.popleft()
+                if not box:
+                    del self.net._boxes[(src, self.role)]
+        return out
+
+
+# ---------------------------------------------------------------- one role
+
+
+@dataclass
+class RoleStats:
+    """What one role did in one publication (the simulation reports the largest per level)."""
+
+    messages_sent: int = 0
+    messages_received: int = 0
+    bytes_held: int = 0  # received messages plus its own group manifest, at most
+
+
+class TreeRole:
+    """Role ``role`` of a publication over ``hierarchy``: :meth:`commit`, then :meth:`complete`.
+
+    Real owners call both in turn. The simulation calls :meth:`commit` for
+    every role in reverse preorder (children before parents), then
+    :meth:`complete` in preorder.
+    """
+
+    def __init__(self, store: Store, hierarchy: Hierarchy, role: int, transport: Transport, *,
+                 timeout: float, fault: str | None = None, pool: ThreadPoolExecutor | None = None):
+        if fault is not None and fault not in FAULTS:
+            raise ValueError(f"unknown tree fault {fault!r}; known: {', '.join(FAULTS)}")
+        self.store, self.hierarchy, self.role, self.transport = store, hierarchy, role, transport
+        self.timeout, self.fault, self.pool = timeout, fault, pool
+        path = hierarchy.path(role)
+        self.size = path[-1][1]
+        self.parent = path[-2][0] if len(path) > 1 else None
+        self.children = hierarchy.children(role, self.size)
+        self.stats = RoleStats()
+
+    def _send(self, dst: int, obj: dict) -> None:
+        self.stats.messages_sent += 1
+        self.transport.send(dst, encode_message(obj))
+
+    def commit(self, prefix: CapturePrefix, regions: Sequence[RegionDecl],
+               own_shards: Sequence[Sequence[tuple[Piece, memoryview, str]]], replicas: str,
+               metadata: Any) -> dict | None:
+        """Steps 1-3 (and the ref, at the root). Returns the completion to release at the root, else None."""
+        failure = None
+        shard_refs = []
+        try:
+            shard_refs = write_shards(self.store, prefix, regions, own_shards, self.pool)
+        except (OSError, DurableWriteError) as exc:
+            failure = f"role {self.role} could not write its shards: {exc}"
+        # Always hear every child out, so none is left blocked in its send.
+        arrived = self.transport.receive([c for c, _ in self.children], self.timeout)
+        self.stats.messages_received += len(arrived)
+        self.stats.bytes_held = sum(len(m) for m in arrived.values())
+        records, subtree_bytes = [], sum(s.size for s in shard_refs)
+        for child, size in self.children:
+            if child not in arrived:
+                failure = failure or (f"the subtree of role {child} ({size} roles) sent no commitment within "
+                                      f"{self.timeout:g} s")
+                continue
+            try:
+                message = decode_message(arrived[child], f"the message from role {child}")
+                if message["kind"] == "abort":
+                    failure = failure or str(message.get("reason"))
+                    continue
+                commitment = Commitment.from_json(message, f"the commitment from role {child}")
+                records.append(check_commitment(commitment, role=child, size=size, prefix=prefix, replicas=replicas))
+                subtree_bytes += commitment.subtree_bytes
+            except Refusal as refusal:
+                failure = failure or f"role {self.role} refused a commitment: [{refusal.code.value}] {refusal.message}"
+        if failure is None:
+            try:
+                digest, nbytes = write_manifest(
+                    self.store, prefix, regions, shard_refs, self.hierarchy.owners, metadata,
+                    Publisher("tree", self.hierarchy.fanout, self.role, self.size), records)
+                self.stats.bytes_held += nbytes
+                subtree_bytes += nbytes
+            except (OSError, DurableWriteError, ValueError) as exc:
+                failure = f"role {self.role} could not write its group manifest: {exc}"
+        if self.parent is None:
+            if failure is not None:
+                return {"kind": "complete", "ok": False, "reason": failure}
+            try:
+                self.store.publish_ref(prefix, digest, nbytes, subtree_bytes, owners=self.hierarchy.owners)
+            except (OSError, DurableWriteError, PublishConflict) as exc:
+                return {"kind": "complete", "ok": False, "reason": f"the root could not publish the ref: {exc}"}
+            return {"kind": "complete", "ok": True, "root": digest}
+        if failure is not None:
+            self._send_up({"kind": "abort", "role": self.role, "reason": failure[:600]})
+            return None
+        commitment = Commitment(prefix, ChildRef(self.role, self.size, digest, nbytes), replicas, subtree_bytes)
+        self._send_up(self._injected(commitment).to_json() if self.fault else commitment.to_json())
+        return None
+
+    def _send_up(self, obj: dict) -> None:
+        if self.fault == "kill-before-commit":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.fault == "withhold-commit":
+            return  # alive, but silent: the parent's timeout must end the publication
+        try:
+            self._send(self.parent, obj)
+        except ConnectionError:
+            pass  # the parent is gone: no completion will come, and complete() says so
+
+    def _injected(self, c: Commitment) -> Commitment:
+        """Test faults: a commitment that its parent must refuse."""
+        if self.fault == "wrong-prefix":
+            p = c.prefix
+            return Commitment(CapturePrefix(p.run, p.step, p.update + 1, p.cursor, p.epoch), c.record, c.replicas,
+                              c.subtree_bytes)
+        if self.fault == "extra-role":  # one role too many in the subtree
+            r = c.record
+            return Commitment(c.prefix, ChildRef(r.role, r.size + 1, r.digest, r.bytes), c.replicas, c.subtree_bytes)
+        if self.fault == "wrong-role":
+            r = c.record
+            return Commitment(c.prefix, ChildRef(r.role + 1, r.size, r.digest, r.bytes), c.replicas, c.subtree_bytes)
+        return c
+
+    def complete(self, at_root: dict | None = None) -> dict:
+        """Step 4: the completion from the parent (or, at the root, ``at_root``), passed on to every child."""
+        if self.parent is None:
+            completion = at_root
+        else:
+            # The parent answers after its own slowest child: allow one timeout per level, plus one.
+            wait = self.timeout * (self.hierarchy.height() + 2)
+            arrived = self.transport.receive([self.parent], wait)
+            self.stats.messages_received += len(arrived)
+            if self.parent in arrived:
+                try:
+                    completion = decode_message(arrived[self.parent], f"the completion from role {self.parent}")
+                except Refusal as refusal:
+                    completion = {"kind": "complete", "ok": False, "reason": refusal.message}
+            else:
+                completion = {"kind": "complete", "ok": False,
+                              "reason": f"no completion from parent role {self.parent} within {wait:g} s"}
+        for child, _ in self.children:
+            try:
+                self._send(child, completion)
+            except ConnectionError:
+                pass  # a dead child hears nothing; the launcher stops it
+        return completion
