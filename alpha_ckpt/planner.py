@@ -190,10 +190,14 @@ class Hierarchy:
     def parent(self, role: int) -> int | None:
         return self.path(role)[-2][0] if role else None
 
-    def height(self) -> int:
-        """Edges on the longest root-to-leaf path (the first child always has the largest subtree)."""
-        height, role, size = 0, 0, self.owners
+    def height(self, size: int | None = None) -> int:
+        """Edges on the longest path down a subtree of ``size`` roles (default: the whole tree).
+
+        A subtree's shape depends only on its size, and its first child always
+        has the largest subtree.
+        """
+        height, size = 0, self.owners if size is None else size
         while size > 1:
-            role, size = self.children(role, size)[0]
+            size = self.children(0, size)[0][1]
             height += 1
         return height

@@ -376,7 +376,10 @@ def run_owner(args) -> int:
                 os.kill(os.getpid(), signal.SIGKILL)
             due = args.checkpoint_every and owner.state.update % args.checkpoint_every == 0
             if due or owner.state.update == args.updates:
-                owner.publish()
+                root = owner.publish()
+                # Only after the durable completion: the ref naming ``root`` exists.
+                print(f"alpha-run: owner {owner.rank} committed update {owner.state.update} as {root}",
+                      file=sys.stderr, flush=True)
         tensors = owner.materialize()
         output = owner.publish_output() if owner.rank == 0 else None
         if owner.rank == 0:

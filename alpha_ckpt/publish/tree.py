@@ -27,15 +27,15 @@ simulate large hierarchies in one process, over :class:`MemoryTransport`.
 """
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import signal
+import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -115,15 +115,17 @@ class Transport(Protocol):
     def send(self, dst: int, message: bytes) -> None:
         """Deliver one message to ``dst``; ConnectionError when ``dst`` is gone."""
 
-    def receive(self, sources: Sequence[int], timeout: float) -> dict[int, bytes]:
-        """One message from each of ``sources`` that arrives within ``timeout`` seconds (the rest are absent)."""
+    def receive(self, waits: Mapping[int, float]) -> dict[int, bytes]:
+        """One message from each source in ``waits`` that arrives within its seconds (the rest are absent)."""
 
 
 class GroupTransport:
     """Messages over a torch.distributed process group, as uint8 tensors of MESSAGE_BYTES.
 
     NCCL jobs pass a gloo group for these control messages: it moves host
-    memory and its receives honour a timeout.
+    memory. A receive is waited for on a helper thread, never with gloo's own
+    timeout: a gloo timeout closes every connection of the group, after which
+    this owner could not even pass on the abort.
     """
 
     def __init__(self, group: Any = None):
@@ -135,21 +137,34 @@ class GroupTransport:
         except (RuntimeError, ConnectionError) as exc:  # DistBackendError is a RuntimeError
             raise ConnectionError(f"owner {dst} cannot be reached: {exc}") from None
 
-    def receive(self, sources: Sequence[int], timeout: float) -> dict[int, bytes]:
+    def receive(self, waits: Mapping[int, float]) -> dict[int, bytes]:
         # Post every receive first so that no child's send waits on another child.
         posted = []
-        for src in sources:
+        for src in waits:
             buf = torch.empty(MESSAGE_BYTES, dtype=torch.uint8)
-            posted.append((src, buf, dist.irecv(buf, src, group=self.group)))
-        deadline = time.monotonic() + timeout
+            work = dist.irecv(buf, src, group=self.group)
+            outcome: dict[str, bool] = {}
+            settled = threading.Event()
+            threading.Thread(target=_settle, args=(work, outcome, settled), daemon=True,
+                             name=f"alpha-ckpt-recv-{src}").start()
+            posted.append((src, buf, outcome, settled))
+        start = time.monotonic()
         out = {}
-        for src, buf, work in posted:
-            try:
-                work.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
-            except RuntimeError:
-                continue  # timed out, or the peer is gone: absent
-            out[src] = buf.numpy().tobytes()
+        for src, buf, outcome, settled in posted:
+            # A dead peer settles at once (connection closed); a silent one runs out its time.
+            if settled.wait(max(0.0, start + waits[src] - time.monotonic())) and outcome.get("ok"):
+                out[src] = buf.numpy().tobytes()
         return out
+
+
+def _settle(work: Any, outcome: dict, settled: threading.Event) -> None:
+    try:
+        work.wait()
+        outcome["ok"] = True
+    except RuntimeError:
+        outcome["ok"] = False
+    finally:
+        settled.set()
 
 
 class MemoryTransport:
@@ -172,9 +187,9 @@ class _MemoryEndpoint:
             raise ConnectionError(f"role {dst} is gone")
         self.net._boxes.setdefault((self.role, dst), deque()).append(bytes(message))
 
-    def receive(self, sources: Sequence[int], timeout: float) -> dict[int, bytes]:
+    def receive(self, waits: Mapping[int, float]) -> dict[int, bytes]:
         out = {}
-        for src in sources:
+        for src in waits:
             box = self.net._boxes.get((src, self.role))
             if box:
                 out[src] = box.popleft()
@@ -229,15 +244,18 @@ class TreeRole:
             shard_refs = write_shards(self.store, prefix, regions, own_shards, self.pool)
         except (OSError, DurableWriteError) as exc:
             failure = f"role {self.role} could not write its shards: {exc}"
-        # Always hear every child out, so none is left blocked in its send.
-        arrived = self.transport.receive([c for c, _ in self.children], self.timeout)
+        # Always hear every child out, so none is left blocked in its send. A child
+        # reports its own subtree's failure only after its own waits: allow it
+        # one timeout per level below it, so the first failure's reason arrives.
+        arrived = self.transport.receive({c: self.timeout * (self.hierarchy.height(n) + 1) for c, n in self.children})
         self.stats.messages_received += len(arrived)
         self.stats.bytes_held = sum(len(m) for m in arrived.values())
         records, subtree_bytes = [], sum(s.size for s in shard_refs)
         for child, size in self.children:
             if child not in arrived:
+                waited = self.timeout * (self.hierarchy.height(size) + 1)
                 failure = failure or (f"the subtree of role {child} ({size} roles) sent no commitment within "
-                                      f"{self.timeout:g} s")
+                                      f"{waited:g} s")
                 continue
             try:
                 message = decode_message(arrived[child], f"the message from role {child}")
@@ -304,7 +322,7 @@ class TreeRole:
         else:
             # The parent answers after its own slowest child: allow one timeout per level, plus one.
             wait = self.timeout * (self.hierarchy.height() + 2)
-            arrived = self.transport.receive([self.parent], wait)
+            arrived = self.transport.receive({self.parent: wait})
             self.stats.messages_received += len(arrived)
             if self.parent in arrived:
                 try:
