@@ -210,3 +210,25 @@ def test_ctrl_c_stops_every_owner_and_leaves_the_last_generation_whole(tmp_path)
     latest = subprocess.run([sys.executable, "-m", "alpha_ckpt.cli", "latest", "--store", str(store), "--run", "nightly",
                              "--step", "fit", "--json"], capture_output=True, text=True, timeout=60)
     assert latest.returncode == 0, latest.stdout + latest.stderr
+
+
+@pytest.mark.timeout(400)
+def test_a_tree_checkpoint_with_one_damaged_leaf_shard_is_refused_by_every_owner(tmp_path):
+    store = tmp_path / "store"
+    tree = ["--publisher", "tree", "--fanout", "2", "--set", "parameters=partitioned"]
+    first = final(alpha_run(store, *tree, "--updates", "2", "--checkpoint-every", "2", nproc=4))
+    info = subprocess.run([sys.executable, "-m", "alpha_ckpt.cli", "inspect", "--store", str(store), "--json",
+                           first["last_generation"]], capture_output=True, text=True, timeout=60, check=True)
+    groups = {g["role"]: g for g in json.loads(info.stdout)["groups"]}
+    assert sorted(groups) == [0, 1, 2, 3] and [c["role"] for c in groups[0]["children"]] == [1, 3]
+    digest = groups[3]["shards"][0]["digest"]  # only owner 3 reads this shard on resume
+    shard = store / "objects" / digest[:2] / digest
+    os.chmod(shard, 0o644)
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0x10
+    shard.write_bytes(data)
+    before = store_hash(store)
+    proc = alpha_run(store, *tree, "--updates", "3", "--resume-from", first["last_generation"], nproc=4)
+    assert proc.returncode == 3 and "corrupt-shard" in proc.stderr and "owner 3:" in proc.stderr, proc.stderr[-2000:]
+    assert "committed update 3" not in proc.stderr
+    assert store_hash(store) == before
