@@ -148,6 +148,21 @@ def shares(total: int, owners: int) -> list[tuple[int, int]]:
     return out
 
 
+def share_of(total: int, owners: int, word: int) -> int:
+    """The owner whose share (as :func:`shares` splits [0, total)) holds ``word``; O(1)."""
+    base, extra = divmod(total, owners)
+    if word < extra * (base + 1):
+        return word // (base + 1)
+    return extra + (word - extra * (base + 1)) // base
+
+
+def owners_holding(total: int, owners: int, lo: int, hi: int) -> range:
+    """The owners whose shares of [0, total) hold a word of [lo, hi) (empty for an empty range)."""
+    if hi <= lo:
+        return range(0)
+    return range(share_of(total, owners, lo), share_of(total, owners, hi - 1) + 1)
+
+
 @dataclass(frozen=True)
 class Hierarchy:
     """A publication tree of ``owners`` roles with at most ``fanout`` children per role.

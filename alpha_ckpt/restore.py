@@ -24,7 +24,7 @@ import zstandard
 
 from .errors import Refusal, RefusalCode
 from .format import (
-    DTYPES, PREFIX_LEN, CapturePrefix, ChildRef, ManifestHead, ShardHead, SliceRecord, decode_head, padding_ranges,
+    DTYPES, PREFIX_LEN, CapturePrefix, ChildRef, ManifestHead, ShardHead, ShardRef, SliceRecord, decode_head, padding_ranges,
     parse_manifest_header, parse_shard_header, split_head,
 )
 from .manifest import check_coverage, check_schema_matches, check_shard_against_record, flatten_state, regions_of, torch_dtype
@@ -125,22 +125,22 @@ def _check_children_prescribed(group: ManifestHead, hierarchy: Hierarchy, what: 
                       f"the hierarchy prescribes {prescribed}")
 
 
-def _tree_manifests(store: Store, root: ManifestHead, role: int | None) -> list[ManifestHead]:
-    """The root, then every group manifest (role None) or those on the path down to ``role``."""
+def _tree_manifests(store: Store, root: ManifestHead, roles: Sequence[int] | None) -> list[ManifestHead]:
+    """The root, then every group manifest (roles None) or those on the paths down to ``roles``."""
     p = root.publisher
     hierarchy = Hierarchy(root.owners, p.fanout)
     if (p.role, p.subtree) != (0, root.owners):
         raise Refusal(RefusalCode.COVERAGE, f"root manifest is role {p.role} with {p.subtree} roles, "
                       f"not the root of {root.owners}")
     _check_children_prescribed(root, hierarchy, "root manifest")
-    if role is not None and not 0 <= role < root.owners:
-        raise Refusal(RefusalCode.PLACEMENT_BOUND, f"the tree has roles [0, {root.owners}), there is no role {role}")
+    if roles is not None and any(not 0 <= r < root.owners for r in roles):
+        raise Refusal(RefusalCode.COVERAGE, f"the tree has roles [0, {root.owners}), not all of {sorted(roles)}")
     out, pending = [root], [root]
     while pending:
         parent = pending.pop()
         for record in parent.children:
-            if role is not None and not record.role <= role < record.role + record.size:
-                continue  # never a sibling subtree
+            if roles is not None and not any(record.role <= r < record.role + record.size for r in roles):
+                continue  # never a subtree holding none of the roles wanted
             what = f"group manifest of role {record.role} ({record.digest[:16]}...)"
             group = _read_manifest(store, record.digest, record.bytes, what)
             _check_group(group, record, root, hierarchy, what)
@@ -149,15 +149,26 @@ def _tree_manifests(store: Store, root: ManifestHead, role: int | None) -> list[
     return sorted(out, key=lambda g: g.publisher.role)  # preorder: the root first, a path top-down
 
 
-def open_generation(store: Store, root: str, ref: RefRecord | None = None, *, role: int | None = None) -> Generation:
+def _holds_any(record: ShardRef, wanted: Sequence[WantedSlice]) -> bool:
+    return any(o == w.ordinal and lo < w.hi and w.lo < hi and hi > lo
+               for (o, lo, hi) in record.slices for w in wanted)
+
+
+def open_generation(store: Store, root: str, ref: RefRecord | None = None, *,
+                    role: int | Sequence[int] | Callable[[ManifestHead], Sequence[int]] | None = None,
+                    wanted: Sequence[WantedSlice] | None = None) -> Generation:
     """Validate the root manifest and the shard heads it leads to; check coverage.
 
     For a tree, ``role=None`` reads every group manifest (verification);
     ``role=r`` reads only the height + 1 manifests from the root down to role
     r, and opens r's own shards and the root's (which hold the replicated
-    words): a restore never touches a sibling subtree. Coverage of a path is
-    structural (each parent checked its children's roles and subtree sizes);
-    a word the role wants that is not on its path is refused when planned.
+    words): a restore never touches a sibling subtree. ``role=[r, s, ...]``
+    reads the union of those paths (a repartitioned restore); a callable
+    picks them from the root manifest. Coverage of a
+    path is structural (each parent checked its children's roles and subtree
+    sizes); a wanted word that is not on the paths is refused when planned.
+    With ``wanted``, only the shards whose records hold a wanted word are
+    opened (star or tree); coverage is still checked on every record read.
     """
     if ref is None:
         store.check_digest(root)
@@ -166,12 +177,18 @@ def open_generation(store: Store, root: str, ref: RefRecord | None = None, *, ro
     manifest = _read_manifest(store, root, ref.root_size if ref else None, what)
     if ref is not None and ref.prefix != manifest.prefix:
         raise Refusal(RefusalCode.MIXED_CAPTURE, f"{what}: ref {ref.run}/{ref.step}/{ref.generation} records another capture prefix")
+    if callable(role):  # the roles to read may depend on what the root manifest says
+        role = role(manifest) if manifest.publisher.kind == "tree" else None
+    targets = [role] if isinstance(role, int) else (None if role is None else sorted(set(role)))
     if manifest.publisher.kind == "tree":
-        groups = _tree_manifests(store, manifest, role)
-        records = [r for g in ((groups[0], groups[-1]) if role is not None else groups) for r in g.shards]
-        records = list({r.digest: r for r in records}.values())  # the root may be the role itself
+        groups = _tree_manifests(store, manifest, targets)
+        chosen = groups if targets is None else [g for g in groups if g.publisher.role in set(targets) | {0}]
+        records = list({r.digest: r for g in chosen for r in g.shards}.values())  # the root may be a target too
     else:
         groups, records = [manifest], list(manifest.shards)
+    every_record = records
+    if wanted is not None:
+        records = [r for r in records if _holds_any(r, wanted)]
     shards: dict[str, tuple[ObjectFile, ShardHead]] = {}
     try:
         for record in records:
@@ -190,9 +207,9 @@ def open_generation(store: Store, root: str, ref: RefRecord | None = None, *, ro
                 obj.close()
                 raise
             shards[record.digest] = (obj, head)
-        if role is None or manifest.publisher.kind == "star":
+        if targets is None or manifest.publisher.kind == "star":
             check_coverage(manifest.regions, ((o, lo, hi, f"shard {r.digest[:16]}...")
-                                              for r in records for (o, lo, hi) in r.slices), what)
+                                              for r in every_record for (o, lo, hi) in r.slices), what)
     except BaseException:
         for obj, _ in shards.values():
             obj.close()

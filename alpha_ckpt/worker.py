@@ -31,7 +31,7 @@ from .learner.model import (
 )
 from .manifest import check_schema_matches, flatten_state, regions_of
 from .writer import word_bytes
-from .planner import Hierarchy, Piece, WantedSlice
+from .planner import Hierarchy, Piece, WantedSlice, owners_holding
 from .publish.star import build_capture, publish_star
 from .publish.tree import GroupTransport, TreeRole
 from .publish.wire import broadcast_json, gather_json
@@ -52,9 +52,12 @@ def learner_identity(config: JobConfig) -> str:
 
 
 def numerical_contract(compute: str = "cpu") -> dict:
-    """What the bits depend on besides the state: kernels (CPU or CUDA), dtype, threads and the combine order."""
-    return {"combine_order": COMBINE_ORDER, "dtype": "float32", "intra_op_threads": 1, "deterministic": True,
-            "compute": compute}
+    """What the bits depend on besides the state and the placement: kernels (CPU or CUDA), dtype, threads.
+
+    The combine order belongs to each placement segment (see Owner.segments),
+    so the saved state itself is placement-free.
+    """
+    return {"dtype": "float32", "intra_op_threads": 1, "deterministic": True, "compute": compute}
 
 
 def compute_device(backend: str) -> torch.device:
@@ -95,6 +98,7 @@ class Owner:
         self.regions = regions_of(self.named)
         self.owned = [self._owned(name, t) for name, t in self.named]
         self.publisher = publisher
+        self.segments = [{"owners": self.world, "from": 0, "combine_order": COMBINE_ORDER}]
         self.hierarchy = Hierarchy(self.world, fanout)
         self.commit_timeout = commit_timeout
         self.own_device = current_device(device)
@@ -107,15 +111,29 @@ class Owner:
 
     def _owned(self, name: str, t: torch.Tensor):
         """None for replicated words; this owner's contiguous word range for partitioned ones."""
-        partitioned = self.config.parameters == "partitioned" and name.startswith(("model.", "optim.")) \
-            and not name.startswith("optim.scalars.")
+        mode = self.config.parameters
+        if name.startswith("optim.") and not name.startswith("optim.scalars."):
+            partitioned = mode in ("partitioned", "optimizer")
+        else:
+            partitioned = mode == "partitioned" and name.startswith("model.")
         return shares(t.numel(), self.world)[self.rank] if partitioned else None
 
     def metadata(self) -> dict:
-        """The root manifest's bindings (the star's also lists every owner's device)."""
+        """The root manifest's bindings (the star's also lists every owner's device).
+
+        ``placement`` says whether the checkpoint binds its owner count;
+        ``segments`` is the placement history that produced the state (owner
+        count and combine order from each update on), which is what an oracle
+        needs to reproduce it; ``layout`` names which regions were saved by
+        owner share (role r holds shares(words, owners)[r]), so a restore on
+        another owner count knows whose shards to read.
+        """
         meta = {"learner": learner_identity(self.config), "contract": numerical_contract(self.device.type),
                 "config": self.config.to_json(), "parameters": self.config.parameters,
-                "bind_placement": self.config.bind_placement}
+                "bind_placement": self.config.bind_placement,
+                "placement": {"bound": self.config.bind_placement, "owners": self.world},
+                "segments": self.segments,
+                "layout": {"rule": "shares", "partitioned": [i for i, own in enumerate(self.owned) if own is not None]}}
         if self.publisher == "star":
             meta["devices"] = self.devices
         return meta
@@ -142,10 +160,10 @@ class Owner:
             partials.append(parts)
         loss_sum = sum_in_owner_order(losses)
         ranges = None
-        if c.parameters == "partitioned":
+        if c.parameters != "replicated":  # each owner updates the range whose optimizer state it owns
             ranges = {n: shares(p.numel(), self.world)[self.rank] for n, p in s.params.items()}
         apply_update(c, s, combine(partials), loss_sum, ranges)
-        if c.parameters == "partitioned":
+        if c.parameters != "replicated":
             self._all_gather_params()
 
     def _all_gather_params(self) -> None:
@@ -227,6 +245,15 @@ class Owner:
         if meta.get("contract") != numerical_contract(self.device.type):
             raise Refusal(RefusalCode.CONTRACT_MISMATCH, f"generation was saved under contract {meta.get('contract')}, "
                           f"this job runs {numerical_contract(self.device.type)}")
+        segments = meta.get("segments")
+        last = segments[-1] if isinstance(segments, list) and segments and isinstance(segments[-1], dict) else {}
+        if last.get("combine_order") != COMBINE_ORDER:
+            raise Refusal(RefusalCode.CONTRACT_MISMATCH, f"generation was produced with combine order "
+                          f"{last.get('combine_order')!r}; this job combines in {COMBINE_ORDER!r}")
+        placement = meta.get("placement") if isinstance(meta.get("placement"), dict) else {"bound": True}
+        if placement.get("bound") and m.owners != self.world:
+            raise Refusal(RefusalCode.PLACEMENT_BOUND, f"generation binds its placement to {m.owners} owners; this "
+                          f"job has {self.world} (save with bind_placement = false to resume on another count)")
         if m.prefix.cursor != m.prefix.update * self.config.batch:
             raise Refusal(RefusalCode.RESET_CURSOR, f"generation's cursor {m.prefix.cursor} does not follow "
                           f"{m.prefix.update} updates of {self.config.batch}")
@@ -276,17 +303,9 @@ class Owner:
         # a CUDA owner's state is only touched once every owner's bytes passed.
         host = [t if t.device.type == "cpu" else torch.empty_like(t, device="cpu") for _, t in self.named]
         generation, prepared, refusal = None, None, None
+        wanted = [WantedSlice(i, *(own or (0, t.numel())), i) for i, ((_, t), own) in enumerate(zip(self.named, self.owned))]
         try:
-            generation = open_generation(self.store, root, role=self.rank)
-            m = generation.manifest
-            if m.publisher.kind == "tree":
-                if m.owners != self.world:
-                    raise Refusal(RefusalCode.PLACEMENT_BOUND, f"this tree generation was published by {m.owners} "
-                                  f"owners, this job has {self.world}")
-                saved = generation.manifests[-1].metadata
-                check_devices([saved.get("device") if isinstance(saved, dict) else None], [self.own_device],
-                              bool(m.metadata.get("bind_placement")) if isinstance(m.metadata, dict) else False)
-            wanted = [WantedSlice(i, *(own or (0, t.numel())), i) for i, ((_, t), own) in enumerate(zip(self.named, self.owned))]
+            generation = self._open_own_part(root, wanted)
             prepared = PreparedRestore(generation, wanted)
         except Refusal as exc:
             refusal = exc
@@ -298,8 +317,11 @@ class Owner:
                 size = t.element_size()
                 targets.append(host[i].view(-1).view(torch.uint8)[lo * size:hi * size] if t.dim() else
                                host[i].view(1).view(torch.uint8))
+            m = generation.manifest
+            read = (f"read {prepared.bytes_read} payload bytes of {len(generation.shards)} shards and "
+                    f"{len(generation.manifests)} manifests, of {generation.ref.bytes if generation.ref else '?'} "
+                    "bytes published")
             prepared.copy_into(targets)
-            p = generation.manifest.prefix
         finally:
             if generation is not None:
                 generation.close()
@@ -308,8 +330,44 @@ class Owner:
                 t.copy_(h)
         if self.config.parameters == "partitioned":
             self._all_gather_params()  # each owner restored its own range of the parameters
+        p = m.prefix
         self.state.update, self.state.cursor, self.epoch = p.update, p.cursor, (0 if branch else p.epoch + 1)
         self.last_generation = root
+        # The placement history goes on: a new segment when the owner count changed.
+        self.segments = [dict(s) for s in m.metadata["segments"]]
+        if self.segments[-1].get("owners") != self.world:
+            self.segments.append({"owners": self.world, "from": p.update, "combine_order": COMBINE_ORDER})
+        print(f"alpha-run: owner {self.rank} restored update {p.update} from {root}: {read}", file=sys.stderr,
+              flush=True)
+
+    def _open_own_part(self, root: str, wanted: list[WantedSlice]):
+        """Open the generation for this owner's words only: the manifests and shards that hold them."""
+        roles: set[int] = {0}
+
+        def saved_roles(m) -> list[int]:
+            # Which saved roles hold this owner's words: by the saved layout, pure arithmetic.
+            meta = m.metadata if isinstance(m.metadata, dict) else {}
+            layout = meta.get("layout") if isinstance(meta.get("layout"), dict) else {}
+            partitioned = set(layout.get("partitioned") or []) if layout.get("rule") == "shares" else set()
+            for w in wanted:
+                if w.ordinal in partitioned and w.ordinal < len(m.regions):
+                    roles.update(owners_holding(m.regions[w.ordinal].words, m.owners, w.lo, w.hi))
+            return sorted(roles)
+
+        generation = open_generation(self.store, root, role=saved_roles, wanted=wanted)
+        m = generation.manifest
+        meta = m.metadata if isinstance(m.metadata, dict) else {}
+        try:
+            if m.publisher.kind == "tree":
+                bound = bool(meta.get("bind_placement"))
+                own = [g for g in generation.manifests if g.publisher.role == (self.rank if bound else -1)]
+                read = own or [g for g in generation.manifests if g.publisher.role in roles]
+                check_devices([g.metadata.get("device") if isinstance(g.metadata, dict) else None for g in read],
+                              [self.own_device] * (1 if bound else len(read)), bound)
+        except BaseException:
+            generation.close()
+            raise
+        return generation
 
     def _agree(self, refusal: Refusal | None) -> None:
         """Collective verdict: if any owner refused, every owner raises the lowest-ranked owner's refusal."""

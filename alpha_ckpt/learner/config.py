@@ -6,6 +6,14 @@ import tomllib
 from dataclasses import dataclass
 
 
+# replicated: every owner holds and updates everything (one copy is checkpointed);
+# partitioned: each owner owns a contiguous word range of every parameter and
+#   optimizer-state region, ZeRO style (parameters all-gathered after each update);
+# optimizer: only the optimizer state is partitioned (ZeRO stage 1); the
+#   parameters are updated by range, all-gathered and checkpointed replicated.
+PARAMETER_MODES = ("replicated", "partitioned", "optimizer")
+
+
 @dataclass(frozen=True)
 class JobConfig:
     run: str = "nightly"
@@ -18,7 +26,7 @@ class JobConfig:
     hidden: int = 32
     batch: int = 96
     optimizer: str = "adam"
-    parameters: str = "replicated"
+    parameters: str = "replicated"  # see PARAMETER_MODES
     lr: float = 0.01
     momentum: float = 0.9
     beta1: float = 0.9
@@ -29,8 +37,8 @@ class JobConfig:
     def __post_init__(self) -> None:
         if self.optimizer not in ("sgd", "momentum", "adam"):
             raise ValueError(f"optimizer must be sgd, momentum or adam, not {self.optimizer!r}")
-        if self.parameters not in ("replicated", "partitioned"):
-            raise ValueError(f"parameters must be replicated or partitioned, not {self.parameters!r}")
+        if self.parameters not in PARAMETER_MODES:
+            raise ValueError(f"parameters must be one of {', '.join(PARAMETER_MODES)}, not {self.parameters!r}")
         for name in ("stores", "items", "history_days", "horizon_days", "hidden", "batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")

@@ -232,3 +232,39 @@ def test_a_tree_checkpoint_with_one_damaged_leaf_shard_is_refused_by_every_owner
     assert proc.returncode == 3 and "corrupt-shard" in proc.stderr and "owner 3:" in proc.stderr, proc.stderr[-2000:]
     assert "committed update 3" not in proc.stderr
     assert store_hash(store) == before
+
+
+def _bytes_read(stderr: str) -> dict[int, int]:
+    import re
+    return {int(m.group(1)): int(m.group(2))
+            for m in re.finditer(r"owner (\d+) restored update \d+ from \w+: read (\d+) payload bytes", stderr)}
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("publisher", ["star", "tree"])
+def test_each_of_four_owners_reads_about_a_quarter_and_three_owners_resume_to_the_oracle(tmp_path, publisher):
+    store = tmp_path / "store"
+    args = ["--publisher", publisher, "--fanout", "2", "--set", "parameters=partitioned", "--set", "optimizer=momentum"]
+    first = final(alpha_run(store, *args, "--updates", "2", "--checkpoint-every", "2", nproc=4))
+    info = json.loads(subprocess.run([sys.executable, "-m", "alpha_ckpt.cli", "inspect", "--store", str(store), "--json",
+                                      first["last_generation"]], capture_output=True, text=True, timeout=60,
+                                     check=True).stdout)
+    partitioned = set(info["metadata"]["layout"]["partitioned"])
+    shards = [s for g in info["groups"] for s in g["shards"]] if info["groups"] else info["shards"]
+    slices = [sl for s in shards for sl in s["slices"]]
+    part_bytes = sum(sl["stored"] for sl in slices if sl["ordinal"] in partitioned)
+    other_bytes = sum(sl["stored"] for sl in slices if sl["ordinal"] not in partitioned)
+    same = alpha_run(store, *args, "--updates", "3", "--resume-from", first["last_generation"], nproc=4)
+    final(same)
+    read = _bytes_read(same.stderr)
+    assert sorted(read) == [0, 1, 2, 3]
+    for owner, n in read.items():  # its quarter of the partitioned words, plus the few replicated ones
+        assert n <= part_bytes / 4 * 1.01 + other_bytes, (owner, n, part_bytes, other_bytes)
+    assert sum(read.values()) >= part_bytes  # together they read every partitioned word once
+    # The same generation on 3 owners (a branch, so the continuation above does not make it stale).
+    three = alpha_run(store, *args, "--updates", "3", "--branch-from", first["last_generation"], "--run", "three",
+                      nproc=3)
+    oracle = subprocess.run([sys.executable, "-m", "alpha_ckpt.oracle", CONFIG, "--updates", "3", "--placements",
+                             "4:2,3:1", *SMALL, "--set", "optimizer=momentum"], capture_output=True, text=True, timeout=120)
+    assert final(three)["state_digest"] == json.loads(oracle.stdout)["state_digest"]
+    assert max(_bytes_read(three.stderr).values()) <= part_bytes / 3 * 1.01 + other_bytes + part_bytes / 4
