@@ -289,7 +289,8 @@ class Owner:
                     if record is None:
                         raise Refusal(RefusalCode.MISSING_SHARD, f"no complete generation of {self.config.run}/{self.config.step}")
                     root = record.root
-                with open_generation(self.store, root, role=0) as generation:
+                # The bindings live in the root manifest: no shard is opened here.
+                with open_generation(self.store, root, role=0, wanted=[]) as generation:
                     self._check_binding(generation, branch)
                     check_schema_matches(generation.manifest.regions, self.regions, f"generation {root[:16]}...")
                 verdict = {"ok": True, "root": root}
