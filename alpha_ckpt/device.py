@@ -42,10 +42,18 @@ def current_device(device: torch.device) -> dict:
     return {"product": name.decode() if isinstance(name, bytes) else str(name), "uuid": uuid}
 
 
-def check_devices(saved: list[dict], current: list[dict], bind_placement: bool) -> None:
-    """Refuse a resume on another device product (or, with placement binding, another device)."""
-    saved_products = sorted({d.get("product") for d in saved})
-    current_products = sorted({d.get("product") for d in current})
+def check_devices(saved: list, current: list[dict], bind_placement: bool) -> None:
+    """Refuse a resume on other device products (with placement binding: other devices).
+
+    ``saved`` are the recorded devices that matter to the caller (a restoring
+    owner passes those of the owners whose words it reads, and its own device
+    as ``current``): their products must be exactly the current ones, since
+    another product's kernels give other bits. A record that is not a device
+    counts as unknown and is refused.
+    """
+    saved = [d if isinstance(d, dict) else {} for d in saved]
+    saved_products = sorted({str(d.get("product")) for d in saved})
+    current_products = sorted({str(d.get("product")) for d in current})
     if saved_products != current_products:
         raise Refusal(RefusalCode.DEVICE_MISMATCH, f"checkpoint was saved on {saved_products}, "
                       f"this job runs on {current_products}")

@@ -1,13 +1,18 @@
 """Deliberately altered generations, for refusal tests and gates.
 
     python -m alpha_ckpt.forge --store S ROOT --edit devices.0.product='"NVIDIA A100"'
+    python -m alpha_ckpt.forge --store S ROOT --poison model.w1:5=nan
+    python -m alpha_ckpt.forge --store S ROOT --prefix cursor=0
 
-Publishes a new generation of the same run/step whose shards are ROOT's own
-objects and whose root manifest carries ROOT's metadata with each ``--edit``
-applied (a dotted path, then a JSON value). Every digest in the result is
-valid, so only the binding checks of a resume can refuse it: this is how a
-"checkpoint saved on another device product" or "under another learner" is
-made without another machine. Prints the new root digest.
+Publishes a new generation of the same run/step. With only ``--edit``, its
+shards are ROOT's own objects and its root manifest carries ROOT's metadata
+with each edit applied (a dotted path, then a JSON value). With ``--poison``
+(a word set to nan, inf or -inf) or ``--prefix`` (a capture counter
+changed), every word is read back and published again as a star generation
+with fresh shards. Every digest in the result is valid, so only the checks a
+restore makes on values and bindings can refuse it: this is how a "NaN with
+the checksums repaired", a "reset cursor" or a "checkpoint saved on another
+device product" is made. Prints the new root digest.
 """
 from __future__ import annotations
 
@@ -17,9 +22,14 @@ import json
 import sys
 from typing import Any, Callable
 
-from .restore import open_generation
+import torch
+
+from .format import DTYPES, CapturePrefix
+from .manifest import torch_dtype
+from .planner import Piece, WantedSlice
+from .restore import open_generation, restore_slices
 from .store import Store
-from .writer import write_manifest
+from .writer import publish_slices, write_manifest
 
 
 def set_path(document: Any, dotted: str, value: Any) -> Any:
@@ -37,21 +47,54 @@ def set_path(document: Any, dotted: str, value: Any) -> Any:
 
 
 def republish_with_metadata(store: Store, root: str, edit: Callable[[Any], Any]) -> str:
-    """Publish ROOT's shards again under a manifest with ``edit(metadata)``; returns the new root digest."""
+    """Publish ROOT's shards (and a tree's group manifests) again under a root with ``edit(metadata)``."""
     with open_generation(store, root) as generation:
         m = generation.manifest
     metadata = edit(copy.deepcopy(m.metadata))
-    digest, size = write_manifest(store, m.prefix, m.regions, m.shards, m.owners, metadata)
+    digest, size = write_manifest(store, m.prefix, m.regions, m.shards, m.owners, metadata, m.publisher, m.children)
     store.publish_ref(m.prefix, digest, size, size + sum(s.size for s in m.shards), owners=m.owners)
     return digest
+
+
+def republish_state(store: Store, root: str, *, edit: Callable[[Any], Any] = lambda m: m,
+                    poison: dict[tuple[str, int], float] | None = None, prefix: dict[str, int] | None = None) -> str:
+    """Read every word of ROOT, apply ``poison`` {(region, word): value}, publish it again as a star generation."""
+    with open_generation(store, root) as generation:
+        m = generation.manifest
+        buffers = [bytearray(r.words * DTYPES[r.dtype][0]) for r in m.regions]
+        wanted = [WantedSlice(r.ordinal, 0, r.words, r.ordinal) for r in m.regions]
+        restore_slices(generation, wanted, [torch.frombuffer(b, dtype=torch.uint8) if b else torch.empty(0, dtype=torch.uint8)
+                                            for b in buffers])
+    by_name = {r.name: r for r in m.regions}
+    for (name, word), value in (poison or {}).items():
+        region = by_name[name]
+        torch.frombuffer(buffers[region.ordinal], dtype=torch_dtype(region.dtype))[word] = value
+    p = m.prefix
+    new_prefix = CapturePrefix(p.run, p.step, *(int((prefix or {}).get(k, getattr(p, k))) for k in ("update", "cursor", "epoch")))
+    metadata = edit(copy.deepcopy(m.metadata))
+    if isinstance(metadata, dict) and "devices" not in metadata:  # a tree's devices live in its group manifests
+        metadata["devices"] = [{"product": "cpu", "uuid": None}] * m.owners
+    shards = [[(Piece(r.ordinal, 0, r.words, DTYPES[r.dtype][0]), memoryview(buffers[r.ordinal]), "raw")]
+              for r in m.regions]
+    return publish_slices(store, new_prefix, m.regions, shards, metadata=metadata, owners=m.owners).root
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m alpha_ckpt.forge", description=__doc__.splitlines()[0])
     parser.add_argument("--store", required=True)
     parser.add_argument("root")
-    parser.add_argument("--edit", action="append", default=[], metavar="PATH=JSON", required=True)
+    parser.add_argument("--edit", action="append", default=[], metavar="PATH=JSON")
+    parser.add_argument("--poison", action="append", default=[], metavar="REGION:WORD=nan|inf|-inf")
+    parser.add_argument("--prefix", action="append", default=[], metavar="update|cursor|epoch=N")
     args = parser.parse_args(argv)
+    if not (args.edit or args.poison or args.prefix):
+        parser.error("nothing to alter: give --edit, --poison or --prefix")
+    poison = {}
+    for item in args.poison:
+        target, _, value = item.partition("=")
+        name, _, word = target.rpartition(":")
+        poison[(name, int(word))] = float(value)
+    prefix = dict((k, int(v)) for k, _, v in (item.partition("=") for item in args.prefix))
     edits = []
     for item in args.edit:
         path, sep, value = item.partition("=")
@@ -66,7 +109,10 @@ def main(argv=None) -> int:
 
     store = Store(args.store)
     try:
-        print(republish_with_metadata(store, args.root, edit))
+        if poison or prefix:
+            print(republish_state(store, args.root, edit=edit, poison=poison, prefix=prefix))
+        else:
+            print(republish_with_metadata(store, args.root, edit))
     finally:
         store.close()
     return 0

@@ -257,10 +257,15 @@ class Owner:
         if m.prefix.cursor != m.prefix.update * self.config.batch:
             raise Refusal(RefusalCode.RESET_CURSOR, f"generation's cursor {m.prefix.cursor} does not follow "
                           f"{m.prefix.update} updates of {self.config.batch}")
-        if m.publisher.kind == "star":  # a tree's owners each check their own group's device
-            check_devices(meta.get("devices") or [], self.devices or [], bool(meta.get("bind_placement")))
         if not branch:
             self._check_not_stale(m.prefix)
+
+    def _check_history_readable(self) -> None:
+        """Every ref of this run/step must read back intact: the stale-epoch check needs its whole history."""
+        for record in self.store.list_refs(self.config.run, self.config.step):
+            if isinstance(record, Refusal):
+                raise Refusal(record.code, f"the history of {self.config.run}/{self.config.step} cannot be "
+                              f"checked: {record.message}")
 
     def _check_not_stale(self, prefix: CapturePrefix) -> None:
         """Once a continuation has published, every generation of an older epoch is stale (no silent forks)."""
@@ -284,6 +289,8 @@ class Owner:
         verdict = None
         if self.rank == 0:
             try:
+                if not branch and not latest:  # --resume latest skips (and names) unreadable refs instead
+                    self._check_history_readable()
                 if latest:
                     record, _ = latest_generation(self.store, self.config.run, self.config.step)
                     if record is None:
@@ -359,12 +366,17 @@ class Owner:
         m = generation.manifest
         meta = m.metadata if isinstance(m.metadata, dict) else {}
         try:
+            # Each owner checks its own device against what the generation recorded for the
+            # owners it reads (with placement binding: for its own rank, UUID included).
+            bound = bool(meta.get("bind_placement"))
             if m.publisher.kind == "tree":
-                bound = bool(meta.get("bind_placement"))
                 own = [g for g in generation.manifests if g.publisher.role == (self.rank if bound else -1)]
                 read = own or [g for g in generation.manifests if g.publisher.role in roles]
-                check_devices([g.metadata.get("device") if isinstance(g.metadata, dict) else None for g in read],
-                              [self.own_device] * (1 if bound else len(read)), bound)
+                saved = [g.metadata.get("device") if isinstance(g.metadata, dict) else None for g in read]
+            else:
+                devices = meta.get("devices") if isinstance(meta.get("devices"), list) else []
+                saved = devices[self.rank:self.rank + 1] if bound else devices
+            check_devices(saved or [None], [self.own_device] * (1 if bound else len(saved or [None])), bound)
         except BaseException:
             generation.close()
             raise
