@@ -294,7 +294,7 @@ class Store:
             body = encode_ref(record)
 
             def write(fd: int) -> None:
-                _write_all(fd, body)
+                write_all(fd, body)
 
             try:
                 durable.durable_commit(tmp_dir=self._tmp_fd, dest_dir=dir_fd, write=write,
@@ -385,7 +385,8 @@ def _plain_subdirs(dir_fd: int) -> list[str]:
     return names
 
 
-def _write_all(fd: int, data) -> None:
+def write_all(fd: int, data) -> None:
+    """os.write until every byte is written (a short write is not an error)."""
     view = memoryview(data).cast("B")
     while view:
         n = os.write(fd, view)

@@ -37,7 +37,7 @@ from .publish.tree import GroupTransport, TreeRole
 from .publish.wire import broadcast_json, gather_json
 from .device import check_devices, current_device
 from .restore import PreparedRestore, latest_generation, open_generation
-from .store import Store
+from .store import Store, write_all
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_RETRY = 0, 2, 3, 75
 KILL_ENV = "ALPHA_CKPT_KILL_OWNER"
@@ -408,7 +408,7 @@ class Owner:
             tmp_fd = os.open("tmp", os.O_RDONLY | os.O_DIRECTORY, dir_fd=root_fd)
             name = f"model-{blake3.blake3(data).hexdigest()[:16]}.safetensors"
             try:
-                durable.durable_commit(tmp_dir=tmp_fd, dest_dir=step_fd, write=lambda fd: os.write(fd, data) and None,
+                durable.durable_commit(tmp_dir=tmp_fd, dest_dir=step_fd, write=lambda fd: write_all(fd, data),
                                        name=name, kind="output")
             except FileExistsError:
                 pass  # the same bytes were published before: same name, same content
