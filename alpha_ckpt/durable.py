@@ -11,9 +11,12 @@ A crash at any point leaves either nothing visible or the complete file: the
 temporary name is never published, and NOREPLACE means a published name is
 never overwritten.
 
-Fault points: set ``ALPHA_CKPT_FAULT=<kind>:<point>`` (kind ``object``, ``ref``,
-``output`` or ``*``) to SIGKILL the process exactly there, or install a Python
-hook with :func:`set_fault_hook` for in-process tests.
+Fault points: set ``ALPHA_CKPT_FAULT=<kind>:<point>[:<rank>]`` (kind ``object``,
+``ref``, ``output`` or ``*``) to SIGKILL the process (or only owner <rank>)
+exactly there, or install a Python hook with :func:`set_fault_hook` for
+in-process tests. Publishers add ``publish:before-completion``: an owner
+dies holding the durable-completion acknowledgment, before passing it on or
+reporting the update committed.
 """
 from __future__ import annotations
 
@@ -46,14 +49,22 @@ def set_fault_hook(hook: Callable[[str, str], None] | None) -> None:
     _fault_hook = hook
 
 
-def _fault(kind: str, point: str) -> None:
+def fault_point(kind: str, point: str) -> None:
+    """A named point where tests may kill this process: ``ALPHA_CKPT_FAULT=kind:point[:rank]``.
+
+    With ``:rank`` only the owner whose RANK (as torchrun sets it) matches dies there.
+    """
     wanted = os.environ.get(FAULT_ENV)
     if wanted:
-        want_kind, _, want_point = wanted.partition(":")
-        if want_point == point and want_kind in (kind, "*"):
+        want_kind, _, rest = wanted.partition(":")
+        want_point, _, want_rank = rest.partition(":")
+        if want_point == point and want_kind in (kind, "*") and want_rank in ("", os.environ.get("RANK", "0")):
             os.kill(os.getpid(), signal.SIGKILL)
     if _fault_hook is not None:
         _fault_hook(kind, point)
+
+
+_fault = fault_point
 
 
 _libc = ctypes.CDLL(None, use_errno=True)

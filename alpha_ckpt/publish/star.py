@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from ..durable import fault_point
 from ..errors import PublishFailed, Refusal, RefusalCode
 from ..format import DTYPES, CapturePrefix, RegionDecl, canonical_json
 from ..planner import Piece
@@ -58,6 +59,7 @@ def publish_star(store: Store | None, capture: Capture, regions: Sequence[Region
         send_bytes(capture.descriptor(), 0)
         send_bytes(capture.data, 0)
         ack = broadcast_json(None)
+        fault_point("publish", "before-completion")
     else:
         captures = [capture]
         for r in range(1, world):
@@ -70,6 +72,7 @@ def publish_star(store: Store | None, capture: Capture, regions: Sequence[Region
             ack = {"ok": True, "root": root}
         except (Refusal, OSError, ValueError) as exc:
             ack = {"ok": False, "reason": str(exc)}
+        fault_point("publish", "before-completion")
         broadcast_json(ack)
     if not ack["ok"]:
         raise PublishFailed(ack["reason"])

@@ -40,6 +40,7 @@ from typing import Any, Mapping, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
+from ..durable import fault_point
 from ..errors import DurableWriteError, PublishConflict, Refusal, RefusalCode
 from ..format import CapturePrefix, ChildRef, Publisher, RegionDecl, canonical_json
 from ..planner import Hierarchy, Piece
@@ -332,6 +333,7 @@ class TreeRole:
             else:
                 completion = {"kind": "complete", "ok": False,
                               "reason": f"no completion from parent role {self.parent} within {wait:g} s"}
+        fault_point("publish", "before-completion")
         for child, _ in self.children:
             try:
                 self._send(child, completion)

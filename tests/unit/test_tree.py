@@ -130,3 +130,40 @@ def test_a_root_whose_child_record_claims_another_subtree_size_is_refused(tmp_pa
         with pytest.raises(Refusal) as info:
             open_generation(store, digest, role=role).close()
         assert info.value.code == RefusalCode.COVERAGE
+
+
+def test_a_child_record_naming_an_ancestor_manifest_is_refused(tmp_path):
+    """Content addressing makes a true cycle unwritable; the nearest thing, a record naming a root, is refused."""
+    store = Store(tmp_path / "store")
+    report, _ = simulate.publish(store, 3, 2)
+    ref = store.list_refs("sim", "fit")[0]
+    with open_generation(store, report.root, ref, role=0) as generation:
+        root = generation.manifest
+    looped = (ChildRef(1, 1, report.root, root.size), root.children[1])  # role 1 "is" the root manifest
+    digest, size = write_manifest(store, root.prefix, root.regions, root.shards, root.owners, root.metadata,
+                                  root.publisher, looped)
+    store.publish_ref(root.prefix, digest, size, size, owners=root.owners)
+    with pytest.raises(Refusal) as info:
+        open_generation(store, digest).close()
+    assert info.value.code == RefusalCode.COVERAGE
+
+
+def test_no_restore_path_unpickles_or_calls_torch_load(tmp_path, monkeypatch):
+    import pickle
+
+    import torch
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a restore path unpickled")
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, forbidden)
+    monkeypatch.setattr(torch, "load", forbidden)
+    store = Store(tmp_path / "store")
+    report, _ = simulate.publish(store, 7, 2)
+    verify_generation(store, report.root)
+    simulate.restore(store, report)
+    import alpha_ckpt
+    root = alpha_ckpt.save({"w": torch.ones(5)}, store=store, run="p", step="s", update=1, cursor=1, epoch=0)
+    back = {"w": torch.zeros(5)}
+    alpha_ckpt.load(back, store=store, digest=root)
+    assert torch.equal(back["w"], torch.ones(5))
