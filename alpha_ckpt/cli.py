@@ -4,6 +4,7 @@
     alpha-ckpt inspect --store DIR DIGEST [--json]
     alpha-ckpt verify  --store DIR DIGEST [--json]
     alpha-ckpt latest  --store DIR --run R --step S [--json]
+    alpha-ckpt gc      --store DIR [--keep K] [--grace SECONDS] [--dry-run] [--json]
 
 Exit codes: 0 done (verify: valid), 3 refused (verify: the refusal code is
 printed), 2 usage error.
@@ -18,6 +19,7 @@ from typing import Sequence
 
 from .errors import Refusal, StoreUsageError
 from .format import is_digest
+from .gc import DEFAULT_GRACE_S, apply_gc, plan_gc
 from .restore import latest_generation, open_generation, verify_generation
 from .store import RefRecord, Store
 
@@ -46,6 +48,11 @@ def _parser() -> argparse.ArgumentParser:
                        ("verify", "validate every object of a generation (exit 3 when refused)")):
         p = sub.add_parser(name, parents=[common], help=text)
         p.add_argument("digest", type=_digest_arg, help="root digest (64 hex)")
+    p = sub.add_parser("gc", parents=[common], help="remove stale temp files, old generations, unreachable objects")
+    p.add_argument("--keep", type=int, help="keep the K newest generations of each run/step (K >= 2; default all)")
+    p.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
+                   help=f"never remove objects or temp files younger than this many seconds (default {DEFAULT_GRACE_S:g})")
+    p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
     return parser
 
 
@@ -124,6 +131,21 @@ def cmd_inspect(store: Store, args, out) -> int:
     return EXIT_OK
 
 
+def cmd_gc(store: Store, args, out) -> int:
+    plan = plan_gc(store, keep=args.keep, grace=args.grace)
+    if not args.dry_run:
+        apply_gc(store, plan)
+    if args.json:
+        print(json.dumps({**plan.to_json(), "dry_run": args.dry_run}), file=out)
+    else:
+        verb = "would remove" if args.dry_run else "removed"
+        print(f"{verb} {len(plan.refs)} generations, {len(plan.objects)} unreachable objects, {len(plan.tmp)} temp "
+              f"files; kept {plan.kept_generations} generations ({plan.reachable} objects reachable)", file=out)
+        for root in plan.unreadable:
+            print(f"  no object removed: the manifests of kept generation {root} cannot be read", file=out)
+    return EXIT_OK
+
+
 def cmd_verify(store: Store, args, out) -> int:
     verify_generation(store, args.digest)
     if args.json:
@@ -160,9 +182,13 @@ def main(argv: Sequence[str] | None = None, out=None) -> int:
     except Refusal as refusal:
         return _refused(refusal, args, out)
     try:
-        return {"list": cmd_list, "inspect": cmd_inspect, "verify": cmd_verify, "latest": cmd_latest}[args.command](store, args, out)
+        return {"list": cmd_list, "inspect": cmd_inspect, "verify": cmd_verify, "latest": cmd_latest,
+                "gc": cmd_gc}[args.command](store, args, out)
     except Refusal as refusal:
         return _refused(refusal, args, out)
+    except StoreUsageError as exc:
+        print(f"alpha-ckpt: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     finally:
         store.close()
 

@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from . import durable
-from .errors import PublishConflict, Refusal, RefusalCode, StoreUsageError
+from .errors import DurableWriteError, PublishConflict, Refusal, RefusalCode, StoreUsageError
 from .format import CapturePrefix, canonical_json, check_name, digest_bytes, is_digest, parse_canonical_json
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -186,25 +186,38 @@ class Store:
         """Durably write an object; ``write(fd)`` writes it and returns its digest.
 
         Returns (digest, written). An object that already exists is not written
-        again (same name, same content): that is the dedup.
+        again (same name, same content): that is the dedup. A reused object's
+        modification time is renewed, so gc's grace period protects it until
+        the publish reusing it has its ref.
         """
-        if digest_hint is not None and self.has_object(digest_hint):
+        if digest_hint is not None and self.has_object(digest_hint) and self._renew(digest_hint):
             return digest_hint, False
-        names: list[str] = []
+        for _ in range(2):  # a second time only if gc removed the existing copy in between
+            names: list[str] = []
 
-        def write_named(fd: int) -> str:
-            names.append(self.check_digest(write(fd)))
-            return names[0]
+            def write_named(fd: int) -> str:
+                names.append(self.check_digest(write(fd)))
+                return names[0]
 
+            try:
+                # The fan directory depends on the digest, known only once written.
+                digest = durable.durable_commit(
+                    tmp_dir=self._tmp_fd, dest_dir=lambda name: self._fan_dir(name, create=True),
+                    write=write_named, kind="object",
+                )
+                return digest, True
+            except FileExistsError:
+                if self._renew(names[0]):
+                    return names[0], False
+        raise DurableWriteError("rename", errno.EEXIST, f"object {names[0]} kept disappearing while being reused")
+
+    def _renew(self, digest: str) -> bool:
+        """Touch a reused object (False if it is gone): gc spares objects younger than its grace period."""
         try:
-            # The fan directory depends on the digest, known only once written.
-            digest = durable.durable_commit(
-                tmp_dir=self._tmp_fd, dest_dir=lambda name: self._fan_dir(name, create=True),
-                write=write_named, kind="object",
-            )
-            return digest, True
-        except FileExistsError:
-            return names[0], False
+            os.utime(f"{digest[:2]}/{digest}", dir_fd=self._objects_fd, follow_symlinks=False)
+            return True
+        except FileNotFoundError:
+            return False
 
     @staticmethod
     def check_digest(digest: object) -> str:
