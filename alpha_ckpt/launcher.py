@@ -44,7 +44,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--run", help="run name (overrides the config)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     p.add_argument("--updates", type=int, required=True, help="committed update count to reach (absolute)")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="publish a generation every K updates")
+    p.add_argument("--checkpoint-every", default="0", metavar="K|auto",
+                   help="publish a generation every K updates, or 'auto': Young/Daly's interval from the measured "
+                        "checkpoint cost and --mtbf (always at the end too)")
+    p.add_argument("--mtbf", metavar="DURATION", help="mean time between failures for --checkpoint-every auto "
+                   "(21600, 360m, 6h)")
+    p.add_argument("--checkpoint-cost", metavar="DURATION",
+                   help="auto: the checkpoint cost assumed until one is measured (default: checkpoint after the "
+                        "first update to measure it)")
+    p.add_argument("--save", choices=["sync", "async"], default="sync",
+                   help="async: snapshot at the boundary and publish while training goes on (default sync)")
+    p.add_argument("--in-flight", choices=["wait", "skip"], default="wait",
+                   help="async: a boundary that finds the previous save still running waits for it, or skips "
+                        "its checkpoint (logged) (default wait)")
     resume = p.add_mutually_exclusive_group()
     resume.add_argument("--resume-from", metavar="ROOT_DIGEST", help="continue exactly this generation or refuse")
     resume.add_argument("--resume", choices=["latest"], help="continue the newest complete generation")
@@ -69,13 +81,14 @@ def torchrun_argv(args) -> list[str]:
     if args.standalone:
         out.append("--standalone")
     worker = [args.config, "--store", args.store, "--updates", str(args.updates),
-              "--checkpoint-every", str(args.checkpoint_every), "--publisher", args.publisher,
+              "--checkpoint-every", str(args.checkpoint_every), "--save", args.save, "--in-flight", args.in_flight,
+              "--publisher", args.publisher,
               "--fanout", str(args.fanout), "--commit-timeout", str(args.commit_timeout), "--timeout", str(args.timeout)]
     # The run name travels as a config override: a worker flag named --run would be
     # an ambiguous prefix of torchrun's --run-path when torchrun parses the command.
     for item in args.set + ([f"run={args.run}"] if args.run else []):
         worker += ["--set", item]
-    for flag in ("resume_from", "resume", "branch_from", "backend"):
+    for flag in ("resume_from", "resume", "branch_from", "backend", "mtbf", "checkpoint_cost"):
         value = getattr(args, flag)
         if value is not None:
             worker += ["--" + flag.replace("_", "-"), value]
@@ -88,6 +101,11 @@ def main(argv=None) -> int:
         print("alpha-run: --fanout must be at least 1 and --commit-timeout positive", file=sys.stderr)
         return EXIT_USAGE
     from .format import is_digest
+    from .interval import check_schedule_args
+    problem = check_schedule_args(args)
+    if problem:
+        print(f"alpha-run: {problem}", file=sys.stderr)
+        return EXIT_USAGE
     for flag in ("resume_from", "branch_from"):
         value = getattr(args, flag)
         if value is not None and not is_digest(value):

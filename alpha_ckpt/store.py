@@ -117,6 +117,7 @@ class Store:
     def __init__(self, root: str | os.PathLike, *, create: bool = True):
         self.root = os.fspath(root)
         self.objects_opened = 0  # objects opened for reading: tests prove a restore reads only its path
+        self.bytes_written = 0   # bytes of objects this handle created (a deduplicated object adds none)
         if create:
             os.makedirs(self.root, exist_ok=True)
         try:
@@ -195,8 +196,11 @@ class Store:
         for _ in range(2):  # a second time only if gc removed the existing copy in between
             names: list[str] = []
 
+            sizes: list[int] = []
+
             def write_named(fd: int) -> str:
                 names.append(self.check_digest(write(fd)))
+                sizes.append(os.fstat(fd).st_size)
                 return names[0]
 
             try:
@@ -205,6 +209,7 @@ class Store:
                     tmp_dir=self._tmp_fd, dest_dir=lambda name: self._fan_dir(name, create=True),
                     write=write_named, kind="object",
                 )
+                self.bytes_written += sizes[0]
                 return digest, True
             except FileExistsError:
                 if self._renew(names[0]):

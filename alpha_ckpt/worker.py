@@ -14,13 +14,17 @@ import datetime
 import json
 import os
 import signal
+import statistics
 import sys
+import time
 
 import blake3
 import torch
 import torch.distributed as dist
 
 from . import durable
+from .async_save import AsyncSaver, SaveHandle
+from .interval import IntervalPlan, check_schedule_args, parse_duration, young_daly
 from .errors import DurableWriteError, PublishFailed, Refusal, RefusalCode
 from .format import DTYPES, CapturePrefix, canonical_json
 from .learner.config import JobConfig, load_config
@@ -73,7 +77,11 @@ def parse_args(argv):
     p.add_argument("--store", default="./alpha-store")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--updates", type=int, required=True, help="committed update count to reach (absolute)")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="publish every K updates (and at the end)")
+    p.add_argument("--checkpoint-every", default="0", help="publish every K updates, or 'auto' (and at the end)")
+    p.add_argument("--mtbf", help="--checkpoint-every auto: mean time between failures (21600, 360m, 6h)")
+    p.add_argument("--checkpoint-cost", help="--checkpoint-every auto: the cost assumed until one is measured")
+    p.add_argument("--save", choices=["sync", "async"], default="sync")
+    p.add_argument("--in-flight", choices=["wait", "skip"], default="wait")
     p.add_argument("--resume-from", metavar="ROOT_DIGEST")
     p.add_argument("--resume", choices=["latest"])
     p.add_argument("--branch-from", metavar="ROOT_DIGEST", help="start this run from another run's generation")
@@ -88,7 +96,8 @@ def parse_args(argv):
 
 class Owner:
     def __init__(self, config: JobConfig, store: Store, device: torch.device = torch.device("cpu"), *,
-                 publisher: str = "star", fanout: int = 8, commit_timeout: float = 60.0):
+                 publisher: str = "star", fanout: int = 8, commit_timeout: float = 60.0,
+                 save: str = "sync", in_flight: str = "wait"):
         self.config, self.store, self.device = config, store, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.state = LearnerState.initial(config, device)
@@ -108,6 +117,14 @@ class Owner:
         # NCCL moves only device memory and its receives cannot time out: tree
         # messages travel over a gloo group beside it.
         self.control_group = dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None
+        # An asynchronous save publishes on its own thread over its own group, so its
+        # messages never interleave with the training collectives of the main thread.
+        self.saver = AsyncSaver(in_flight=in_flight) if save == "async" else None
+        self.save_group = dist.new_group(backend="gloo") if save == "async" else None
+        self._fence: SaveHandle | None = None       # the snapshot the next optimizer step must wait for
+        self._unreported: list[tuple[SaveHandle, int]] = []
+        self.checkpoint_costs: list[float] = []     # training seconds each checkpoint cost (sync: all of it)
+        self.last_save_s = 0.0
 
     def _owned(self, name: str, t: torch.Tensor):
         """None for replicated words; this owner's contiguous word range for partitioned ones."""
@@ -162,6 +179,7 @@ class Owner:
         ranges = None
         if c.parameters != "replicated":  # each owner updates the range whose optimizer state it owns
             ranges = {n: shares(p.numel(), self.world)[self.rank] for n, p in s.params.items()}
+        self.wait_for_snapshot()  # an asynchronous save's copy must be taken before the state changes
         apply_update(c, s, combine(partials), loss_sum, ranges)
         if c.parameters != "replicated":
             self._all_gather_params()
@@ -196,19 +214,97 @@ class Owner:
     def prefix(self) -> CapturePrefix:
         return CapturePrefix(self.config.run, self.config.step, self.state.update, self.state.cursor, self.epoch)
 
-    def publish(self) -> str:
+    def publish(self, tensors=None, prefix: CapturePrefix | None = None, metadata: dict | None = None,
+                group=None) -> tuple[str, dict]:
+        """Collective: publish ``tensors`` (default: the live state) as ``prefix``; returns (root, stats)."""
+        tensors = [t for _, t in self.named] if tensors is None else tensors
+        prefix = prefix or self.prefix()
+        metadata = metadata if metadata is not None else self.metadata()
+        t0, written0 = time.monotonic(), self.store.bytes_written
         if self.publisher == "tree":
-            root = self._publish_tree()
+            root = self._publish_tree(tensors, prefix, metadata, group)
         else:
-            capture = build_capture(self.prefix(), self.regions, [t for _, t in self.named], self.owned)
-            root = publish_star(self.store if self.rank == 0 else None, capture, self.regions, self.metadata())
-        self.last_generation = root
-        return root
+            capture = build_capture(prefix, self.regions, tensors, self.owned)
+            root = publish_star(self.store if self.rank == 0 else None, capture, self.regions, metadata, group)
+        seconds = time.monotonic() - t0
+        # Bytes every owner wrote (the tree's owners write their own shards).
+        written = torch.tensor([self.store.bytes_written - written0], dtype=torch.int64)
+        dist.all_reduce(written, group=group if group is not None else self.control_group)
+        stats = {"update": prefix.update, "seconds": seconds, "bytes_written": int(written.item())}
+        if self.rank == 0:
+            record = self.store.find_ref(root)
+            stats.update(generation=record.generation if record else None, bytes=record.bytes if record else None)
+        # Only after the durable completion: the ref naming ``root`` exists.
+        print(f"alpha-run: owner {self.rank} committed update {prefix.update} as {root}", file=sys.stderr, flush=True)
+        return root, stats
 
-    def _publish_tree(self) -> str:
+    def checkpoint(self, final: bool) -> None:
+        """Collective, at an update boundary: publish now (sync) or snapshot and publish in the background."""
+        if self.saver is None:
+            root, stats = self.publish()
+            self.last_generation = root
+            self.checkpoint_costs.append(stats["seconds"])
+            self.last_save_s = stats["seconds"]
+            self._report(stats, root, stall=stats["seconds"], mode="sync")
+            return
+        self.reap()
+        if final:
+            self.finish_saves()  # the last update is always published
+        elif self.saver.in_flight == "skip" and self._any_owner(self.saver.busy()):
+            # Every owner skips, or none: the publish is collective.
+            if self.rank == 0:
+                print(f"alpha-run: update {self.state.update} not checkpointed: the save of update "
+                      f"{self._unreported[-1][1] if self._unreported else '?'} is still in flight "
+                      "(--in-flight skip)", file=sys.stderr, flush=True)
+                emit_event("checkpoint_skipped", update=self.state.update, reason="save in flight")
+            return
+        prefix, metadata = self.prefix(), self.metadata()
+        handle = self.saver.submit([t for _, t in self.named],
+                                   lambda snapshot: self.publish(snapshot, prefix, metadata, self.save_group),
+                                   defer_snapshot=not final)
+        self._fence = handle
+        self._unreported.append((handle, prefix.update))
+        if final:
+            self.finish_saves()
+
+    def wait_for_snapshot(self) -> None:
+        if self._fence is not None:
+            handle, self._fence = self._fence, None
+            handle.wait_snapshot()
+
+    def reap(self) -> None:
+        """Report the asynchronous saves that completed; a failed one is raised here (never swallowed)."""
+        while self._unreported and self._unreported[0][0].done() and self._unreported[0][0] is not self._fence:
+            handle, _ = self._unreported.pop(0)
+            root, stats = handle.result()
+            self.last_generation = root
+            self.checkpoint_costs.append(handle.stall_s)
+            self.last_save_s = handle.save_s
+            self._report(stats, root, stall=handle.stall_s, mode="async", seconds=handle.save_s)
+
+    def finish_saves(self) -> None:
+        if self.saver is not None:
+            self.wait_for_snapshot()
+            self.saver.drain()
+            self.reap()
+
+    def _any_owner(self, flag: bool) -> bool:
+        value = torch.tensor([int(flag)], dtype=torch.int64)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.control_group)
+        return bool(value.item())
+
+    def _report(self, stats: dict, root: str, *, stall: float, mode: str, seconds: float | None = None) -> None:
+        """Owner 0: one structured event per publish."""
+        if self.rank == 0:
+            emit_event("publish", run=self.config.run, step=self.config.step, root=root, mode=mode,
+                       owners=self.world, **{**stats, "seconds": round(seconds if seconds is not None
+                                                                          else stats["seconds"], 6)},
+                       stall_s=round(stall, 6))
+
+    def _publish_tree(self, tensors, prefix: CapturePrefix, metadata: dict, group=None) -> str:
         """Own words to own shards, group manifest, commitment; the root's ref; completion down the tree."""
         parts, replicated = [], blake3.blake3()
-        for region, (_, t), own in zip(self.regions, self.named, self.owned):
+        for region, t, own in zip(self.regions, tensors, self.owned):
             size = DTYPES[region.dtype][0]
             words = word_bytes(t)  # host bytes: a view of a CPU tensor, a copy of a CUDA one
             if own is None:
@@ -218,12 +314,12 @@ class Owner:
             lo, hi = own if own is not None else (0, region.words)
             view = memoryview(words.numpy())[lo * size:hi * size] if words.numel() else memoryview(b"")
             parts.append((Piece(region.ordinal, lo, hi, size), view, "raw"))
-        metadata = {**(self.metadata() if self.rank == 0 else {}), "device": self.own_device}
+        metadata = {**(metadata if self.rank == 0 else {}), "device": self.own_device}
         fault = os.environ.get(TREE_FAULT_ENV, "")  # test hook: "RANK:FAULT" injects FAULT at that owner
-        role = TreeRole(self.store, self.hierarchy, self.rank, GroupTransport(self.control_group),
-                        timeout=self.commit_timeout,
+        transport = GroupTransport(group if group is not None else self.control_group)
+        role = TreeRole(self.store, self.hierarchy, self.rank, transport, timeout=self.commit_timeout,
                         fault=fault.partition(":")[2] if fault.partition(":")[0] == str(self.rank) else None)
-        completion = role.complete(role.commit(self.prefix(), self.regions, [parts] if parts else [],
+        completion = role.complete(role.commit(prefix, self.regions, [parts] if parts else [],
                                                replicated.hexdigest(), metadata))
         if not completion["ok"]:
             raise PublishFailed(completion["reason"])
@@ -420,8 +516,77 @@ class Owner:
         return os.path.join(self.store.root, "outputs", self.config.run, self.config.step, name)
 
 
+def emit_event(event: str, **fields) -> None:
+    """One structured log line (JSON) on stderr."""
+    print(json.dumps({"event": event, "time": time.time(), **fields}, sort_keys=True, allow_nan=False),
+          file=sys.stderr, flush=True)
+
+
+class CheckpointSchedule:
+    """Which update boundaries publish: every K updates, or Young/Daly's interval (``auto``).
+
+    ``auto`` measures the seconds per update and the checkpoint cost (sync:
+    the publish; async: the training stall), and owner 0 turns
+    sqrt(2 x C x M) into a number of updates that every owner applies; an
+    asynchronous save's interval is at least one save long, so saves do not
+    queue. Without --checkpoint-cost the first checkpoint comes after the
+    first update, to measure C.
+    """
+
+    def __init__(self, args):
+        self.auto = str(args.checkpoint_every) == "auto"
+        self.every = 0 if self.auto else int(args.checkpoint_every)
+        self.mtbf_s = parse_duration(args.mtbf) if self.auto else None
+        self.assumed_cost_s = parse_duration(args.checkpoint_cost) if self.auto and args.checkpoint_cost else None
+        self.update_seconds: list[float] = []
+        self.next_due: int | None = None
+        self.measuring = False  # the checkpoint that measures C was taken
+
+    def due(self, update: int) -> bool:
+        if not self.auto:
+            return bool(self.every) and update % self.every == 0
+        if self.next_due is None:
+            if self.assumed_cost_s is None and not self.measuring:
+                self.measuring = True  # measure the cost at the first boundary
+                return True
+            return False  # an asynchronous measuring save is still running
+        return update >= self.next_due
+
+    def needs_first_plan(self) -> bool:
+        return self.auto and self.next_due is None
+
+    def replan(self, owner: "Owner") -> None:
+        """Collective: owner 0 plans from what it measured; every owner takes its number of updates."""
+        if not self.auto:
+            return
+        decision = None
+        if owner.rank == 0:
+            costs = owner.checkpoint_costs[-3:]
+            cost = statistics.fmean(costs) if costs else self.assumed_cost_s
+            if cost is None:  # the measuring save has not completed yet: plan at a later boundary
+                broadcast_json({"every": None}, 0, owner.control_group)
+                return
+            update_s = statistics.median(self.update_seconds[-20:])
+            plan = young_daly(cost, self.mtbf_s)
+            floor = owner.last_save_s if owner.saver is not None else 0.0
+            every = plan.every_updates(update_s, floor)
+            source = "measured over the last %d checkpoints" % len(costs) if costs else "assumed (--checkpoint-cost)"
+            print(f"alpha-run: {plan.describe()}; C {source}; every {every} updates at {update_s:.3g} s per update",
+                  file=sys.stderr, flush=True)
+            emit_event("checkpoint_interval", **plan.to_json(), cost_source="measured" if costs else "assumed",
+                       update_s=update_s, every_updates=every, update=owner.state.update)
+            decision = {"every": every}
+        decision = broadcast_json(decision, 0, owner.control_group)
+        if decision["every"] is not None:
+            self.next_due = owner.state.update + decision["every"]
+
+
 def run_owner(args) -> int:
     config = load_config(args.config, args.set)
+    problem = check_schedule_args(args)
+    if problem:
+        print(f"alpha-run: {problem}", file=sys.stderr)
+        return EXIT_USAGE
     if args.fanout < 1 or args.commit_timeout <= 0:
         print("alpha-run: --fanout must be at least 1 and --commit-timeout positive", file=sys.stderr)
         return EXIT_USAGE
@@ -435,22 +600,29 @@ def run_owner(args) -> int:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
     store = Store(args.store)
     owner = Owner(config, store, device, publisher=args.publisher, fanout=args.fanout,
-                  commit_timeout=args.commit_timeout)
+                  commit_timeout=args.commit_timeout, save=args.save, in_flight=args.in_flight)
     try:
         if args.resume_from or args.resume or args.branch_from:
             owner.resume(args.resume_from or args.branch_from, latest=args.resume == "latest",
                          branch=args.branch_from is not None)
+        schedule = CheckpointSchedule(args)
         kill_at = os.environ.get(KILL_ENV)  # test hook: "RANK:UPDATE" SIGKILLs that owner after that update
         while owner.state.update < args.updates:
+            started = time.monotonic()
             owner.train_update()
+            schedule.update_seconds.append(time.monotonic() - started)
             if kill_at == f"{owner.rank}:{owner.state.update}":
                 os.kill(os.getpid(), signal.SIGKILL)
-            due = args.checkpoint_every and owner.state.update % args.checkpoint_every == 0
-            if due or owner.state.update == args.updates:
-                root = owner.publish()
-                # Only after the durable completion: the ref naming ``root`` exists.
-                print(f"alpha-run: owner {owner.rank} committed update {owner.state.update} as {root}",
-                      file=sys.stderr, flush=True)
+            final = owner.state.update == args.updates
+            if final or schedule.due(owner.state.update):
+                owner.checkpoint(final)
+                if not final:
+                    schedule.replan(owner)
+            elif schedule.needs_first_plan():
+                schedule.replan(owner)
+            if owner.saver is not None:
+                owner.reap()
+        owner.finish_saves()
         tensors = owner.materialize()
         output = owner.publish_output() if owner.rank == 0 else None
         if owner.rank == 0:

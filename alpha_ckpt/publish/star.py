@@ -52,19 +52,21 @@ def build_capture(prefix: CapturePrefix, regions: Sequence[RegionDecl], tensors:
     return Capture(prefix, tuple(pieces), b"".join(chunks))
 
 
-def publish_star(store: Store | None, capture: Capture, regions: Sequence[RegionDecl], metadata: Any) -> str:
-    """Collective. Returns the root digest once owner 0 reports it durable; raises PublishFailed otherwise."""
+def publish_star(store: Store | None, capture: Capture, regions: Sequence[RegionDecl], metadata: Any,
+                 group: Any = None) -> str:
+    """Collective over ``group`` (default: the default group). Returns the root digest once owner 0
+    reports it durable; raises PublishFailed otherwise."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank != 0:
-        send_bytes(capture.descriptor(), 0)
-        send_bytes(capture.data, 0)
-        ack = broadcast_json(None)
+        send_bytes(capture.descriptor(), 0, group)
+        send_bytes(capture.data, 0, group)
+        ack = broadcast_json(None, 0, group)
         fault_point("publish", "before-completion")
     else:
         captures = [capture]
         for r in range(1, world):
-            descriptor = json.loads(recv_bytes(r).decode("ascii"))
-            data = recv_bytes(r)
+            descriptor = json.loads(recv_bytes(r, group).decode("ascii"))
+            data = recv_bytes(r, group)
             captures.append(Capture(CapturePrefix.from_json(descriptor["prefix"], f"owner {r} capture"),
                                     tuple(tuple(p) for p in descriptor["pieces"]), data))
         try:
@@ -73,7 +75,7 @@ def publish_star(store: Store | None, capture: Capture, regions: Sequence[Region
         except (Refusal, OSError, ValueError) as exc:
             ack = {"ok": False, "reason": str(exc)}
         fault_point("publish", "before-completion")
-        broadcast_json(ack)
+        broadcast_json(ack, 0, group)
     if not ack["ok"]:
         raise PublishFailed(ack["reason"])
     return ack["root"]

@@ -13,53 +13,57 @@ import torch.distributed as dist
 from ..format import canonical_json
 
 
-def _wire_device() -> torch.device:
-    if dist.get_backend() == "nccl":
+def _wire_device(group=None) -> torch.device:
+    if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def _to_tensor(data: bytes | memoryview) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(_wire_device())
+def _to_tensor(data: bytes | memoryview, group=None) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(_wire_device(group))
 
 
-def send_bytes(data: bytes | memoryview, dst: int) -> None:
+# ``group``: None for the default group; an asynchronous save passes its own
+# group spanning every owner (ranks are global ranks either way), so its
+# messages never interleave with training's collectives.
+
+def send_bytes(data: bytes | memoryview, dst: int, group=None) -> None:
     """Point to point: an 8-byte length, then the bytes."""
-    dist.send(torch.tensor([len(data)], dtype=torch.int64, device=_wire_device()), dst)
+    dist.send(torch.tensor([len(data)], dtype=torch.int64, device=_wire_device(group)), dst, group=group)
     if len(data):
-        dist.send(_to_tensor(data), dst)
+        dist.send(_to_tensor(data, group), dst, group=group)
 
 
-def recv_bytes(src: int) -> bytes:
-    length = torch.zeros(1, dtype=torch.int64, device=_wire_device())
-    dist.recv(length, src)
-    buf = torch.empty(int(length.item()), dtype=torch.uint8, device=_wire_device())
+def recv_bytes(src: int, group=None) -> bytes:
+    length = torch.zeros(1, dtype=torch.int64, device=_wire_device(group))
+    dist.recv(length, src, group=group)
+    buf = torch.empty(int(length.item()), dtype=torch.uint8, device=_wire_device(group))
     if buf.numel():
-        dist.recv(buf, src)
+        dist.recv(buf, src, group=group)
     return buf.cpu().numpy().tobytes()
 
 
-def broadcast_json(obj, src: int = 0):
+def broadcast_json(obj, src: int = 0, group=None):
     """Every owner gets owner ``src``'s JSON value (others pass None)."""
-    device = _wire_device()
+    device = _wire_device(group)
     if dist.get_rank() == src:
         data = canonical_json(obj)
         length = torch.tensor([len(data)], dtype=torch.int64, device=device)
     else:
         length = torch.zeros(1, dtype=torch.int64, device=device)
-    dist.broadcast(length, src)
-    buf = _to_tensor(data) if dist.get_rank() == src else torch.empty(int(length.item()), dtype=torch.uint8,
-                                                                       device=device)
-    dist.broadcast(buf, src)
+    dist.broadcast(length, src, group=group)
+    buf = _to_tensor(data, group) if dist.get_rank() == src else torch.empty(int(length.item()), dtype=torch.uint8,
+                                                                              device=device)
+    dist.broadcast(buf, src, group=group)
     return json.loads(buf.cpu().numpy().tobytes().decode("ascii"))
 
 
-def gather_json(obj, dst: int = 0):
+def gather_json(obj, dst: int = 0, group=None):
     """Owner ``dst`` gets every owner's JSON value in owner order; the others get None."""
     if dist.get_rank() != dst:
-        send_bytes(canonical_json(obj), dst)
+        send_bytes(canonical_json(obj), dst, group)
         return None
     out = []
     for r in range(dist.get_world_size()):
-        out.append(obj if r == dst else json.loads(recv_bytes(r).decode("ascii")))
+        out.append(obj if r == dst else json.loads(recv_bytes(r, group).decode("ascii")))
     return out
