@@ -22,10 +22,10 @@ from .errors import DurableWriteError, PublishConflict, Refusal, RefusalCode
 from .format import CapturePrefix
 from .restore import Counters, latest_generation, load_state, verify_generation
 from .manifest import flatten_state
-from .writer import DEFAULT_MAX_SHARD_BYTES, Published, save_state
+from .writer import DEFAULT_MAX_SHARD_BYTES, Published, ShardCarry, save_state
 from .store import Store
 
-__all__ = ["save", "save_async", "AsyncSaver", "SaveHandle", "load", "verify", "latest", "Store", "Refusal", "RefusalCode", "Counters", "DurableWriteError", "PublishConflict"]
+__all__ = ["save", "save_async", "AsyncSaver", "SaveHandle", "ShardCarry", "load", "verify", "latest", "Store", "Refusal", "RefusalCode", "Counters", "DurableWriteError", "PublishConflict"]
 __version__ = "0.1.0"
 
 
@@ -46,19 +46,22 @@ def _prefix(run: str, step: str, update: int, cursor: int, epoch: int) -> Captur
 
 def save(state_dict: Mapping[str, Any], *, store: Store | str | os.PathLike, run: str, step: str, update: int,
          cursor: int, epoch: int, metadata: Any = None, compression: str | Mapping[str, str] = "raw",
-         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> str:
+         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, carry: ShardCarry | None = None) -> str:
     """Publish a generation of a (nested) dict of tensors; return its root digest (64 hex).
 
     The generation is visible (as the newest ref of ``run``/``step``) only once
     every object is durable. ``compression`` is "raw", "zstd", "auto" or a
     mapping from region name (dotted) to one of those. ``metadata`` is any
-    JSON value, stored in the manifest.
+    JSON value, stored in the manifest. Pass one :class:`ShardCarry` to
+    successive saves of a run/step and a region (of at least 1 MiB) whose
+    bytes did not change is not written again: the new generation names the
+    shard an earlier one wrote.
     """
     prefix = _prefix(run, step, update, cursor, epoch)
     s, owned = _store(store, create=True)
     try:
         return save_state(state_dict, store=s, prefix=prefix, metadata=metadata, compression=compression,
-                          max_shard_bytes=max_shard_bytes).root
+                          max_shard_bytes=max_shard_bytes, carry=carry).root
     finally:
         if owned:
             s.close()
@@ -86,7 +89,7 @@ def save_async(state_dict: Mapping[str, Any], *, store: Store, run: str, step: s
 
     def publish(snapshot: list) -> Published:
         return save_state(dict(zip(names, snapshot)), store=store, prefix=prefix, metadata=metadata,
-                          compression=compression, max_shard_bytes=max_shard_bytes)
+                          compression=compression, max_shard_bytes=max_shard_bytes, carry=saver.carry)
 
     return saver.submit([t for _, t in flatten_state(state_dict)], publish, defer_snapshot=defer_snapshot)
 

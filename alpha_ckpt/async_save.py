@@ -37,6 +37,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .writer import ShardCarry
+
 IN_FLIGHT_POLICIES = ("wait", "skip")
 
 
@@ -79,6 +81,7 @@ class AsyncSaver:
         self.skipped = 0
         self._buffers: list[torch.Tensor] = []
         self._pending: SaveHandle | None = None
+        self.carry = ShardCarry()  # what this saver's publishes wrote: unchanged regions are carried, not rewritten
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="alpha-ckpt-save")
 
     @property

@@ -188,14 +188,30 @@ class RegionDecl:
 
 @dataclass(frozen=True)
 class ShardRef:
-    """A manifest's record of one shard: its digest, size and word ranges."""
+    """A manifest's record of one shard: its digest, size and word ranges.
+
+    ``carried`` is (update, cursor, epoch) when the shard was written by an
+    earlier capture of the same run/step and is reused unchanged (a frozen
+    region costs no bytes); the shard's own head records that capture, and a
+    reader checks it against exactly this, never against "any earlier one".
+    """
 
     digest: str
     size: int
     slices: tuple[tuple[int, int, int], ...]  # (ordinal, lo, hi)
+    carried: tuple[int, int, int] | None = None
 
     def to_json(self) -> dict:
-        return {"digest": self.digest, "size": self.size, "slices": [list(s) for s in self.slices]}
+        out = {"digest": self.digest, "size": self.size, "slices": [list(s) for s in self.slices]}
+        if self.carried is not None:
+            out["carried"] = dict(zip(("update", "cursor", "epoch"), self.carried))
+        return out
+
+    def written_by(self, prefix: "CapturePrefix") -> "CapturePrefix":
+        """The capture whose prefix the shard's head must carry, within a manifest of ``prefix``."""
+        if self.carried is None:
+            return prefix
+        return CapturePrefix(prefix.run, prefix.step, *self.carried)
 
 
 @dataclass(frozen=True)
@@ -474,7 +490,7 @@ def parse_manifest_header(header: Any, digest: str, head_len: int, what: str) ->
     shards = []
     for i, s in enumerate(header["shards"]):
         w = f"{what} shard record {i}"
-        _require_keys(s, ("digest", "size", "slices"), w)
+        _require_keys(s, ("digest", "size", "slices"), w, optional=("carried",))
         if not isinstance(s["slices"], list):
             raise _fail(w, "slices must be a list")
         triples = []
@@ -485,7 +501,15 @@ def parse_manifest_header(header: Any, digest: str, head_len: int, what: str) ->
             if ordinal >= len(regions):
                 raise Refusal(RefusalCode.COVERAGE, f"{w} names region ordinal {ordinal}, which the schema does not declare")
             triples.append((ordinal, _uint(t[1], w), _uint(t[2], w)))
-        shards.append(ShardRef(_digest(s["digest"], w), _uint(s["size"], w), tuple(triples)))
+        carried = None
+        if "carried" in s:
+            c = s["carried"]
+            _require_keys(c, ("update", "cursor", "epoch"), f"{w} carried")
+            carried = (_uint(c["update"], w), _uint(c["cursor"], w), _uint(c["epoch"], w))
+            if carried[0] > prefix.update or carried[2] > prefix.epoch or carried == (prefix.update, prefix.cursor,
+                                                                                      prefix.epoch):
+                raise _fail(w, f"carried from capture {carried}, which is not earlier than the manifest's")
+        shards.append(ShardRef(_digest(s["digest"], w), _uint(s["size"], w), tuple(triples), carried))
     owners = header["owners"]
     if type(owners) is not int or owners < 1:
         raise _fail(what, f"owners must be a positive integer, got {owners!r}")

@@ -105,10 +105,13 @@ def check_coverage(regions: Sequence[RegionDecl], slices: Iterable[tuple[int, in
 
 def check_shard_against_record(head: ShardHead, record: ShardRef, prefix: CapturePrefix, schema_digest: str,
                                regions: Sequence[RegionDecl], what: str) -> None:
-    """A shard must belong to the same capture and hold exactly what the manifest says."""
-    if head.prefix != prefix:
+    """A shard must belong to the same capture (or the earlier one it is declared carried from)
+    and hold exactly what the manifest says."""
+    expected = record.written_by(prefix)
+    if head.prefix != expected:
+        carried = f" (carried from {_describe(expected)})" if record.carried is not None else ""
         raise Refusal(RefusalCode.MIXED_CAPTURE, f"{what}: captured at {_describe(head.prefix)}, "
-                      f"but the manifest is of {_describe(prefix)}")
+                      f"but the manifest is of {_describe(prefix)}{carried}")
     if head.schema_digest != schema_digest:
         raise Refusal(RefusalCode.MIXED_CAPTURE, f"{what}: belongs to schema {head.schema_digest[:16]}..., "
                       f"the manifest's is {schema_digest[:16]}...")

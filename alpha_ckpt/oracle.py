@@ -48,7 +48,7 @@ def step(config: JobConfig, state: LearnerState, owners: int) -> None:
     """One update with ``owners`` owners: their shares, combined in owner order."""
     partials, losses = [], []
     for lo, hi in shares(config.batch, owners):
-        grads, loss = share_gradient(config, state.params, state.cursor + lo, state.cursor + hi)
+        grads, loss = share_gradient(config, state.params, state.cursor + lo, state.cursor + hi, state.frozen)
         partials.append(grads)
         losses.append(loss)
     apply_update(config, state, combine(partials), sum_in_owner_order(losses))

@@ -34,7 +34,7 @@ from .learner.model import (
     COMBINE_ORDER, LearnerState, apply_update, combine, configure_determinism, share_gradient, sum_in_owner_order,
 )
 from .manifest import check_schema_matches, flatten_state, regions_of
-from .writer import word_bytes
+from .writer import ShardCarry, word_bytes
 from .planner import Hierarchy, Piece, WantedSlice, owners_holding
 from .publish.star import build_capture, publish_star
 from .publish.tree import GroupTransport, TreeRole
@@ -123,6 +123,7 @@ class Owner:
         self.save_group = dist.new_group(backend="gloo") if save == "async" else None
         self._fence: SaveHandle | None = None       # the snapshot the next optimizer step must wait for
         self._unreported: list[tuple[SaveHandle, int]] = []
+        self.carry = ShardCarry()  # unchanged regions (a frozen table) are not written again
         self.checkpoint_costs: list[float] = []     # training seconds each checkpoint cost (sync: all of it)
         self.last_save_s = 0.0
 
@@ -160,7 +161,7 @@ class Owner:
     def train_update(self) -> None:
         c, s = self.config, self.state
         lo, hi = shares(c.batch, self.world)[self.rank]
-        grads, loss = share_gradient(c, s.params, s.cursor + lo, s.cursor + hi)
+        grads, loss = share_gradient(c, s.params, s.cursor + lo, s.cursor + hi, s.frozen)
         names = list(grads)
         flat = torch.cat([grads[n].reshape(-1) for n in names])
         gathered = [torch.empty_like(flat) for _ in range(self.world)]
@@ -225,7 +226,8 @@ class Owner:
             root = self._publish_tree(tensors, prefix, metadata, group)
         else:
             capture = build_capture(prefix, self.regions, tensors, self.owned)
-            root = publish_star(self.store if self.rank == 0 else None, capture, self.regions, metadata, group)
+            root = publish_star(self.store if self.rank == 0 else None, capture, self.regions, metadata, group,
+                                carry=self.carry)
         seconds = time.monotonic() - t0
         # Bytes every owner wrote (the tree's owners write their own shards).
         written = torch.tensor([self.store.bytes_written - written0], dtype=torch.int64)
@@ -317,7 +319,7 @@ class Owner:
         metadata = {**(metadata if self.rank == 0 else {}), "device": self.own_device}
         fault = os.environ.get(TREE_FAULT_ENV, "")  # test hook: "RANK:FAULT" injects FAULT at that owner
         transport = GroupTransport(group if group is not None else self.control_group)
-        role = TreeRole(self.store, self.hierarchy, self.rank, transport, timeout=self.commit_timeout,
+        role = TreeRole(self.store, self.hierarchy, self.rank, transport, timeout=self.commit_timeout, carry=self.carry,
                         fault=fault.partition(":")[2] if fault.partition(":")[0] == str(self.rank) else None)
         completion = role.complete(role.commit(prefix, self.regions, [parts] if parts else [],
                                                replicated.hexdigest(), metadata))

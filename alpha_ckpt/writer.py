@@ -10,7 +10,7 @@ its final offset and the head last.
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -31,6 +31,55 @@ DEFAULT_MAX_SHARD_BYTES = 2 << 30
 _PLACEHOLDER = "0" * 64
 _ZSTD_LEVEL = 1
 _SAMPLE_BYTES = 1 << 20
+
+
+DEDUP_MIN_BYTES = 1 << 20  # a region at least this large gets a shard of its own, so it can be carried
+
+
+class ShardCarry:
+    """What this writer wrote before, so that an unchanged region is not written again.
+
+    For each single-piece shard it wrote: the piece's raw BLAKE3, the shard's
+    record and the capture that wrote it. A later save of the same run/step
+    hashes the piece; when the bytes are unchanged and the object is still in
+    the store, the new manifest names the old shard, marked as carried. Only
+    what this process wrote is trusted (nothing is read back from disk).
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, tuple[str, ShardRef, CapturePrefix]] = {}
+        self.bytes_carried = 0
+
+    @staticmethod
+    def key(prefix: CapturePrefix, schema: str, piece: Piece, codec: str) -> tuple:
+        return (prefix.run, prefix.step, schema, piece.ordinal, piece.lo, piece.hi, codec)
+
+    def find(self, key: tuple, prefix: CapturePrefix, raw_digest: str, store: Store) -> ShardRef | None:
+        entry = self._entries.get(key)
+        if entry is None or entry[0] != raw_digest:
+            return None
+        _, record, written = entry
+        if (written.update, written.cursor, written.epoch) == (prefix.update, prefix.cursor, prefix.epoch):
+            return record if record.carried is None else None
+        # Renewing the object's mtime keeps gc's grace period over it until this publish has its ref.
+        if not store.has_object(record.digest) or not store._renew(record.digest):
+            return None
+        self.bytes_carried += record.size
+        return ShardRef(record.digest, record.size, record.slices, (written.update, written.cursor, written.epoch))
+
+    def remember(self, key: tuple, raw_digest: str, record: ShardRef, prefix: CapturePrefix) -> None:
+        self._entries[key] = (raw_digest, record, prefix)
+
+
+def isolate_large_pieces(shards: Sequence[Sequence[tuple]], min_bytes: int = DEDUP_MIN_BYTES) -> list[list[tuple]]:
+    """Give every part of at least ``min_bytes`` a shard of its own; the small parts stay together."""
+    out: list[list[tuple]] = []
+    for parts in shards:
+        small = [p for p in parts if len(p[1]) < min_bytes]
+        out += [[p] for p in parts if len(p[1]) >= min_bytes]
+        if small:
+            out.append(small)
+    return out
 
 
 @dataclass(frozen=True)
@@ -98,8 +147,13 @@ def _hash(view) -> str:
 
 
 def write_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regions: Sequence[RegionDecl],
-                parts: Sequence[tuple[Piece, memoryview, str]], pool: ThreadPoolExecutor) -> ShardRef:
-    """Durably write one shard holding ``parts`` = (piece, its raw bytes, requested codec)."""
+                parts: Sequence[tuple[Piece, memoryview, str]], pool: ThreadPoolExecutor,
+                raw_digests: Sequence[str | None] = ()) -> ShardRef:
+    """Durably write one shard holding ``parts`` = (piece, its raw bytes, requested codec).
+
+    ``raw_digests`` may give parts' raw BLAKE3, already computed, so they are not hashed twice.
+    """
+    known = list(raw_digests) + [None] * (len(parts) - len(raw_digests))
     records: list[SliceRecord] = []
     payloads: list[memoryview] = []
     offset = 0
@@ -120,8 +174,9 @@ def write_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regions
 
     def write(fd: int) -> str:
         futures = []
-        for record, stored, (_, raw, _) in zip(records, payloads, parts):
-            futures.append((pool.submit(_hash, raw), pool.submit(_hash, stored) if record.codec == "zstd" else None))
+        for record, stored, (_, raw, _), digest in zip(records, payloads, parts, known):
+            raw_f = pool.submit(_hash, raw) if digest is None else _done(digest)
+            futures.append((raw_f, pool.submit(_hash, stored) if record.codec == "zstd" else None))
             _pwrite_all(fd, stored, head_len + record.offset)
         final = []
         for record, (raw_f, stored_f) in zip(records, futures):
@@ -141,17 +196,47 @@ def write_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regions
     return ShardRef(digest, size, tuple((p.ordinal, p.lo, p.hi) for p, _, _ in parts))
 
 
+def _done(value) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
 def write_shards(store: Store, prefix: CapturePrefix, regions: Sequence[RegionDecl],
                  shards: Sequence[Sequence[tuple[Piece, memoryview, str]]],
-                 pool: ThreadPoolExecutor | None = None) -> list[ShardRef]:
-    """Durably write each shard (its (piece, raw bytes, codec) parts in physical order)."""
+                 pool: ThreadPoolExecutor | None = None, carry: ShardCarry | None = None) -> list[ShardRef]:
+    """Durably write each shard (its (piece, raw bytes, codec) parts in physical order).
+
+    With ``carry``, large parts get shards of their own, and a part whose bytes
+    are those this writer already stored for the same run/step is not written
+    again: its old shard is named, marked carried.
+    """
     schema = schema_digest_of(regions)
-    if pool is not None:
-        return [write_shard(store, prefix, schema, regions, parts, pool) for parts in shards]
     if not shards:
         return []
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="alpha-ckpt-hash") as own_pool:
-        return [write_shard(store, prefix, schema, regions, parts, own_pool) for parts in shards]
+    if carry is not None:
+        shards = isolate_large_pieces(shards)
+    if pool is None:
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="alpha-ckpt-hash") as own_pool:
+            return _write_all(store, prefix, schema, regions, shards, own_pool, carry)
+    return _write_all(store, prefix, schema, regions, shards, pool, carry)
+
+
+def _write_all(store, prefix, schema, regions, shards, pool, carry) -> list[ShardRef]:
+    out = []
+    for parts in shards:
+        if carry is None or len(parts) != 1:
+            out.append(write_shard(store, prefix, schema, regions, parts, pool))
+            continue
+        piece, raw, codec = parts[0]
+        key = ShardCarry.key(prefix, schema, piece, codec)
+        raw_digest = _hash(raw)
+        record = carry.find(key, prefix, raw_digest, store)
+        if record is None:
+            record = write_shard(store, prefix, schema, regions, parts, pool, [raw_digest])
+            carry.remember(key, raw_digest, record, prefix)
+        out.append(record)
+    return out
 
 
 def write_manifest(store: Store, prefix: CapturePrefix, regions: Sequence[RegionDecl], shards: Sequence[ShardRef],
@@ -171,9 +256,9 @@ def write_manifest(store: Store, prefix: CapturePrefix, regions: Sequence[Region
 
 def publish_slices(store: Store, prefix: CapturePrefix, regions: Sequence[RegionDecl],
                    shards: Sequence[Sequence[tuple[Piece, memoryview, str]]], *, metadata: Any = None,
-                   owners: int = 1) -> Published:
+                   owners: int = 1, carry: ShardCarry | None = None) -> Published:
     """Write each shard (its (piece, raw bytes, codec) parts in physical order), the manifest, then the ref."""
-    shard_refs = write_shards(store, prefix, regions, shards)
+    shard_refs = write_shards(store, prefix, regions, shards, carry=carry)
     root, root_size = write_manifest(store, prefix, regions, shard_refs, owners, metadata)
     total = root_size + sum(s.size for s in shard_refs)
     record = store.publish_ref(prefix, root, root_size, total, owners=owners)
@@ -181,7 +266,8 @@ def publish_slices(store: Store, prefix: CapturePrefix, regions: Sequence[Region
 
 
 def save_state(state_dict: Mapping[str, Any], *, store: Store, prefix: CapturePrefix, metadata: Any = None,
-               compression: str | Mapping[str, str] = "raw", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Published:
+               compression: str | Mapping[str, str] = "raw", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+               carry: ShardCarry | None = None) -> Published:
     check_name(prefix.run, "run")
     check_name(prefix.step, "step")
     canonical_json(metadata)  # refuse non-JSON metadata before writing anything
@@ -198,4 +284,4 @@ def save_state(state_dict: Mapping[str, Any], *, store: Store, prefix: CapturePr
             codec = compression if isinstance(compression, str) else compression.get(region.name, "raw")
             parts.append((p, data[p.ordinal][p.lo * p.itemsize:p.hi * p.itemsize], codec))
         shards.append(parts)
-    return publish_slices(store, prefix, regions, shards, metadata=metadata)
+    return publish_slices(store, prefix, regions, shards, metadata=metadata, carry=carry)

@@ -33,6 +33,10 @@ class JobConfig:
     beta2: float = 0.999
     eps: float = 1e-8
     bind_placement: bool = False  # refuse a resume on other devices (UUIDs), not only another product
+    # A frozen table [embedding_rows, history_days] (say, pretrained per-series profiles)
+    # added to each sample's history: row = sample index % rows. Never trained, always
+    # checkpointed, so later generations carry its shard instead of writing it. 0: none.
+    embedding_rows: int = 0
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("sgd", "momentum", "adam"):
@@ -42,6 +46,8 @@ class JobConfig:
         for name in ("stores", "items", "history_days", "horizon_days", "hidden", "batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.embedding_rows < 0:
+            raise ValueError("embedding_rows must not be negative")
 
     @property
     def samples(self) -> int:

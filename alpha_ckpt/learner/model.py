@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import JobConfig
-from .data import batch, keyed_generator
+from .data import batch, keyed_generator, sequence_indices
 
 COMBINE_ORDER = "owner-sequential-v1"  # partial sums added in owner order 0..n-1
 PARAMS = ("w1", "b1", "w2", "b2")
@@ -60,6 +60,7 @@ class LearnerState:
     slots: dict[str, dict[str, torch.Tensor]]  # optimizer state per kind, per parameter
     scalars: dict[str, torch.Tensor]           # optimizer scalars (step, bias-correction powers)
     metrics: dict[str, torch.Tensor]           # running loss sum (float64) and sample count
+    frozen: dict[str, torch.Tensor]            # never trained (the embedding table), still checkpointed
     update: int = 0
     cursor: int = 0
 
@@ -75,19 +76,30 @@ class LearnerState:
                        "beta2_power": torch.ones((), dtype=torch.float32, device=device)}
         metrics = {"loss_sum": torch.zeros((), dtype=torch.float64, device=device),
                    "samples": torch.zeros((), dtype=torch.int64, device=device)}
-        return cls(params, slots, scalars, metrics)
+        frozen = {}
+        if config.embedding_rows:
+            g = keyed_generator("init", config.seed, "embedding")
+            table = torch.randn((config.embedding_rows, config.history_days), generator=g) * 0.1
+            frozen["embedding"] = table.to(torch.float32).to(device)
+        return cls(params, slots, scalars, metrics, frozen)
 
     def tensors(self) -> dict:
         """The checkpointed state dict (nested; counters travel in the capture prefix)."""
-        return {"model": self.params, "optim": {**self.slots, **({"scalars": self.scalars} if self.scalars else {})},
-                "metrics": self.metrics}
+        out = {"model": self.params, "optim": {**self.slots, **({"scalars": self.scalars} if self.scalars else {})},
+               "metrics": self.metrics}
+        if self.frozen:
+            out["frozen"] = self.frozen
+        return out
 
 
-def share_gradient(config: JobConfig, params: dict[str, torch.Tensor], start: int, stop: int
-                   ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def share_gradient(config: JobConfig, params: dict[str, torch.Tensor], start: int, stop: int,
+                   frozen: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Gradient of the summed squared error over input positions [start, stop), and that sum (float64)."""
     device = next(iter(params.values())).device
     x, y = (t.to(device) for t in batch(config, start, stop))  # samples are drawn on the CPU, keyed
+    if frozen and stop > start:
+        rows = torch.tensor(sequence_indices(config, start, stop), dtype=torch.int64) % config.embedding_rows
+        x = x + frozen["embedding"].index_select(0, rows.to(device))
     leaves = {n: p.detach().clone().requires_grad_(True) for n, p in params.items()}
     h = torch.relu(x @ leaves["w1"].t() + leaves["b1"])
     err = h @ leaves["w2"].t() + leaves["b2"] - y

@@ -25,7 +25,7 @@ from ..errors import PublishFailed, Refusal, RefusalCode
 from ..format import DTYPES, CapturePrefix, RegionDecl, canonical_json
 from ..planner import Piece
 from ..store import Store
-from ..writer import publish_slices, word_bytes
+from ..writer import ShardCarry, publish_slices, word_bytes
 from .wire import broadcast_json, recv_bytes, send_bytes
 
 
@@ -53,7 +53,7 @@ def build_capture(prefix: CapturePrefix, regions: Sequence[RegionDecl], tensors:
 
 
 def publish_star(store: Store | None, capture: Capture, regions: Sequence[RegionDecl], metadata: Any,
-                 group: Any = None) -> str:
+                 group: Any = None, carry: ShardCarry | None = None) -> str:
     """Collective over ``group`` (default: the default group). Returns the root digest once owner 0
     reports it durable; raises PublishFailed otherwise."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -70,7 +70,7 @@ def publish_star(store: Store | None, capture: Capture, regions: Sequence[Region
             captures.append(Capture(CapturePrefix.from_json(descriptor["prefix"], f"owner {r} capture"),
                                     tuple(tuple(p) for p in descriptor["pieces"]), data))
         try:
-            root = _check_and_write(store, captures, regions, metadata)
+            root = _check_and_write(store, captures, regions, metadata, carry)
             ack = {"ok": True, "root": root}
         except (Refusal, OSError, ValueError) as exc:
             ack = {"ok": False, "reason": str(exc)}
@@ -89,7 +89,8 @@ def _views(capture: Capture, regions: Sequence[RegionDecl]):
         offset += n
 
 
-def _check_and_write(store: Store, captures: list[Capture], regions: Sequence[RegionDecl], metadata: Any) -> str:
+def _check_and_write(store: Store, captures: list[Capture], regions: Sequence[RegionDecl], metadata: Any,
+                     carry: ShardCarry | None = None) -> str:
     mine = captures[0]
     replicas = {(o, lo, hi): view for (o, lo, hi, rep), view in _views(mine, regions) if rep}
     shards = []
@@ -107,4 +108,5 @@ def _check_and_write(store: Store, captures: list[Capture], regions: Sequence[Re
             parts.append((Piece(o, lo, hi, DTYPES[regions[o].dtype][0]), view, "raw"))
         if parts:
             shards.append(parts)
-    return publish_slices(store, mine.prefix, regions, shards, metadata=metadata, owners=len(captures)).root
+    return publish_slices(store, mine.prefix, regions, shards, metadata=metadata, owners=len(captures),
+                          carry=carry).root

@@ -45,7 +45,7 @@ from ..errors import DurableWriteError, PublishConflict, Refusal, RefusalCode
 from ..format import CapturePrefix, ChildRef, Publisher, RegionDecl, canonical_json
 from ..planner import Hierarchy, Piece
 from ..store import Store
-from ..writer import write_manifest, write_shards
+from ..writer import ShardCarry, write_manifest, write_shards
 
 MESSAGE_BYTES = 1024  # every message: canonical JSON padded with spaces
 FAULTS = ("kill-before-commit", "withhold-commit", "wrong-prefix", "extra-role", "wrong-role")
@@ -220,11 +220,12 @@ class TreeRole:
     """
 
     def __init__(self, store: Store, hierarchy: Hierarchy, role: int, transport: Transport, *,
-                 timeout: float, fault: str | None = None, pool: ThreadPoolExecutor | None = None):
+                 timeout: float, fault: str | None = None, pool: ThreadPoolExecutor | None = None,
+                 carry: ShardCarry | None = None):
         if fault is not None and fault not in FAULTS:
             raise ValueError(f"unknown tree fault {fault!r}; known: {', '.join(FAULTS)}")
         self.store, self.hierarchy, self.role, self.transport = store, hierarchy, role, transport
-        self.timeout, self.fault, self.pool = timeout, fault, pool
+        self.timeout, self.fault, self.pool, self.carry = timeout, fault, pool, carry
         path = hierarchy.path(role)
         self.size = path[-1][1]
         self.parent = path[-2][0] if len(path) > 1 else None
@@ -242,7 +243,7 @@ class TreeRole:
         failure = None
         shard_refs = []
         try:
-            shard_refs = write_shards(self.store, prefix, regions, own_shards, self.pool)
+            shard_refs = write_shards(self.store, prefix, regions, own_shards, self.pool, carry=self.carry)
         except (OSError, DurableWriteError) as exc:
             failure = f"role {self.role} could not write its shards: {exc}"
         # Always hear every child out, so none is left blocked in its send. A child

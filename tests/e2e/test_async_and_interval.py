@@ -106,3 +106,24 @@ def test_bad_schedule_flags_are_usage_errors_before_any_owner_starts(tmp_path, a
     run = alpha_run(tmp_path / "store", "--updates", "2", *args)
     assert run.returncode == 2 and message in run.stderr
     assert not (tmp_path / "store").exists()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("publisher, save", [("star", "sync"), ("tree", "async")])
+def test_a_frozen_embedding_table_costs_zero_bytes_written_after_the_first_generation(tmp_path, publisher, save):
+    table = ["--set", "embedding_rows=4096"]          # 4096 x 90 float32: 1.47 MB, never trained
+    table_bytes = 4096 * 90 * 4
+    run = alpha_run(tmp_path / "store", *table, "--updates", "4", "--checkpoint-every", "1",
+                    "--publisher", publisher, "--save", save)
+    out = final(run)
+    written = [e["bytes_written"] for e in events(run.stderr, "publish")]
+    assert len(written) == 4 and written[0] > table_bytes
+    assert all(w < table_bytes // 20 for w in written[1:]), written   # the trained regions and manifests only
+    oracle = subprocess.run([sys.executable, "-m", "alpha_ckpt.oracle", CONFIG, "--updates", "4", "--placements", "2",
+                             *SMALL, *table], capture_output=True, text=True, timeout=120)
+    assert out["state_digest"] == json.loads(oracle.stdout)["state_digest"]
+    # A generation that names a carried shard resumes like any other.
+    second = committed(run.stderr)[1].split(" as ")[1]
+    resumed = final(alpha_run(tmp_path / "store", *table, "--updates", "4", "--resume-from", second,
+                              "--publisher", publisher))
+    assert resumed["state_digest"] == out["state_digest"]
