@@ -212,3 +212,4 @@ def make_dir_durable(parent_fd: int, name: str) -> int:
     except OSError as exc:
         raise DurableWriteError("dir-fsync", exc.errno or errno.EIO, f"making {name!r} durable: {exc}") from exc
     return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
+

@@ -41,6 +41,9 @@ def _madvise(address: int, length: int, advice: int) -> int:
     """madvise(2) with the GIL released; returns 0 or the errno."""
     return 0 if _libc.madvise(address, length, advice) == 0 else ctypes.get_errno()
 MAX_REF_BYTES = 4096
+WRITE_MODES = ("auto", "buffered", "direct")
+WRITE_MODE_ENV = "ALPHA_CKPT_WRITE_MODE"
+_write_stats: dict[int, dict] = {}  # st_dev -> measured write throughput per mode, in this process
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,9 @@ class Store:
         self.root = os.fspath(root)
         self.objects_opened = 0  # objects opened for reading: tests prove a restore reads only its path
         self.bytes_written = 0   # bytes of objects this handle created (a deduplicated object adds none)
+        self.write_mode = os.environ.get(WRITE_MODE_ENV, "auto")
+        if self.write_mode not in WRITE_MODES:
+            raise StoreUsageError(f"{WRITE_MODE_ENV}={self.write_mode!r}: choose from {', '.join(WRITE_MODES)}")
         if create:
             os.makedirs(self.root, exist_ok=True)
         try:
@@ -174,6 +180,43 @@ class Store:
                 fd = os.open(fan, _DIR_FLAGS, dir_fd=self._objects_fd)
             self._fan_fds[fan] = fd
         return fd
+
+    def write_mode_for_next_object(self) -> str:
+        """'direct' or 'buffered' for the next large object: chosen by measurement, per file system.
+
+        Under "auto" the first large objects alternate between the two modes;
+        after two of each, the one with the higher median throughput (write,
+        hash and fsync of real objects) is used, and measuring goes on, so a
+        change of the disk's behaviour is followed. A file system that refuses
+        O_DIRECT is written buffered.
+        """
+        if self.write_mode != "auto":
+            return self.write_mode
+        stats = self._write_stats()
+        if stats["direct_refused"]:
+            return "buffered"
+        seen = {m: len(v) for m, v in stats["gbps"].items()}
+        if min(seen.values()) < 2:
+            return "direct" if seen["direct"] <= seen["buffered"] else "buffered"
+        medians = {m: sorted(v[-5:])[len(v[-5:]) // 2] for m, v in stats["gbps"].items()}
+        return max(medians, key=medians.get)
+
+    def record_write(self, mode: str, nbytes: int, seconds: float, refused: bool = False) -> None:
+        stats = self._write_stats()
+        if refused:
+            stats["direct_refused"] = True
+        elif seconds > 0:
+            stats["gbps"][mode].append(nbytes / seconds / 1e9)
+
+    def write_stats(self) -> dict:
+        """What the write-mode choice is based on (throughputs in GB/s per mode, newest last)."""
+        stats = self._write_stats()
+        return {"direct_refused": stats["direct_refused"], "gbps": {m: list(v) for m, v in stats["gbps"].items()},
+                "next": self.write_mode_for_next_object()}
+
+    def _write_stats(self) -> dict:
+        dev = os.fstat(self._tmp_fd).st_dev
+        return _write_stats.setdefault(dev, {"direct_refused": False, "gbps": {"direct": [], "buffered": []}})
 
     def has_object(self, digest: str) -> bool:
         self.check_digest(digest)

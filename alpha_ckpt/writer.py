@@ -9,12 +9,17 @@ its final offset and the head last.
 """
 from __future__ import annotations
 
+import fcntl
+import mmap
 import os
+import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import blake3
+import numpy as np
 import torch
 import zstandard
 
@@ -142,6 +147,70 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         durable.start_writeback(fd, start, length)
 
 
+_DIRECT_BLOCK = 16 << 20        # bytes per O_DIRECT write, from a reused page-aligned buffer
+_DIRECT_ALIGN = 4096            # O_DIRECT offsets and lengths: multiples of the logical block size
+DIRECT_MIN_BYTES = 32 << 20     # smaller files are written buffered: too short to win anything
+_direct_buffers = threading.local()
+
+
+def _aligned_buffers() -> list[mmap.mmap]:
+    """Three reused page-aligned blocks per thread: the first block (written last) and two in flight."""
+    bufs = getattr(_direct_buffers, "bufs", None)
+    if bufs is None or len(bufs[0]) < _DIRECT_BLOCK:
+        bufs = _direct_buffers.bufs = [mmap.mmap(-1, _DIRECT_BLOCK) for _ in range(3)]
+    return bufs
+
+
+def _fill(buf: mmap.mmap, start: int, end: int, segments: Sequence[tuple[int, memoryview]]) -> int:
+    """Copy the file bytes [start, end) into ``buf`` (gaps zero); returns the length to write (aligned)."""
+    out = np.frombuffer(buf, dtype=np.uint8)
+    length = end - start
+    padded = length + (-length % _DIRECT_ALIGN)
+    out[:padded] = 0
+    for offset, view in segments:
+        lo, hi = max(start, offset), min(end, offset + len(view))
+        if lo < hi:
+            out[lo - start:hi - start] = np.frombuffer(view[lo - offset:hi - offset], dtype=np.uint8)
+    return padded
+
+
+def write_direct(fd: int, total: int, segments: Sequence[tuple[int, memoryview]], head: Callable[[], bytes],
+                 writer: ThreadPoolExecutor) -> bool:
+    """Write a file with O_DIRECT from reused aligned buffers; False (nothing written) if refused.
+
+    ``segments`` are (file offset, bytes) of the payload; ``head()`` gives the
+    bytes at offset 0, called once every payload block is written (it waits
+    for the digests). Copying a block into the buffer overlaps writing the
+    previous one; the page cache is bypassed, so there are no page faults on
+    fresh page-cache memory, which cap buffered writes here near 1 GB/s.
+    """
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
+    except OSError:
+        return False
+    first, *spare = _aligned_buffers()
+    try:
+        pending = []
+        for i, start in enumerate(range(_DIRECT_BLOCK, total, _DIRECT_BLOCK)):
+            buf = spare[i % 2]
+            if len(pending) == 2:
+                pending.pop(0).result()  # the buffer is free again
+            n = _fill(buf, start, min(total, start + _DIRECT_BLOCK), segments)
+            pending.append(writer.submit(_pwrite_all, fd, memoryview(buf)[:n], start))
+        n = _fill(first, 0, min(total, _DIRECT_BLOCK), segments)
+        for f in pending:
+            f.result()
+        head_bytes = head()
+        first[:len(head_bytes)] = head_bytes
+        _pwrite_all(fd, memoryview(first)[:n], 0)
+        if n != total or os.fstat(fd).st_size != total:
+            os.ftruncate(fd, total)  # drop the alignment padding of the last block
+    finally:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+    return True
+
+
 def _hash(view) -> str:
     return blake3.blake3(view).hexdigest()
 
@@ -172,28 +241,60 @@ def write_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regions
         offset += len(stored)
     head_len = len(encode_head(shard_header(prefix, schema_digest, records)))
 
+    end = head_len + max((r.offset + r.stored for r in records), default=0)
+
     def write(fd: int) -> str:
         futures = []
         for record, stored, (_, raw, _), digest in zip(records, payloads, parts, known):
             raw_f = pool.submit(_hash, raw) if digest is None else _done(digest)
             futures.append((raw_f, pool.submit(_hash, stored) if record.codec == "zstd" else None))
-            _pwrite_all(fd, stored, head_len + record.offset)
-        final = []
-        for record, (raw_f, stored_f) in zip(records, futures):
-            final.append(SliceRecord(**{**record.__dict__, "blake3": raw_f.result(),
-                                        "stored_blake3": stored_f.result() if stored_f else None}))
-        head = encode_head(shard_header(prefix, schema_digest, final))
-        assert len(head) == head_len, "digest placeholders must not change the head length"
-        _pwrite_all(fd, memoryview(head), 0)
+
+        encoded_head: list[bytes] = []
+
+        def head() -> bytes:
+            if encoded_head:
+                return encoded_head[0]
+            final = []
+            for record, (raw_f, stored_f) in zip(records, futures):
+                final.append(SliceRecord(**{**record.__dict__, "blake3": raw_f.result(),
+                                            "stored_blake3": stored_f.result() if stored_f else None}))
+            encoded = encode_head(shard_header(prefix, schema_digest, final))
+            assert len(encoded) == head_len, "digest placeholders must not change the head length"
+            encoded_head.append(encoded)
+            return encoded
+
+        segments = [(head_len + r.offset, stored) for r, stored in zip(records, payloads)]
+        if mode == "direct":
+            if write_direct(fd, end, segments, head, _direct_writer()):
+                return digest_bytes(head())
+            refused.append(True)  # this file system refuses O_DIRECT: buffered from now on
+        for offset, stored in segments:
+            _pwrite_all(fd, stored, offset)
+        encoded = head()
+        _pwrite_all(fd, memoryview(encoded), 0)
         # Zero padding is implicit: pwrite past a hole leaves zeros.
-        end = head_len + max((r.offset + r.stored for r in records), default=0)
         if os.fstat(fd).st_size != end:
             os.ftruncate(fd, end)
-        return digest_bytes(head)
+        return digest_bytes(encoded)
 
-    digest, _ = store.put_object(write)
-    size = head_len + max((r.offset + r.stored for r in records), default=0)
-    return ShardRef(digest, size, tuple((p.ordinal, p.lo, p.hi) for p, _, _ in parts))
+    mode = store.write_mode_for_next_object() if end >= DIRECT_MIN_BYTES else "buffered"
+    refused: list[bool] = []
+    started = time.perf_counter()
+    digest, written = store.put_object(write)
+    if end >= DIRECT_MIN_BYTES and written:
+        store.record_write("buffered" if refused else mode, end, time.perf_counter() - started, bool(refused))
+    return ShardRef(digest, end, tuple((p.ordinal, p.lo, p.hi) for p, _, _ in parts))
+
+
+_writers = threading.local()
+
+
+def _direct_writer() -> ThreadPoolExecutor:
+    """This thread's one O_DIRECT write thread (its writes overlap the next block's copy)."""
+    pool = getattr(_writers, "pool", None)
+    if pool is None:
+        pool = _writers.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="alpha-ckpt-direct")
+    return pool
 
 
 def _done(value) -> Future:

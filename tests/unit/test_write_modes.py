@@ -1,0 +1,92 @@
+"""Large objects are written buffered or with O_DIRECT, by measurement, with the same bytes either way."""
+import errno
+import fcntl
+import os
+
+import pytest
+import torch
+
+import alpha_ckpt
+from alpha_ckpt import writer
+from alpha_ckpt.store import Store
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    # Small blocks and threshold so a few MiB exercise several blocks, a first block and a partial last one.
+    monkeypatch.setattr(writer, "_DIRECT_BLOCK", 1 << 20)
+    monkeypatch.setattr(writer, "DIRECT_MIN_BYTES", 1 << 20)
+
+
+def _state():
+    g = torch.Generator().manual_seed(3)
+    return {"a": torch.randn(1_000_003, generator=g), "b": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+            "c": torch.arange(777, dtype=torch.int64)}
+
+
+def _objects(store_dir):
+    out = {}
+    for d, _, files in os.walk(os.path.join(store_dir, "objects")):
+        for f in files:
+            out[f] = open(os.path.join(d, f), "rb").read()
+    return out
+
+
+def _save(tmp_path, name, monkeypatch, mode):
+    monkeypatch.setenv("ALPHA_CKPT_WRITE_MODE", mode)
+    store = Store(tmp_path / name)
+    root = alpha_ckpt.save(_state(), store=store, run="r", step="s", update=1, cursor=1, epoch=0)
+    return store, root
+
+
+def test_direct_and_buffered_writes_give_identical_objects(tmp_path, monkeypatch, small_blocks):
+    _, root_b = _save(tmp_path, "buffered", monkeypatch, "buffered")
+    store, root_d = _save(tmp_path, "direct", monkeypatch, "direct")
+    assert root_b == root_d
+    assert _objects(tmp_path / "buffered") == _objects(tmp_path / "direct")
+    assert store.write_stats()["gbps"]["direct"], "the direct path was not taken"
+    restored = {"a": torch.empty(1_000_003), "b": torch.empty(3, 5, dtype=torch.bfloat16),
+                "c": torch.empty(777, dtype=torch.int64)}
+    alpha_ckpt.load(restored, store=store, digest=root_d)
+    assert all(torch.equal(restored[k], v) for k, v in _state().items())
+
+
+def test_a_file_system_that_refuses_o_direct_is_written_buffered(tmp_path, monkeypatch, small_blocks):
+    real = fcntl.fcntl
+
+    def refusing(fd, cmd, arg=0):
+        if cmd == fcntl.F_SETFL and arg & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, cmd, arg)
+
+    monkeypatch.setattr(writer.fcntl, "fcntl", refusing)
+    monkeypatch.setattr("alpha_ckpt.store._write_stats", {})
+    store, root = _save(tmp_path, "refused", monkeypatch, "auto")
+    stats = store.write_stats()
+    assert stats["direct_refused"] and stats["next"] == "buffered"
+    _, expected = _save(tmp_path, "plain", monkeypatch, "buffered")
+    assert root == expected
+    alpha_ckpt.verify(store, root)
+
+
+def test_auto_alternates_then_keeps_the_faster_mode(tmp_path, monkeypatch):
+    monkeypatch.setattr("alpha_ckpt.store._write_stats", {})
+    store = Store(tmp_path)
+    assert store.write_mode == "auto"
+    picks = []
+    for gbps in ({"direct": 2.0, "buffered": 1.0}, ) * 4:
+        mode = store.write_mode_for_next_object()
+        picks.append(mode)
+        store.record_write(mode, 1 << 30, (1 << 30) / 1e9 / gbps[mode])
+    assert sorted(picks) == ["buffered", "buffered", "direct", "direct"]
+    assert store.write_mode_for_next_object() == "direct"
+    for _ in range(5):
+        store.record_write("direct", 1 << 30, 10.0)   # the disk changed: direct is now slow
+    assert store.write_mode_for_next_object() == "buffered"
+
+
+def test_an_unknown_write_mode_is_a_usage_error(tmp_path, monkeypatch):
+    from alpha_ckpt.errors import StoreUsageError
+    monkeypatch.setenv("ALPHA_CKPT_WRITE_MODE", "fast")
+    with pytest.raises(StoreUsageError, match="ALPHA_CKPT_WRITE_MODE"):
+        Store(tmp_path)
