@@ -8,19 +8,26 @@
 
 Exit codes: 0 done (verify: valid), 3 refused (verify: the refusal code is
 printed), 2 usage error.
+
+verify draws a progress bar on stderr when it is a terminal; otherwise
+verify and gc write one JSON event line to stderr when they end (stdout is
+unchanged).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import sys
-from typing import Sequence
+import time
+from typing import Iterator, Sequence
 
 from .errors import Refusal, StoreUsageError
 from .format import is_digest
 from .gc import DEFAULT_GRACE_S, apply_gc, plan_gc
-from .restore import latest_generation, open_generation, verify_generation
+from .progress import Progress, emit, is_tty
+from .restore import check_payloads, latest_generation, open_generation, payload_bytes
 from .store import RefRecord, Store
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED = 0, 2, 3
@@ -62,7 +69,29 @@ def _ref_json(r: RefRecord) -> dict:
             "published_at": r.published_at}
 
 
-def cmd_list(store: Store, args, out) -> int:
+@contextlib.contextmanager
+def _logged(event: str, err, **fields) -> Iterator[dict]:
+    """One JSON event line on stderr when the command ends, unless stderr is a terminal (a person reads stdout)."""
+    started = time.monotonic()
+    fields["outcome"] = "error"
+    try:
+        yield fields
+        fields["outcome"] = "ok"
+    except Refusal as refusal:
+        fields.update(outcome="refused", code=refusal.code.value)
+        raise
+    except StoreUsageError:
+        fields["outcome"] = "usage-error"
+        raise
+    except Exception as exc:
+        fields["error"] = f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        if not is_tty(err):
+            emit(event, err, **fields, seconds=round(time.monotonic() - started, 6))
+
+
+def cmd_list(store: Store, args, out, err) -> int:
     pairs = [(run, step) for run, step in store.runs()
              if (args.run is None or run == args.run) and (args.step is None or step == args.step)]
     rows, problems = [], []
@@ -86,7 +115,7 @@ def cmd_list(store: Store, args, out) -> int:
     return EXIT_OK
 
 
-def cmd_inspect(store: Store, args, out) -> int:
+def cmd_inspect(store: Store, args, out, err) -> int:
     with open_generation(store, args.digest) as generation:
         m = generation.manifest
 
@@ -131,10 +160,13 @@ def cmd_inspect(store: Store, args, out) -> int:
     return EXIT_OK
 
 
-def cmd_gc(store: Store, args, out) -> int:
-    plan = plan_gc(store, keep=args.keep, grace=args.grace)
-    if not args.dry_run:
-        apply_gc(store, plan)
+def cmd_gc(store: Store, args, out, err) -> int:
+    with _logged("gc", err, dry_run=args.dry_run) as log:
+        plan = plan_gc(store, keep=args.keep, grace=args.grace)
+        if not args.dry_run:
+            apply_gc(store, plan)
+        log.update(generations=len(plan.refs), objects=len(plan.objects), tmp=len(plan.tmp),
+                   kept_generations=plan.kept_generations, unreadable=len(plan.unreadable))
     if args.json:
         print(json.dumps({**plan.to_json(), "dry_run": args.dry_run}), file=out)
     else:
@@ -146,8 +178,14 @@ def cmd_gc(store: Store, args, out) -> int:
     return EXIT_OK
 
 
-def cmd_verify(store: Store, args, out) -> int:
-    verify_generation(store, args.digest)
+def cmd_verify(store: Store, args, out, err) -> int:
+    with _logged("verify", err, root=args.digest) as log:
+        # verify_generation, opened here so the bar knows the total before hashing starts.
+        with open_generation(store, args.digest) as generation:
+            total = payload_bytes(generation)
+            with Progress("verify", total, err) as bar:
+                check_payloads(generation, advance=bar.advance)
+        log["bytes"] = total
     if args.json:
         print(json.dumps({"digest": args.digest, "valid": True}), file=out)
     else:
@@ -155,7 +193,7 @@ def cmd_verify(store: Store, args, out) -> int:
     return EXIT_OK
 
 
-def cmd_latest(store: Store, args, out) -> int:
+def cmd_latest(store: Store, args, out, err) -> int:
     record, skipped = latest_generation(store, args.run, args.step)
     why = [{"digest": d, "code": r.code.value, "message": r.message} for d, r in skipped]
     if args.json:
@@ -167,8 +205,9 @@ def cmd_latest(store: Store, args, out) -> int:
     return EXIT_OK if record else EXIT_REFUSED
 
 
-def main(argv: Sequence[str] | None = None, out=None) -> int:
+def main(argv: Sequence[str] | None = None, out=None, err=None) -> int:
     out = out or sys.stdout
+    err = err or sys.stderr
     parser = _parser()
     try:
         args = parser.parse_args(argv)
@@ -177,17 +216,17 @@ def main(argv: Sequence[str] | None = None, out=None) -> int:
     try:
         store = Store(args.store, create=False)
     except StoreUsageError as exc:
-        print(f"alpha-ckpt: {exc}", file=sys.stderr)
+        print(f"alpha-ckpt: {exc}", file=err)
         return EXIT_USAGE
     except Refusal as refusal:
         return _refused(refusal, args, out)
     try:
-        return {"list": cmd_list, "inspect": cmd_inspect, "verify": cmd_verify, "latest": cmd_latest,
-                "gc": cmd_gc}[args.command](store, args, out)
+        return {"list": cmd_list, "inspect": cmd_inspect, "verify": cmd_verify,
+                "latest": cmd_latest, "gc": cmd_gc}[args.command](store, args, out, err)
     except Refusal as refusal:
         return _refused(refusal, args, out)
     except StoreUsageError as exc:
-        print(f"alpha-ckpt: {exc}", file=sys.stderr)
+        print(f"alpha-ckpt: {exc}", file=err)
         return EXIT_USAGE
     finally:
         store.close()
