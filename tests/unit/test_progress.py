@@ -138,3 +138,29 @@ def test_the_verify_bar_counts_every_byte_once_when_verifiers_run_in_parallel(st
     err = FakeTTY()
     assert cli.main(["verify", "--store", str(store_dir), root], out=io.StringIO(), err=err) == 0
     assert "] 4.0 MiB / 4.0 MiB  " in err.getvalue().split("\r")[-1]
+
+
+def test_export_emits_one_event_naming_the_file_it_wrote(saved, tmp_path):
+    store_dir, root, _ = saved
+    err = io.StringIO()
+    assert cli.main(["export", "--store", str(store_dir), root, "--to", str(tmp_path / "s.safetensors")],
+                    out=io.StringIO(), err=err) == 0
+    (event,) = _events(err.getvalue())
+    assert (event["event"], event["format"], event["regions"], event["outcome"]) == ("export", "safetensors", 6, "ok")
+    assert event["bytes"] == (tmp_path / "s.safetensors").stat().st_size
+    assert event["path"] == str(tmp_path / "s.safetensors")
+    err = io.StringIO()
+    assert cli.main(["export", "--store", str(store_dir), root, "--to", str(tmp_path / "s.safetensors")],
+                    out=io.StringIO(), err=err) == 2
+    lines = err.getvalue().splitlines()
+    assert [json.loads(l)["outcome"] for l in lines if l.startswith("{")] == ["usage-error"]
+    assert any("already exists" in l for l in lines)
+
+
+def test_the_export_bar_counts_bytes_validated_then_bytes_written(store_dir, tmp_path):
+    root = alpha_ckpt.save({"a": torch.arange(1 << 19, dtype=torch.float32), "b": torch.ones(1 << 19)},
+                           store=store_dir, run="r", step="s", update=1, cursor=1, epoch=0, max_shard_bytes=1 << 20)
+    err = FakeTTY()
+    assert cli.main(["export", "--store", str(store_dir), root, "--to", str(tmp_path / "x.safetensors")],
+                    out=io.StringIO(), err=err) == 0
+    assert "] 8.0 MiB / 8.0 MiB  " in err.getvalue().split("\r")[-1]  # 4 MiB read and validated, 4 MiB written
