@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from .durable import durable_commit
-from .errors import StoreUsageError
+from .errors import Refusal, RefusalCode, StoreUsageError
 from .format import DTYPES, RegionDecl
 from .manifest import torch_dtype
 from .planner import WantedSlice
@@ -80,6 +80,16 @@ class _CountingWriter:
         self._f.flush()
 
 
+def _check_unique_names(regions: tuple[RegionDecl, ...], root: str) -> None:
+    # The format does not require unique region names (identity is the ordinal), but the export keys by name.
+    first: dict[str, int] = {}
+    for r in regions:
+        if r.name in first:
+            raise Refusal(RefusalCode.FORMAT, f"generation {root[:16]}...: regions {first[r.name]} and {r.ordinal} "
+                          f"are both named {r.name!r}; exported by name, one would be lost")
+        first[r.name] = r.ordinal
+
+
 def check_destination(path: str | os.PathLike) -> tuple[str, str, str]:
     """(absolute path, its directory, its name); refuses a path that exists or has no directory."""
     full = os.path.abspath(os.fspath(path))
@@ -125,6 +135,7 @@ def export_opened(generation: Generation, path: str | os.PathLike, fmt: str | No
     fmt = format_for(path, fmt)
     full, directory, name = check_destination(path)
     regions = generation.manifest.regions
+    _check_unique_names(regions, generation.root)
     prepared = PreparedRestore(generation, [WantedSlice(r.ordinal, 0, r.words, r.ordinal) for r in regions],
                                advance=advance)
     validated = prepared.bytes_read  # before copy_into releases the validated views

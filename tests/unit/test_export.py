@@ -12,9 +12,12 @@ import alpha_ckpt
 from alpha_ckpt import cli, durable
 from alpha_ckpt.errors import StoreUsageError
 from alpha_ckpt.export import export_generation
+from alpha_ckpt.format import CapturePrefix, RegionDecl
 from alpha_ckpt.manifest import flatten_state
+from alpha_ckpt.planner import Piece
 from alpha_ckpt.publish import simulate
 from alpha_ckpt.store import Store
+from alpha_ckpt.writer import publish_slices
 from conftest import small_state
 
 
@@ -137,3 +140,15 @@ def test_a_tree_generation_exports_the_same_tensors_as_the_star_generation_of_th
     _assert_same_tensors(tree_tensors, {"shared": simulate.SHARED, "owned": owned})
     assert tree_result.validated_bytes == (simulate.REPLICATED_WORDS + owners * words) * 4
     store.close()
+
+
+def test_two_regions_with_one_name_are_refused_rather_than_one_dropped(store_dir, tmp_path):
+    regions = (RegionDecl(0, "w", "float32", (2,)), RegionDecl(1, "w", "float32", (2,)))
+    a, b = torch.ones(2), torch.zeros(2)
+    with Store(store_dir) as store:
+        root = publish_slices(store, CapturePrefix("r", "s", 1, 1, 0), regions,
+                              [[(Piece(0, 0, 2, 4), memoryview(a.numpy()).cast("B"), "raw"),
+                                (Piece(1, 0, 2, 4), memoryview(b.numpy()).cast("B"), "raw")]]).root
+    rc, text = _export(store_dir, root, tmp_path / "x.safetensors", "--json")
+    assert (rc, json.loads(text)["code"]) == (3, "format")
+    assert not (tmp_path / "x.safetensors").exists()
