@@ -1,29 +1,39 @@
-"""alpha-ckpt: inspect and verify a store.
+"""alpha-ckpt: inspect, verify and export a store.
 
     alpha-ckpt list    --store DIR [--run R] [--step S] [--json]
     alpha-ckpt inspect --store DIR DIGEST [--json]
     alpha-ckpt verify  --store DIR DIGEST [--json]
+    alpha-ckpt export  --store DIR DIGEST --to PATH [--format safetensors|torch] [--json]
     alpha-ckpt latest  --store DIR --run R --step S [--json]
     alpha-ckpt gc      --store DIR [--keep K] [--grace SECONDS] [--dry-run] [--json]
 
 Exit codes: 0 done (verify: valid), 3 refused (verify: the refusal code is
-printed), 2 usage error.
+printed), 2 usage error, 1 export could not write its file.
+
+verify and export draw a progress bar on stderr when it is a terminal;
+otherwise verify, export and gc write one JSON event line to stderr when
+they end (stdout is unchanged).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
+import os
 import sys
-from typing import Sequence
+import time
+from typing import Iterator, Sequence
 
 from .errors import Refusal, StoreUsageError
+from .export import FORMATS, check_destination, export_bytes, export_opened, format_for
 from .format import is_digest
 from .gc import DEFAULT_GRACE_S, apply_gc, plan_gc
-from .restore import latest_generation, open_generation, verify_generation
+from .progress import Progress, emit, is_tty
+from .restore import check_payloads, latest_generation, open_generation, payload_bytes
 from .store import RefRecord, Store
 
-EXIT_OK, EXIT_USAGE, EXIT_REFUSED = 0, 2, 3
+EXIT_OK, EXIT_WRITE_FAILED, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
 
 
 def _digest_arg(value: str) -> str:
@@ -48,6 +58,15 @@ def _parser() -> argparse.ArgumentParser:
                        ("verify", "validate every object of a generation (exit 3 when refused)")):
         p = sub.add_parser(name, parents=[common], help=text)
         p.add_argument("digest", type=_digest_arg, help="root digest (64 hex)")
+    p = sub.add_parser("export", parents=[common], help="write a generation's full logical state to a new file (validated first)",
+                       description="Validate every object read, then write each region at its full shape under its "
+                                   "dotted name. The file is new: an existing PATH is refused, never overwritten.")
+    p.add_argument("digest", type=_digest_arg, help="root digest (64 hex)")
+    p.add_argument("--to", required=True, metavar="PATH", help="the file to create")
+    p.add_argument("--format", choices=FORMATS,
+                   help="safetensors (default), or torch: a torch.save pickle of a flat dict, for "
+                        "torch.load(PATH, weights_only=True) outside alpha_ckpt (alpha_ckpt never reads it back); "
+                        "default torch when PATH ends in .pt or .pth")
     p = sub.add_parser("gc", parents=[common], help="remove stale temp files, old generations, unreachable objects")
     p.add_argument("--keep", type=int, help="keep the K newest generations of each run/step (K >= 2; default all)")
     p.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
@@ -62,7 +81,29 @@ def _ref_json(r: RefRecord) -> dict:
             "published_at": r.published_at}
 
 
-def cmd_list(store: Store, args, out) -> int:
+@contextlib.contextmanager
+def _logged(event: str, err, **fields) -> Iterator[dict]:
+    """One JSON event line on stderr when the command ends, unless stderr is a terminal (a person reads stdout)."""
+    started = time.monotonic()
+    fields["outcome"] = "error"
+    try:
+        yield fields
+        fields["outcome"] = "ok"
+    except Refusal as refusal:
+        fields.update(outcome="refused", code=refusal.code.value)
+        raise
+    except StoreUsageError:
+        fields["outcome"] = "usage-error"
+        raise
+    except Exception as exc:
+        fields["error"] = f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        if not is_tty(err):
+            emit(event, err, **fields, seconds=round(time.monotonic() - started, 6))
+
+
+def cmd_list(store: Store, args, out, err) -> int:
     pairs = [(run, step) for run, step in store.runs()
              if (args.run is None or run == args.run) and (args.step is None or step == args.step)]
     rows, problems = [], []
@@ -86,7 +127,7 @@ def cmd_list(store: Store, args, out) -> int:
     return EXIT_OK
 
 
-def cmd_inspect(store: Store, args, out) -> int:
+def cmd_inspect(store: Store, args, out, err) -> int:
     with open_generation(store, args.digest) as generation:
         m = generation.manifest
 
@@ -131,10 +172,13 @@ def cmd_inspect(store: Store, args, out) -> int:
     return EXIT_OK
 
 
-def cmd_gc(store: Store, args, out) -> int:
-    plan = plan_gc(store, keep=args.keep, grace=args.grace)
-    if not args.dry_run:
-        apply_gc(store, plan)
+def cmd_gc(store: Store, args, out, err) -> int:
+    with _logged("gc", err, dry_run=args.dry_run) as log:
+        plan = plan_gc(store, keep=args.keep, grace=args.grace)
+        if not args.dry_run:
+            apply_gc(store, plan)
+        log.update(generations=len(plan.refs), objects=len(plan.objects), tmp=len(plan.tmp),
+                   kept_generations=plan.kept_generations, unreadable=len(plan.unreadable))
     if args.json:
         print(json.dumps({**plan.to_json(), "dry_run": args.dry_run}), file=out)
     else:
@@ -146,8 +190,14 @@ def cmd_gc(store: Store, args, out) -> int:
     return EXIT_OK
 
 
-def cmd_verify(store: Store, args, out) -> int:
-    verify_generation(store, args.digest)
+def cmd_verify(store: Store, args, out, err) -> int:
+    with _logged("verify", err, root=args.digest) as log:
+        # verify_generation, opened here so the bar knows the total before hashing starts.
+        with open_generation(store, args.digest) as generation:
+            total = payload_bytes(generation)
+            with Progress("verify", total, err) as bar:
+                check_payloads(generation, advance=bar.advance)
+        log["bytes"] = total
     if args.json:
         print(json.dumps({"digest": args.digest, "valid": True}), file=out)
     else:
@@ -155,7 +205,28 @@ def cmd_verify(store: Store, args, out) -> int:
     return EXIT_OK
 
 
-def cmd_latest(store: Store, args, out) -> int:
+def cmd_export(store: Store, args, out, err) -> int:
+    fmt = format_for(args.to, args.format)
+    path = os.path.abspath(args.to)
+    try:
+        with _logged("export", err, root=args.digest, format=fmt, path=path) as log:
+            check_destination(path)  # a taken path is refused before anything is read
+            with open_generation(store, args.digest) as generation:
+                with Progress("export", export_bytes(generation), err) as bar:
+                    result = export_opened(generation, path, fmt, advance=bar.advance)
+            log.update(bytes=result.bytes, validated_bytes=result.validated_bytes, regions=len(result.regions))
+    except OSError as exc:  # the file system refused the write (ENOSPC, EACCES, EIO); no temp file is left
+        print(f"alpha-ckpt: export to {path} failed: {exc}", file=err)
+        return EXIT_WRITE_FAILED
+    if args.json:
+        print(json.dumps(result.to_json()), file=out)
+    else:
+        print(f"exported {result.root} to {result.path} ({result.format}, {len(result.regions)} regions, "
+              f"{result.bytes} bytes)", file=out)
+    return EXIT_OK
+
+
+def cmd_latest(store: Store, args, out, err) -> int:
     record, skipped = latest_generation(store, args.run, args.step)
     why = [{"digest": d, "code": r.code.value, "message": r.message} for d, r in skipped]
     if args.json:
@@ -167,8 +238,9 @@ def cmd_latest(store: Store, args, out) -> int:
     return EXIT_OK if record else EXIT_REFUSED
 
 
-def main(argv: Sequence[str] | None = None, out=None) -> int:
+def main(argv: Sequence[str] | None = None, out=None, err=None) -> int:
     out = out or sys.stdout
+    err = err or sys.stderr
     parser = _parser()
     try:
         args = parser.parse_args(argv)
@@ -177,17 +249,17 @@ def main(argv: Sequence[str] | None = None, out=None) -> int:
     try:
         store = Store(args.store, create=False)
     except StoreUsageError as exc:
-        print(f"alpha-ckpt: {exc}", file=sys.stderr)
+        print(f"alpha-ckpt: {exc}", file=err)
         return EXIT_USAGE
     except Refusal as refusal:
         return _refused(refusal, args, out)
     try:
-        return {"list": cmd_list, "inspect": cmd_inspect, "verify": cmd_verify, "latest": cmd_latest,
-                "gc": cmd_gc}[args.command](store, args, out)
+        return {"list": cmd_list, "inspect": cmd_inspect, "verify": cmd_verify, "export": cmd_export,
+                "latest": cmd_latest, "gc": cmd_gc}[args.command](store, args, out, err)
     except Refusal as refusal:
         return _refused(refusal, args, out)
     except StoreUsageError as exc:
-        print(f"alpha-ckpt: {exc}", file=sys.stderr)
+        print(f"alpha-ckpt: {exc}", file=err)
         return EXIT_USAGE
     finally:
         store.close()

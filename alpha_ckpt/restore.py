@@ -251,13 +251,16 @@ def _no_wait(upto: int) -> None:
 
 
 def decode_slice(rec: SliceRecord, stored: memoryview, what: str,
-                 wait: Callable[[int], None] = _no_wait, keep: bool = True) -> memoryview | None:
+                 wait: Callable[[int], None] = _no_wait, keep: bool = True,
+                 advance: Callable[[int], None] | None = None) -> memoryview | None:
     """Check a slice's stored bytes and return its raw words (a view, or a decompressed copy).
 
     ``wait(n)`` returns once the first n stored bytes are in memory: raw slices
     are hashed chunk by chunk as they arrive. With ``keep=False`` (verification
     only) a zstd slice is checked through one bounded chunk buffer and nothing
-    is returned, so no declared size is ever allocated.
+    is returned, so no declared size is ever allocated. ``advance(n)`` is told
+    the stored bytes checked so far (per chunk of a raw slice, once per zstd
+    slice), for a progress bar; it may be called from several threads.
     """
     w = f"{what} slice of region ordinal {rec.ordinal} words [{rec.lo}, {rec.hi})"
     if rec.codec == "raw":
@@ -269,6 +272,8 @@ def decode_slice(rec: SliceRecord, stored: memoryview, what: str,
             hasher.update(stored[start:end])
             if bad is None:
                 bad = _first_non_finite(rec, stored, start, end)
+            if advance is not None:
+                advance(end - start)
         # A damaged byte is reported as corrupt even where it also reads as NaN.
         if hasher.hexdigest() != rec.blake3:
             raise Refusal(RefusalCode.CORRUPT_SHARD, f"{w}: BLAKE3 of its bytes does not match the header")
@@ -312,6 +317,8 @@ def decode_slice(rec: SliceRecord, stored: memoryview, what: str,
         raise Refusal(RefusalCode.FORMAT, f"{w}: decompressed bytes do not match the header's length and BLAKE3")
     if bad is not None:
         raise _refuse_non_finite(rec, bad[0], bad[1], w)
+    if advance is not None:
+        advance(len(stored))
     return memoryview(out) if keep else None
 
 
@@ -463,14 +470,14 @@ class _Payloads:
     def check_padding(self, digest: str) -> None:
         check_zero_padding(self.generation.shards[digest][1], self.payload(digest), f"shard {digest[:16]}...")
 
-    def decode(self, wanted: Sequence[tuple[str, int]], *, keep: bool = True,
-               workers: int = 2) -> dict[tuple[str, int], memoryview | None]:
+    def decode(self, wanted: Sequence[tuple[str, int]], *, keep: bool = True, workers: int = 2,
+               advance: Callable[[int], None] | None = None) -> dict[tuple[str, int], memoryview | None]:
         """Validate the wanted slices (all of them, or raise the first refusal in file order)."""
         def one(key: tuple[str, int]) -> memoryview | None:
             digest, index = key
             rec = self.generation.shards[digest][1].slices[index]
             return decode_slice(rec, self.payload(digest)[rec.offset:rec.offset + rec.stored], f"shard {digest[:16]}...",
-                                prefetcher.waiter(key), keep=keep)
+                                prefetcher.waiter(key), keep=keep, advance=advance)
 
         for digest in dict.fromkeys(d for d, _ in wanted):
             self.check_padding(digest)
@@ -481,7 +488,7 @@ class _Payloads:
             for digest, index in sorted(wanted, key=lambda k: (k[0], self.generation.shards[k[0]][1].slices[k[1]].offset)):
                 rec = self.generation.shards[digest][1].slices[index]
                 results[(digest, index)] = decode_slice(rec, self.payload(digest)[rec.offset:rec.offset + rec.stored],
-                                                        f"shard {digest[:16]}...", keep=keep)
+                                                        f"shard {digest[:16]}...", keep=keep, advance=advance)
             return results
         # File order, so the prefetchers read sequentially and the verifiers follow them.
         jobs = []
@@ -509,16 +516,23 @@ class _Payloads:
         self._views.clear()
 
 
+def payload_bytes(generation: Generation) -> int:
+    """Stored bytes of every slice of the opened shards: what full validation reads and hashes."""
+    return sum(s.stored for _, head in generation.shards.values() for s in head.slices)
+
+
+def check_payloads(generation: Generation, *, advance: Callable[[int], None] | None = None) -> None:
+    """Validate every slice (and the padding) of every opened shard; nothing is kept."""
+    payloads = _Payloads(generation)
+    keys = [(d, i) for d, (_, head) in generation.shards.items() for i in range(len(head.slices))]
+    payloads.decode(keys, keep=False, advance=advance)
+    payloads.release()
+
+
 def verify_generation(store: Store, root: str) -> Generation:
     """Full validation of every object of a generation. Returns the (closed) generation on success."""
-    generation = open_generation(store, root)
-    try:
-        payloads = _Payloads(generation)
-        keys = [(d, i) for d, (_, head) in generation.shards.items() for i in range(len(head.slices))]
-        payloads.decode(keys, keep=False)
-        payloads.release()
-    finally:
-        generation.close()
+    with open_generation(store, root) as generation:
+        check_payloads(generation)
     return generation
 
 
@@ -538,14 +552,16 @@ class PreparedRestore:
     generation that any owner refused.
     """
 
-    def __init__(self, generation: Generation, wanted: Sequence[WantedSlice]):
+    def __init__(self, generation: Generation, wanted: Sequence[WantedSlice], *,
+                 advance: Callable[[int], None] | None = None):
         self.generation = generation
         try:
             self.plan = plan_restore(generation.saved_slices(), wanted)
         except PlanError as exc:
             raise Refusal(RefusalCode.COVERAGE, f"generation {generation.root[:16]}...: {exc}") from None
         self._payloads = _Payloads(generation)
-        self._raws = self._payloads.decode(list(dict.fromkeys((c.source, c.index) for c in self.plan.copies)))
+        self._raws = self._payloads.decode(list(dict.fromkeys((c.source, c.index) for c in self.plan.copies)),
+                                           advance=advance)
 
     @property
     def bytes_read(self) -> int:
