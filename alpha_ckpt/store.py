@@ -208,6 +208,11 @@ class Store:
         elif seconds > 0:
             stats["gbps"][mode].append(nbytes / seconds / 1e9)
 
+    def measured_write_bytes_per_s(self) -> float | None:
+        """The median measured throughput of large object writes on this file system (None before any)."""
+        rates = sorted(r for v in self._write_stats()["gbps"].values() for r in v[-5:])
+        return rates[len(rates) // 2] * 1e9 if rates else None
+
     def write_stats(self) -> dict:
         """What the write-mode choice is based on (throughputs in GB/s per mode, newest last)."""
         stats = self._write_stats()

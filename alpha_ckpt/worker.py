@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from . import durable
 from .async_save import AsyncSaver, SaveHandle
+from .progress import emit, format_bytes, is_tty
 from .interval import IntervalPlan, check_schedule_args, parse_duration, young_daly
 from .errors import DurableWriteError, PublishFailed, Refusal, RefusalCode
 from .format import DTYPES, CapturePrefix, canonical_json
@@ -519,9 +520,16 @@ class Owner:
 
 
 def emit_event(event: str, **fields) -> None:
-    """One structured log line (JSON) on stderr."""
-    print(json.dumps({"event": event, "time": time.time(), **fields}, sort_keys=True, allow_nan=False),
-          file=sys.stderr, flush=True)
+    """A log collector gets one JSON line; a terminal gets a short line for a publish."""
+    if not is_tty(sys.stderr):
+        emit(event, **fields)
+    elif event == "publish":
+        print(f"alpha-run: generation {fields.get('generation')} (update {fields['update']}): "
+              f"{format_bytes(fields.get('bytes') or 0)}, {format_bytes(fields['bytes_written'])} written, "
+              f"{fields['seconds']:.3g} s ({fields['mode']}), training stalled {fields['stall_s']:.3g} s",
+              file=sys.stderr, flush=True)
+    elif event == "checkpoint_skipped":
+        pass  # the human line was printed by the caller
 
 
 class CheckpointSchedule:

@@ -218,3 +218,14 @@ def test_damage_that_reads_as_nan_is_reported_as_corrupt_not_non_finite(store_di
     with pytest.raises(Refusal) as info:
         alpha_ckpt.verify(store_dir, root)
     assert info.value.code == RefusalCode.CORRUPT_SHARD
+
+
+def test_auto_compression_weighs_the_compression_rate_against_the_disk_rate():
+    from alpha_ckpt.writer import choose_codec
+    bf16 = memoryview(torch.randn(1 << 20).to(torch.bfloat16).view(torch.uint8).numpy())
+    floats = memoryview(torch.randn(1 << 19).view(torch.uint8).numpy())
+    zeros = memoryview(bytes(1 << 20))
+    assert choose_codec(floats, "auto", 1e9) == "raw"          # barely compressible: never pays
+    assert choose_codec(bf16, "auto", 1e9) == "raw"            # shrinks ~20 %, but zstd is slower than the disk
+    assert choose_codec(bf16, "auto", 20e6) == "zstd"          # a 20 MB/s network file system: it pays
+    assert choose_codec(zeros, "auto", 1e9) == "zstd"
