@@ -1,11 +1,14 @@
-"""alpha-ckpt: inspect, verify and export a store.
+"""alpha-ckpt: inspect, verify, export, pin and collect a store.
 
     alpha-ckpt list    --store DIR [--run R] [--step S] [--json]
     alpha-ckpt inspect --store DIR DIGEST [--json]
     alpha-ckpt verify  --store DIR DIGEST [--json]
     alpha-ckpt export  --store DIR DIGEST --to PATH [--format safetensors|torch] [--json]
     alpha-ckpt latest  --store DIR --run R --step S [--json]
-    alpha-ckpt gc      --store DIR [--keep K] [--grace SECONDS] [--dry-run] [--json]
+    alpha-ckpt gc      --store DIR [--keep K] [--grace SECONDS] [--completed-steps] [--dry-run] [--json]
+    alpha-ckpt pin     --store DIR DIGEST [--note TEXT] [--json]
+    alpha-ckpt unpin   --store DIR DIGEST [--json]
+    alpha-ckpt pins    --store DIR [--json]
 
 Exit codes: 0 done (verify: valid), 3 refused (verify: the refusal code is
 printed), 2 usage error, 1 export could not write its file.
@@ -29,6 +32,7 @@ from .errors import Refusal, StoreUsageError
 from .export import FORMATS, check_destination, export_bytes, export_opened, format_for
 from .format import is_digest
 from .gc import DEFAULT_GRACE_S, apply_gc, plan_gc
+from .pins import MAX_NOTE_CHARS, Pin, list_pins, pin_generation, unpin_generation
 from .progress import Progress, emit, is_tty
 from .restore import check_payloads, latest_generation, open_generation, payload_bytes
 from .store import RefRecord, Store
@@ -71,7 +75,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", type=int, help="keep the K newest generations of each run/step (K >= 2; default all)")
     p.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
                    help=f"never remove objects or temp files younger than this many seconds (default {DEFAULT_GRACE_S:g})")
+    p.add_argument("--completed-steps", action="store_true",
+                   help="also remove every generation of a run/step published before its declared output "
+                        "(STORE/outputs/RUN/STEP/*.safetensors); pinned ones stay")
     p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    p = sub.add_parser("pin", parents=[common], help="keep a published, valid generation whatever the retention")
+    p.add_argument("digest", type=_digest_arg, help="root digest (64 hex)")
+    p.add_argument("--note", default="", help=f"why it is kept (at most {MAX_NOTE_CHARS} characters)")
+    p = sub.add_parser("unpin", parents=[common], help="remove a pin (gc may then remove the generation)")
+    p.add_argument("digest", type=_digest_arg, help="root digest (64 hex)")
+    sub.add_parser("pins", parents=[common], help="the pinned generations")
     return parser
 
 
@@ -174,7 +187,7 @@ def cmd_inspect(store: Store, args, out, err) -> int:
 
 def cmd_gc(store: Store, args, out, err) -> int:
     with _logged("gc", err, dry_run=args.dry_run) as log:
-        plan = plan_gc(store, keep=args.keep, grace=args.grace)
+        plan = plan_gc(store, keep=args.keep, grace=args.grace, completed_steps=args.completed_steps)
         if not args.dry_run:
             apply_gc(store, plan)
         log.update(generations=len(plan.refs), objects=len(plan.objects), tmp=len(plan.tmp),
@@ -184,9 +197,56 @@ def cmd_gc(store: Store, args, out, err) -> int:
     else:
         verb = "would remove" if args.dry_run else "removed"
         print(f"{verb} {len(plan.refs)} generations, {len(plan.objects)} unreachable objects, {len(plan.tmp)} temp "
-              f"files; kept {plan.kept_generations} generations ({plan.reachable} objects reachable)", file=out)
+              f"files, {len(plan.leases)} stale leases; kept {plan.kept_generations} generations "
+              f"({plan.pinned} pinned, {plan.reachable} objects reachable); {plan.live_leases} publishes in flight",
+              file=out)
+        for step in plan.completed:
+            print(f"  {step}: its declared output is published, its checkpoints are discarded", file=out)
         for root in plan.unreadable:
             print(f"  no object removed: the manifests of kept generation {root} cannot be read", file=out)
+    return EXIT_OK
+
+
+def _when(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def cmd_pin(store: Store, args, out, err=None) -> int:
+    try:
+        pin, new = pin_generation(store, args.digest, args.note)
+    except ValueError as exc:
+        raise StoreUsageError(str(exc)) from None
+    if args.json:
+        print(json.dumps({**pin.to_json(), "new": new}), file=out)
+    else:
+        print(f"{'pinned' if new else 'already pinned'} {pin.root} ({pin.run}/{pin.step} generation "
+              f"{pin.generation}, since {_when(pin.pinned_at)})", file=out)
+    return EXIT_OK
+
+
+def cmd_unpin(store: Store, args, out, err=None) -> int:
+    removed = unpin_generation(store, args.digest)
+    if args.json:
+        print(json.dumps({"digest": args.digest, "unpinned": removed}), file=out)
+    else:
+        print(f"unpinned {args.digest}" if removed else f"not pinned: {args.digest}", file=out)
+    return EXIT_OK if removed else EXIT_REFUSED
+
+
+def cmd_pins(store: Store, args, out, err=None) -> int:
+    pins = list_pins(store)
+    if args.json:
+        print(json.dumps({"pins": [p.to_json() for p in pins if isinstance(p, Pin)],
+                          "unreadable_pins": [{"root": root, "code": r.code.value, "message": r.message}
+                                              for root, r in (p for p in pins if not isinstance(p, Pin))]}), file=out)
+        return EXIT_OK
+    for p in pins:
+        if isinstance(p, Pin):
+            print(f"{p.root}  {p.run}/{p.step} generation {p.generation}  pinned {_when(p.pinned_at)}"
+                  + (f"  {p.note}" if p.note else ""), file=out)
+        else:
+            root, refusal = p
+            print(f"{root}  unreadable pin (still kept): [{refusal.code.value}] {refusal.message}", file=out)
     return EXIT_OK
 
 
@@ -255,7 +315,8 @@ def main(argv: Sequence[str] | None = None, out=None, err=None) -> int:
         return _refused(refusal, args, out)
     try:
         return {"list": cmd_list, "inspect": cmd_inspect, "verify": cmd_verify, "export": cmd_export,
-                "latest": cmd_latest, "gc": cmd_gc}[args.command](store, args, out, err)
+                "latest": cmd_latest, "gc": cmd_gc, "pin": cmd_pin, "unpin": cmd_unpin,
+                "pins": cmd_pins}[args.command](store, args, out, err)
     except Refusal as refusal:
         return _refused(refusal, args, out)
     except StoreUsageError as exc:

@@ -12,7 +12,7 @@ temporary name is never published, and NOREPLACE means a published name is
 never overwritten.
 
 Fault points: set ``ALPHA_CKPT_FAULT=<kind>:<point>[:<rank>]`` (kind ``object``,
-``ref``, ``output``, ``export`` or ``*``) to SIGKILL the process (or only owner <rank>)
+``ref``, ``output``, ``export``, ``lease``, ``pin`` or ``*``) to SIGKILL the process (or only owner <rank>)
 exactly there, or install a Python hook with :func:`set_fault_hook` for
 in-process tests. Publishers add ``publish:before-completion``: an owner
 dies holding the durable-completion acknowledgment, before passing it on or

@@ -1,55 +1,128 @@
-"""Garbage collection: stale temp files, generations beyond retention, objects no generation reaches.
+"""Garbage collection: stale temp files and leases, generations beyond retention, objects no generation reaches.
 
-    alpha-ckpt gc --store DIR [--keep K] [--grace SECONDS] [--dry-run]
+    alpha-ckpt gc --store DIR [--keep K] [--grace SECONDS] [--completed-steps] [--dry-run]
 
-Safe while a publish is in flight: a publish writes its objects before its
-ref, so an object that no ref reaches yet may belong to it; objects and temp
-files younger than ``grace`` seconds are never removed. Retention keeps the
-``keep`` newest generations of every run/step (never fewer than two, so the
-previous complete generation survives a failed publish); by default every
-generation is kept and only unreachable objects and stale temp files go. If
-a kept generation's manifests cannot be read, nothing it might reach can be
-told apart, so no object is removed at all (temp files still are).
+What stays:
+
+- **Retention**: of every run/step, the ``keep`` newest *complete*
+  generations (manifests readable, every object they name present; checking
+  every byte is ``verify``'s job) and every generation newer than those. At
+  least two are kept, so the previous complete generation survives a failed
+  publish. By default every generation is kept.
+- **Pins** (:mod:`alpha_ckpt.pins`): a pinned generation stays whatever the
+  retention, and does not count toward ``keep``.
+- **Completed steps** (``completed_steps``, off by default): once a run/step's
+  declared output is published (``STORE/outputs/RUN/STEP/*.safetensors``),
+  its checkpoints are internal scratch: every generation published before the
+  newest output goes, pinned ones excepted. A run/step with a publish in
+  flight is left alone.
+- **Objects** reached by a kept or pinned generation; if one of their
+  manifests cannot be read, nothing they might reach can be told apart, so no
+  object is removed at all (temp files and leases still are).
+
+Safe beside a publish, even with ``grace=0``: a publish writes its objects
+before its ref, under a pending-publish lease (:mod:`alpha_ckpt.leases`).
+gc reads the leases before the pins and refs, and spares every object and
+temp file modified after ``protect_before``: the oldest live lease's start,
+this gc's own start, and ``now - grace``, whichever is earliest, less a
+clock slack. A publish that took its lease after gc read the leases writes
+only younger objects; one that released it before had published its ref,
+which gc then reads. An object reused by a publish has its time renewed, and
+so has every object of a generation being pinned; to close the gap between
+planning and removing, each object is first renamed aside into ``tmp/``, its
+time read again there, and put back if it was renewed meanwhile (a renewal
+after the rename finds it gone, and the publisher writes it again). A gc
+killed between the two leaves ``tmp/aside-DIGEST-...``; the next gc puts it
+back before anything else. A temp file whose writer (the pid its name starts
+with) still runs on this host is never removed.
 
 Planning (:func:`plan_gc`) only reads; :func:`apply_gc` removes each file
 with unlink and then fsyncs its directory.
 """
 from __future__ import annotations
 
+import math
 import os
+import secrets
+import stat
 import time
 from dataclasses import dataclass, field
 
+from . import durable
 from .errors import Refusal, StoreUsageError
+from .format import is_digest
+from .leases import CLOCK_SLACK_S, PENDING_DIR, STALE_AFTER_S, lease_is_stale, read_leases, writer_alive
+from .pins import pinned_roots
 from .restore import open_generation
 from .store import RefRecord, Store
 
 DEFAULT_GRACE_S = 3600.0
+ASIDE_PREFIX = "aside-"  # tmp/aside-<digest>-<pid>-<random>: an object being removed, set aside first
+OUTPUT_SUFFIX = ".safetensors"
 
 
 @dataclass
 class GcPlan:
-    refs: list[RefRecord] = field(default_factory=list)      # generations beyond retention
-    objects: list[str] = field(default_factory=list)          # unreachable and older than the grace period
-    tmp: list[str] = field(default_factory=list)              # temp files older than the grace period
+    refs: list[RefRecord] = field(default_factory=list)      # generations beyond retention or of completed steps
+    objects: list[str] = field(default_factory=list)          # unreachable and older than protect_before
+    tmp: list[str] = field(default_factory=list)              # temp files older than protect_before, writer gone
+    leases: list[str] = field(default_factory=list)           # stale leases in pending/
     kept_generations: int = 0
     reachable: int = 0
+    pinned: int = 0
+    live_leases: int = 0
+    completed: list[str] = field(default_factory=list)        # run/step whose checkpoints completion discards
     unreadable: list[str] = field(default_factory=list)       # kept roots whose manifests could not be read
+    protect_before: float = 0.0                               # what was modified at or after this is spared
 
     def to_json(self) -> dict:
         return {"refs": [f"{r.run}/{r.step}/{r.generation}" for r in self.refs], "objects": len(self.objects),
-                "tmp": len(self.tmp), "kept_generations": self.kept_generations, "reachable": self.reachable,
-                "unreadable": self.unreadable}
+                "tmp": len(self.tmp), "stale_leases": len(self.leases), "kept_generations": self.kept_generations,
+                "reachable": self.reachable, "pinned": self.pinned, "live_leases": self.live_leases,
+                "completed_steps": self.completed, "unreadable": self.unreadable}
 
 
-def _age(path: str, now: float) -> float:
+def _mtime(path: str) -> float:
     try:
-        return now - os.stat(path, follow_symlinks=False).st_mtime
+        return os.stat(path, follow_symlinks=False).st_mtime
     except FileNotFoundError:
-        return 0.0
+        return math.inf  # gone: nothing to remove
 
 
-def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRACE_S, now: float | None = None) -> GcPlan:
+def _reach(store: Store, root: str, record: RefRecord | None) -> tuple[set[str], bool] | Refusal:
+    """The objects a generation reaches, and whether every one of them is present; a refusal if unreadable."""
+    try:
+        with open_generation(store, root, record, wanted=[]) as generation:
+            manifests = {m.digest for m in generation.manifests}
+            shards = {s.digest for m in generation.manifests for s in m.shards}
+    except Refusal as refusal:
+        return refusal
+    return manifests | shards, all(store.has_object(d) for d in shards)
+
+
+def _output_time(store: Store, run: str, step: str) -> float | None:
+    """When the newest declared output of run/step was published, or None where there is none."""
+    directory = os.path.join(store.root, "outputs", run, step)
+    try:
+        if not stat.S_ISDIR(os.stat(directory, follow_symlinks=False).st_mode):
+            return None
+        names = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    times = []
+    for name in names:
+        if name.endswith(OUTPUT_SUFFIX):
+            try:
+                st = os.stat(os.path.join(directory, name), follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                times.append(st.st_mtime)
+    return max(times, default=None)
+
+
+def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRACE_S, now: float | None = None,
+            completed_steps: bool = False) -> GcPlan:
     if keep is not None and keep < 2:
         raise StoreUsageError(f"--keep {keep}: at least two generations are kept (the previous complete one "
                               "must survive a failed publish)")
@@ -57,36 +130,91 @@ def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRA
         raise StoreUsageError("--grace must not be negative")
     now = time.time() if now is None else now
     plan = GcPlan()
+
+    # Leases first: a publish that takes one after this point writes only objects younger than now.
+    starts = [now - max(grace, CLOCK_SLACK_S)]
+    busy: set[tuple[str, str]] = set()
+    for name, lease, mtime in read_leases(store.root):
+        if lease is not None:
+            if lease_is_stale(lease, now, grace):
+                plan.leases.append(name)
+            else:
+                plan.live_leases += 1
+                starts.append(lease.started_at - CLOCK_SLACK_S)
+                busy.add((lease.run, lease.step))
+        elif name.endswith(".tmp"):  # a lease being written
+            if mtime < starts[0] and not writer_alive(name):
+                plan.leases.append(name)
+        elif now - mtime > max(grace, STALE_AFTER_S):
+            plan.leases.append(name)
+        else:  # unreadable: trusted as a live lease that started when the file was written
+            plan.live_leases += 1
+            starts.append(mtime - CLOCK_SLACK_S)
+    plan.protect_before = min(starts)
+
+    pins = pinned_roots(store)
+    plan.pinned = len(pins)
+    reaches: dict[str, tuple[set[str], bool] | Refusal] = {}
+
+    def reach(root: str, record: RefRecord | None):
+        if root not in reaches:
+            reaches[root] = _reach(store, root, record)
+        return reaches[root]
+
     kept: list[RefRecord] = []
     for run, step in store.runs():
         records = [r for r in store.list_refs(run, step) if isinstance(r, RefRecord)]
-        cut = len(records) - keep if keep is not None else 0
-        plan.refs += records[:max(0, cut)]
-        kept += records[max(0, cut):]
+        dropped: list[RefRecord] = []
+        if completed_steps and (run, step) not in busy:
+            finished = _output_time(store, run, step)
+            if finished is not None:
+                done = [r for r in records if r.published_at <= finished and r.root not in pins]
+                if done:
+                    plan.completed.append(f"{run}/{step}")
+                dropped += done
+                records = [r for r in records if r not in done]
+        complete = 0
+        for record in reversed(records):
+            if record.root in pins:
+                kept.append(record)
+            elif keep is not None and complete >= keep:
+                dropped.append(record)
+            else:
+                kept.append(record)
+                reached = reach(record.root, record)
+                complete += not isinstance(reached, Refusal) and reached[1]
+        plan.refs += sorted(dropped, key=lambda r: r.generation)
     plan.kept_generations = len(kept)
+
     reachable: set[str] = set()
-    for record in kept:
-        try:
-            with open_generation(store, record.root, record, wanted=[]) as generation:
-                for manifest in generation.manifests:
-                    reachable.add(manifest.digest)
-                    reachable.update(s.digest for s in manifest.shards)
-        except Refusal:
-            plan.unreadable.append(record.root)
+    kept_roots = {r.root for r in kept}
+    for root, record in [(r.root, r) for r in kept] + [(p, None) for p in sorted(pins - kept_roots)]:
+        reached = reach(root, record)
+        if isinstance(reached, Refusal):
+            if root not in plan.unreadable:
+                plan.unreadable.append(root)
+        else:
+            reachable |= reached[0]
     plan.reachable = len(reachable)
     if not plan.unreadable:
         plan.objects = [d for d in store.iter_objects()
-                        if d not in reachable and _age(store.object_path(d), now) >= grace]
+                        if d not in reachable and _mtime(store.object_path(d)) < plan.protect_before]
     tmp_dir = os.path.join(store.root, "tmp")
     if os.path.isdir(tmp_dir):
-        plan.tmp = sorted(n for n in os.listdir(tmp_dir) if _age(os.path.join(tmp_dir, n), now) >= grace)
+        plan.tmp = sorted(n for n in os.listdir(tmp_dir)
+                          if not n.startswith(ASIDE_PREFIX) and _mtime(os.path.join(tmp_dir, n)) < plan.protect_before
+                          and not writer_alive(n))
     return plan
+
+
+def _open_dir(path: str) -> int:
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
 
 
 def _remove(directory: str, names: list[str]) -> None:
     if not names:
         return
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = _open_dir(directory)
     try:
         for name in names:
             try:
@@ -98,13 +226,82 @@ def _remove(directory: str, names: list[str]) -> None:
         os.close(fd)
 
 
+def _put_back(tmp_fd: int, aside: str, fan_fd: int, digest: str) -> None:
+    try:
+        durable.rename_noreplace(tmp_fd, aside, fan_fd, digest)
+    except FileExistsError:  # written again meanwhile: the same bytes under the same name
+        os.unlink(aside, dir_fd=tmp_fd)
+    except FileNotFoundError:
+        pass  # another gc put it back first
+
+
+def _put_back_set_aside(store: Store, tmp_fd: int, objects_fd: int) -> None:
+    """Objects a killed gc had set aside go back first: one may have been renewed by a publish."""
+    for name in sorted(os.listdir(tmp_fd)):
+        digest = name[len(ASIDE_PREFIX):len(ASIDE_PREFIX) + 64]
+        if name.startswith(ASIDE_PREFIX) and is_digest(digest):
+            fan_fd = durable.make_dir_durable(objects_fd, digest[:2])
+            try:
+                _put_back(tmp_fd, name, fan_fd, digest)
+                os.fsync(fan_fd)
+            finally:
+                os.close(fan_fd)
+
+
+def _remove_objects(store: Store, digests: list[str], protect_before: float, tmp_fd: int, objects_fd: int) -> None:
+    """Set each object aside, read its time again, and remove it only if nothing renewed it since planning."""
+    fans: dict[str, int] = {}
+    try:
+        for digest in digests:
+            fan = digest[:2]
+            if fan not in fans:
+                try:
+                    fans[fan] = _open_dir(os.path.join(store.root, "objects", fan))
+                except FileNotFoundError:
+                    continue
+            aside = f"{ASIDE_PREFIX}{digest}-{os.getpid()}-{secrets.token_hex(4)}"
+            try:
+                durable.rename_noreplace(fans[fan], digest, tmp_fd, aside)
+            except FileNotFoundError:
+                continue
+            try:
+                renewed = os.stat(aside, dir_fd=tmp_fd, follow_symlinks=False).st_mtime >= protect_before
+            except FileNotFoundError:
+                continue  # another gc put it back
+            if renewed:
+                _put_back(tmp_fd, aside, fans[fan], digest)
+            else:
+                try:
+                    os.unlink(aside, dir_fd=tmp_fd)
+                except FileNotFoundError:
+                    pass
+        for fd in fans.values():
+            os.fsync(fd)
+    finally:
+        for fd in fans.values():
+            os.close(fd)
+
+
 def apply_gc(store: Store, plan: GcPlan) -> None:
-    """Refs first (a generation disappears whole), then objects, then temp files."""
-    by_dir: dict[str, list[str]] = {}
-    for r in plan.refs:
-        by_dir.setdefault(os.path.join(store.root, "refs", r.run, r.step), []).append(f"{r.generation:010d}")
-    for d in plan.objects:
-        by_dir.setdefault(os.path.dirname(store.object_path(d)), []).append(d)
-    for directory, names in by_dir.items():
-        _remove(directory, names)
+    """Set-aside objects back, then refs (a generation disappears whole), objects, temp files, stale leases."""
+    root_fd = os.open(store.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the user's path: may be a symlink
+    try:
+        tmp_fd = durable.make_dir_durable(root_fd, "tmp")
+    finally:
+        os.close(root_fd)
+    objects_fd = _open_dir(os.path.join(store.root, "objects"))
+    try:
+        _put_back_set_aside(store, tmp_fd, objects_fd)
+        by_dir: dict[str, list[str]] = {}
+        for r in plan.refs:
+            by_dir.setdefault(os.path.join(store.root, "refs", r.run, r.step), []).append(f"{r.generation:010d}")
+        for directory, names in by_dir.items():
+            _remove(directory, names)
+        if plan.objects:
+            _remove_objects(store, plan.objects, plan.protect_before, tmp_fd, objects_fd)
+            os.fsync(tmp_fd)
+    finally:
+        os.close(objects_fd)
+        os.close(tmp_fd)
     _remove(os.path.join(store.root, "tmp"), plan.tmp)
+    _remove(os.path.join(store.root, PENDING_DIR), plan.leases)

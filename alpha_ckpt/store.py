@@ -3,6 +3,7 @@
     STORE/objects/ab/abcdef...        shards and manifests, named by the BLAKE3 of their head
     STORE/refs/RUN/STEP/0000000007    one small file per published generation: its root digest
     STORE/tmp/                        in-flight writes
+    STORE/pending/<pid>-<random>      leases of publishes in flight (see :mod:`alpha_ckpt.leases`)
 
 Every write goes through :func:`alpha_ckpt.durable.durable_commit`. Every read
 opens relative to the store's directory descriptors with O_NOFOLLOW and
@@ -16,7 +17,10 @@ import errno
 import mmap
 import os
 import re
+import secrets
+import socket
 import stat
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -26,6 +30,7 @@ import numpy as np
 from . import durable
 from .errors import DurableWriteError, PublishConflict, Refusal, RefusalCode, StoreUsageError
 from .format import CapturePrefix, canonical_json, check_name, digest_bytes, is_digest, parse_canonical_json
+from .leases import PENDING_DIR, Lease, process_start
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 REF_DIGITS = 10
@@ -132,11 +137,12 @@ class Store:
         except FileNotFoundError:
             raise StoreUsageError(f"store {self.root!r} does not exist") from None
         if create:
-            for name in ("objects", "refs", "tmp", "outputs"):
+            for name in ("objects", "refs", "tmp", "outputs", PENDING_DIR):
                 os.close(durable.make_dir_durable(self._root_fd, name))
         self._objects_fd = self._open_dir(self._root_fd, "objects")
         self._tmp_fd = self._open_dir(self._root_fd, "tmp") if create or self._exists("tmp") else -1
         self._fan_fds: dict[str, int] = {}
+        self._leases = _LeaseBook(self._root_fd)
 
     def _exists(self, name: str) -> bool:
         try:
@@ -156,6 +162,7 @@ class Store:
             raise
 
     def close(self) -> None:
+        self._leases.close()
         for fd in [self._root_fd, self._objects_fd, self._tmp_fd, *self._fan_fds.values()]:
             if fd >= 0:
                 os.close(fd)
@@ -264,6 +271,10 @@ class Store:
                     return names[0], False
         raise DurableWriteError("rename", errno.EEXIST, f"object {names[0]} kept disappearing while being reused")
 
+    def renew_object(self, digest: str) -> bool:
+        """Renew an object's modification time (False if it is gone): gc then counts it as young."""
+        return self._renew(self.check_digest(digest))
+
     def _renew(self, digest: str) -> bool:
         """Touch a reused object (False if it is gone): gc spares objects younger than its grace period."""
         try:
@@ -307,6 +318,19 @@ class Store:
                 for name in sorted(os.listdir(os.path.join(self.root, "objects", fan))):
                     if is_digest(name) and name.startswith(fan):
                         yield name
+
+    # ------------------------------------------------------------ pending publishes
+
+    def pending_publish(self, run: str, step: str) -> "PublishLease":
+        """Take a lease for a publish of (run, step) about to write objects; release it once the ref is out.
+
+        ``with store.pending_publish(run, step): ...write objects, publish the ref...``. While it is held,
+        gc removes no object modified after the lease started. Overlapping publishes of one process share
+        one lease file.
+        """
+        check_name(run, "run")
+        check_name(step, "step")
+        return self._leases.acquire(run, step)
 
     # ------------------------------------------------------------ refs
 
@@ -436,6 +460,75 @@ class Store:
         finally:
             os.close(refs)
         return out
+
+
+class PublishLease:
+    """A held pending-publish lease: :meth:`release` it (or use it as a context manager)."""
+
+    def __init__(self, book: "_LeaseBook", key: tuple[str, str]):
+        self._book, self._key, self._held = book, key, True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._book.release(self._key)
+
+    def __enter__(self) -> "PublishLease":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class _LeaseBook:
+    """This process's lease files on one store: one per (run, step), shared by overlapping publishes."""
+
+    def __init__(self, root_fd: int):
+        self._root_fd, self._dir_fd = root_fd, -1
+        self._held: dict[tuple[str, str], list] = {}  # (run, step) -> [file name, holders]
+        self._lock = threading.Lock()
+
+    def acquire(self, run: str, step: str) -> PublishLease:
+        with self._lock:
+            entry = self._held.get((run, step))
+            if entry is None:
+                entry = self._held[(run, step)] = [self._write(run, step), 0]
+            entry[1] += 1
+        return PublishLease(self, (run, step))
+
+    def _write(self, run: str, step: str) -> str:
+        if self._dir_fd < 0:
+            try:  # a store opened with create=True made it durable already
+                self._dir_fd = os.open(PENDING_DIR, _DIR_FLAGS, dir_fd=self._root_fd)
+            except FileNotFoundError:
+                self._dir_fd = durable.make_dir_durable(self._root_fd, PENDING_DIR)
+        pid = os.getpid()
+        lease = Lease(f"{pid}-{secrets.token_hex(8)}", run, step, pid, process_start(pid), socket.gethostname(),
+                      time.time())
+        body = lease.to_bytes()
+        # Its temporary file lives in pending/ too: gc's sweep of tmp/ never meets a lease half-written.
+        durable.durable_commit(tmp_dir=self._dir_fd, dest_dir=self._dir_fd, write=lambda fd: write_all(fd, body),
+                               name=lease.name, kind="lease")
+        return lease.name
+
+    def release(self, key: tuple[str, str]) -> None:
+        with self._lock:
+            entry = self._held[key]
+            entry[1] -= 1
+            if entry[1]:
+                return
+            del self._held[key]
+            try:
+                # No directory fsync: a lease that reappears after a power cut names a dead
+                # process, so gc finds it stale. A failed unlink only delays collection.
+                os.unlink(entry[0], dir_fd=self._dir_fd)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        if self._dir_fd >= 0:
+            os.close(self._dir_fd)
+            self._dir_fd = -1
 
 
 def _plain_subdirs(dir_fd: int) -> list[str]:

@@ -376,10 +376,11 @@ def publish_slices(store: Store, prefix: CapturePrefix, regions: Sequence[Region
                    shards: Sequence[Sequence[tuple[Piece, memoryview, str]]], *, metadata: Any = None,
                    owners: int = 1, carry: ShardCarry | None = None) -> Published:
     """Write each shard (its (piece, raw bytes, codec) parts in physical order), the manifest, then the ref."""
-    shard_refs = write_shards(store, prefix, regions, shards, carry=carry)
-    root, root_size = write_manifest(store, prefix, regions, shard_refs, owners, metadata)
-    total = root_size + sum(s.size for s in shard_refs)
-    record = store.publish_ref(prefix, root, root_size, total, owners=owners)
+    with store.pending_publish(prefix.run, prefix.step):  # gc spares what this publish writes or reuses
+        shard_refs = write_shards(store, prefix, regions, shards, carry=carry)
+        root, root_size = write_manifest(store, prefix, regions, shard_refs, owners, metadata)
+        total = root_size + sum(s.size for s in shard_refs)
+        record = store.publish_ref(prefix, root, root_size, total, owners=owners)
     return Published(root, record, tuple(shard_refs))
 
 

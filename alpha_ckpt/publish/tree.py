@@ -231,6 +231,7 @@ class TreeRole:
         self.parent = path[-2][0] if len(path) > 1 else None
         self.children = hierarchy.children(role, self.size)
         self.stats = RoleStats()
+        self._lease = None  # the pending-publish lease, held from commit() to complete()
 
     def _send(self, dst: int, obj: dict) -> None:
         self.stats.messages_sent += 1
@@ -239,7 +240,21 @@ class TreeRole:
     def commit(self, prefix: CapturePrefix, regions: Sequence[RegionDecl],
                own_shards: Sequence[Sequence[tuple[Piece, memoryview, str]]], replicas: str,
                metadata: Any) -> dict | None:
-        """Steps 1-3 (and the ref, at the root). Returns the completion to release at the root, else None."""
+        """Steps 1-3 (and the ref, at the root). Returns the completion to release at the root, else None.
+
+        Holds a pending-publish lease from before the first own object until :meth:`complete`: until
+        the root's ref names them, gc must spare them.
+        """
+        self._lease = self.store.pending_publish(prefix.run, prefix.step)
+        try:
+            return self._commit(prefix, regions, own_shards, replicas, metadata)
+        except BaseException:
+            self._lease.release()
+            raise
+
+    def _commit(self, prefix: CapturePrefix, regions: Sequence[RegionDecl],
+                own_shards: Sequence[Sequence[tuple[Piece, memoryview, str]]], replicas: str,
+                metadata: Any) -> dict | None:
         failure = None
         shard_refs = []
         try:
@@ -319,6 +334,13 @@ class TreeRole:
 
     def complete(self, at_root: dict | None = None) -> dict:
         """Step 4: the completion from the parent (or, at the root, ``at_root``), passed on to every child."""
+        try:
+            return self._complete(at_root)
+        finally:
+            if self._lease is not None:
+                self._lease.release()
+
+    def _complete(self, at_root: dict | None) -> dict:
         if self.parent is None:
             completion = at_root
         else:

@@ -28,7 +28,10 @@ def _age_everything(root, seconds=7200):
             os.utime(os.path.join(d, f), (old, old), follow_symlinks=False)
 
 
-def _stray(store_dir, name="1234-abcd.tmp"):
+DEAD_PID = 99_999_999  # above the kernel's largest pid (2**22): no process has it
+
+
+def _stray(store_dir, name=f"{DEAD_PID}-abcd.tmp"):
     path = store_dir / "tmp" / name
     path.write_bytes(b"half a shard")
     return path
@@ -61,7 +64,9 @@ def test_young_objects_and_temp_files_survive_the_grace_period(tmp_path):
     orphan, _ = store.put_object(lambda fd: (os.write(fd, b"x"), "ab" * 32)[1])  # as an in-flight publish would
     apply_gc(store, plan_gc(store, grace=3600))
     assert stray.exists() and store.has_object(orphan)
-    apply_gc(store, plan_gc(store, grace=0))
+    apply_gc(store, plan_gc(store, grace=0))  # even at grace 0, the last seconds are spared (clock slack)
+    assert stray.exists() and store.has_object(orphan)
+    apply_gc(store, plan_gc(store, grace=0, now=time.time() + 10))
     assert not stray.exists() and not store.has_object(orphan)
 
 
@@ -95,7 +100,7 @@ def test_a_damaged_kept_generation_stops_object_removal_but_not_the_temp_sweep(t
     with open(path, "r+b") as f:
         f.seek(30)
         f.write(b"#")
-    plan = plan_gc(store, grace=0)
+    plan = plan_gc(store, grace=0, now=time.time() + 10)
     apply_gc(store, plan)
     assert plan.unreadable == [root] and store.has_object(orphan) and not stray.exists()
 
@@ -111,8 +116,182 @@ def test_keeping_fewer_than_two_generations_is_a_usage_error(tmp_path):
 def test_the_command_line_reports_what_it_removed(tmp_path):
     store = Store(tmp_path / "s")
     _save(store, 1)
-    _stray(tmp_path / "s")
+    _age_everything(_stray(tmp_path / "s").parent)
     out = io.StringIO()
     assert cli.main(["gc", "--store", str(tmp_path / "s"), "--grace", "0", "--json"], out=out) == 0
     report = json.loads(out.getvalue())
     assert report["tmp"] == 1 and report["kept_generations"] == 1 and report["dry_run"] is False
+
+
+# ---------------------------------------------------------------- pending publishes
+
+def _orphan(store, byte: bytes):
+    """An object no ref names, as a publish in flight leaves it."""
+    digest, _ = store.put_object(lambda fd: (os.write(fd, byte), blake3_of(byte))[1])
+    return digest
+
+
+def blake3_of(data: bytes) -> str:
+    import blake3
+    return blake3.blake3(data).hexdigest()
+
+
+def _write_lease(store_dir, *, pid, host=None, started_at=None, pid_start=None, run="r", step="s"):
+    import socket
+    from alpha_ckpt.leases import Lease
+    lease = Lease(f"{pid}-feedface", run, step, pid, pid_start, host or socket.gethostname(),
+                  time.time() if started_at is None else started_at)
+    path = store_dir / "pending" / lease.name
+    path.write_bytes(lease.to_bytes())
+    return path
+
+
+def test_a_live_lease_spares_objects_younger_than_it_at_grace_zero_and_they_go_once_it_is_released(tmp_path):
+    store = Store(tmp_path / "s")
+    _save(store, 1)
+    before_lease = _orphan(store, b"written before the lease")
+    _age_everything(tmp_path / "s", 600)
+    lease = store.pending_publish("r", "s")
+    young = _orphan(store, b"written by the pending publish")
+    later = time.time() + 60  # a gc a minute on, long past any clock slack
+    plan = plan_gc(store, grace=0, now=later)
+    apply_gc(store, plan)
+    assert plan.live_leases == 1 and store.has_object(young) and not store.has_object(before_lease)
+    assert len(os.listdir(tmp_path / "s" / "pending")) == 1
+    lease.release()
+    assert os.listdir(tmp_path / "s" / "pending") == []
+    plan = plan_gc(store, grace=0, now=later)
+    apply_gc(store, plan)
+    assert plan.live_leases == 0 and not store.has_object(young)
+
+
+def test_stale_leases_protect_nothing_and_are_removed(tmp_path):
+    store = Store(tmp_path / "s")
+    young = _orphan(store, b"left by a killed publisher")
+    now = time.time()
+    dead = _write_lease(tmp_path / "s", pid=DEAD_PID, started_at=now - 100)
+    from alpha_ckpt.leases import process_start
+    reused = _write_lease(tmp_path / "s", pid=os.getpid(), pid_start=process_start(os.getpid()) + 1,
+                          started_at=now - 100)  # the pid now names another process
+    ancient = _write_lease(tmp_path / "s", pid=1234, host="another-host", started_at=now - 7 * 3600)
+    plan = plan_gc(store, grace=0, now=now + 60)
+    assert plan.live_leases == 0 and sorted(plan.leases) == sorted(p.name for p in (dead, reused, ancient))
+    apply_gc(store, plan)
+    assert not store.has_object(young) and os.listdir(tmp_path / "s" / "pending") == []
+
+
+def test_a_lease_from_another_host_is_trusted_until_it_is_six_hours_old(tmp_path):
+    store = Store(tmp_path / "s")
+    young = _orphan(store, b"written on another host")
+    _write_lease(tmp_path / "s", pid=DEAD_PID, host="another-host", started_at=time.time() - 100)
+    plan = plan_gc(store, grace=0, now=time.time() + 60)
+    apply_gc(store, plan)
+    assert plan.live_leases == 1 and store.has_object(young)
+
+
+def test_an_object_renewed_after_planning_is_put_back_and_one_set_aside_by_a_killed_gc_returns(tmp_path):
+    store = Store(tmp_path / "s")
+    reused = _orphan(store, b"about to be reused")
+    _age_everything(tmp_path / "s")
+    plan = plan_gc(store, grace=0)
+    assert plan.objects == [reused]
+    assert store.renew_object(reused)  # a publish reuses it between planning and removal
+    apply_gc(store, plan)
+    assert store.has_object(reused) and os.listdir(tmp_path / "s" / "tmp") == []
+    # A gc killed between setting an object aside and deciding leaves it in tmp/: the next one puts it back.
+    os.rename(store.object_path(reused), tmp_path / "s" / "tmp" / f"aside-{reused}-{DEAD_PID}-0000")
+    apply_gc(store, plan_gc(store, grace=3600))
+    assert store.has_object(reused) and os.listdir(tmp_path / "s" / "tmp") == []
+
+
+def test_a_temp_file_whose_writer_still_runs_is_never_swept(tmp_path):
+    store = Store(tmp_path / "s")
+    mine = _stray(tmp_path / "s", f"{os.getpid()}-0123456789abcdef.tmp")
+    gone = _stray(tmp_path / "s")
+    _age_everything(tmp_path / "s")
+    apply_gc(store, plan_gc(store, grace=0))
+    assert mine.exists() and not gone.exists()
+
+
+# ---------------------------------------------------------------- retention, pins, completed steps
+
+def test_a_pinned_generation_survives_keep_2_with_five_newer_generations_until_unpinned(tmp_path):
+    store = Store(tmp_path / "s")
+    pinned = _save(store, 1)
+    out = io.StringIO()
+    assert cli.main(["pin", "--store", str(tmp_path / "s"), pinned, "--note", "release candidate", "--json"],
+                    out=out) == 0
+    assert json.loads(out.getvalue())["new"] is True
+    roots = [_save(store, u) for u in range(2, 7)]
+    _age_everything(tmp_path / "s")
+    assert cli.main(["gc", "--store", str(tmp_path / "s"), "--keep", "2", "--grace", "0"], out=io.StringIO()) == 0
+    assert [r.root for r in store.list_refs("r", "s")] == [pinned, *roots[-2:]]  # the pin does not count toward K
+    for root in (pinned, *roots[-2:]):
+        verify_generation(store, root)
+    out = io.StringIO()
+    assert cli.main(["pins", "--store", str(tmp_path / "s"), "--json"], out=out) == 0
+    (pin,) = json.loads(out.getvalue())["pins"]
+    assert (pin["root"], pin["generation"], pin["note"]) == (pinned, 1, "release candidate")
+    assert cli.main(["unpin", "--store", str(tmp_path / "s"), pinned], out=io.StringIO()) == 0
+    assert cli.main(["unpin", "--store", str(tmp_path / "s"), pinned], out=io.StringIO()) == 3  # not pinned
+    assert cli.main(["gc", "--store", str(tmp_path / "s"), "--keep", "2", "--grace", "0"], out=io.StringIO()) == 0
+    assert [r.root for r in store.list_refs("r", "s")] == roots[-2:]
+    assert not store.has_object(pinned)
+
+
+def test_only_a_published_fully_valid_generation_can_be_pinned(tmp_path):
+    store = Store(tmp_path / "s")
+    root = _save(store, 1)
+    out = io.StringIO()
+    assert cli.main(["pin", "--store", str(tmp_path / "s"), "ab" * 32], out=out) == 3
+    assert "no ref names it" in out.getvalue()
+    shard = next(d for d in _objects_of(store, root) if d != root)
+    path = store.object_path(shard)
+    os.chmod(path, 0o644)
+    data = bytearray(open(path, "rb").read())
+    data[-1] ^= 0x01
+    open(path, "wb").write(data)
+    out = io.StringIO()
+    assert cli.main(["pin", "--store", str(tmp_path / "s"), root], out=out) == 3
+    assert "corrupt-shard" in out.getvalue()
+    assert not os.path.exists(tmp_path / "s" / "pins" / root)
+
+
+def test_a_generation_with_a_missing_object_does_not_count_toward_keep(tmp_path):
+    store = Store(tmp_path / "s")
+    roots = [_save(store, u) for u in range(1, 5)]
+    (shard,) = _objects_of(store, roots[-1]) - {roots[-1]}
+    os.unlink(store.object_path(shard))
+    _age_everything(tmp_path / "s")
+    apply_gc(store, plan_gc(store, keep=2, grace=0))
+    assert [r.root for r in store.list_refs("r", "s")] == roots[1:]  # the broken newest, then two complete ones
+
+
+def test_completed_steps_discard_the_checkpoints_of_a_step_whose_output_is_published(tmp_path):
+    store = Store(tmp_path / "s")
+    done = [_save(store, u) for u in (1, 2, 3)]
+    pinned = done[0]
+    other = [alpha_ckpt.save({"w": torch.full((100,), -float(u))}, store=store, run="r", step="other", update=u,
+                             cursor=u, epoch=0) for u in (1, 2)]
+    assert cli.main(["pin", "--store", str(tmp_path / "s"), pinned], out=io.StringIO()) == 0
+    output = tmp_path / "s" / "outputs" / "r" / "s" / "model-0123456789abcdef.safetensors"
+    output.parent.mkdir(parents=True)
+    output.write_bytes(b"the step's declared output")
+    scratch = set().union(*(_objects_of(store, root) for root in done[1:]))
+    _age_everything(tmp_path / "s")
+    os.utime(output)  # published after every checkpoint of r/s
+    out = io.StringIO()
+    assert cli.main(["gc", "--store", str(tmp_path / "s"), "--completed-steps", "--grace", "0", "--json"],
+                    out=out) == 0
+    report = json.loads(out.getvalue())
+    assert report["completed_steps"] == ["r/s"] and report["refs"] == ["r/s/2", "r/s/3"]
+    assert [r.root for r in store.list_refs("r", "s")] == [pinned]
+    assert [r.root for r in store.list_refs("r", "other")] == other
+    for root in (pinned, *other):
+        verify_generation(store, root)
+    assert scratch and not any(store.has_object(d) for d in scratch)
+    # A continuation publishes after the output: its generation is no completed step's scratch.
+    later = _save(store, 4)
+    assert cli.main(["gc", "--store", str(tmp_path / "s"), "--completed-steps", "--grace", "0"],
+                    out=io.StringIO()) == 0
+    assert [r.root for r in store.list_refs("r", "s")] == [pinned, later]

@@ -1,0 +1,72 @@
+"""gc beside a running job: `alpha-ckpt gc --keep 2 --grace 0` in a tight loop never breaks a generation."""
+import io
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from alpha_ckpt import cli
+from alpha_ckpt.store import RefRecord, Store
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = str(ROOT / "configs" / "forecast.toml")
+SMALL = ["--set", "batch=24", "--set", "hidden=16"]
+UPDATES = 40  # a checkpoint each: with gc competing for the two cores, several seconds of publishing
+
+
+def _job(store, log, *args):
+    cmd = [sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", "2", "--store", str(store), *SMALL, *args, CONFIG]
+    # Files, not pipes: hundreds of "committed" lines would fill a pipe nobody reads during the loop.
+    return subprocess.Popen(cmd, stdout=open(f"{log}.out", "w"), stderr=open(f"{log}.err", "w"), text=True)
+
+
+def _gc_pass(store) -> tuple[int, dict | None]:
+    out = io.StringIO()
+    code = cli.main(["gc", "--store", str(store), "--keep", "2", "--grace", "0", "--json"], out=out)
+    return code, json.loads(out.getvalue()) if code == 0 else None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("publisher", ["star", "tree"])
+def test_gc_looping_beside_a_publishing_job_keeps_every_generation_whole(tmp_path, publisher):
+    store = tmp_path / "store"
+    job = _job(store, tmp_path / "job", "--updates", str(UPDATES), "--checkpoint-every", "1",
+               "--publisher", publisher)
+    passes, removed_refs, removed_objects, beside_a_publish = 0, 0, 0, 0
+    try:
+        while job.poll() is None:
+            if not (store / "objects").exists():
+                time.sleep(0.05)  # the job has not created its store yet
+                continue
+            code, report = _gc_pass(store)
+            assert code == 0
+            passes += 1
+            removed_refs += len(report["refs"])
+            removed_objects += report["objects"]
+            beside_a_publish += report["live_leases"] > 0
+    finally:
+        if job.poll() is None:
+            job.kill()
+        job.wait()
+    err = (tmp_path / "job.err").read_text()
+    assert job.returncode == 0, err[-3000:]
+    final = json.loads((tmp_path / "job.out").read_text().strip().splitlines()[-1])
+    # gc really ran against the live job: it removed generations and objects, some while a publish was pending.
+    assert removed_refs > 0 and removed_objects > 0 and beside_a_publish > 0, (passes, removed_refs, removed_objects)
+
+    with Store(store, create=False) as s:
+        records = s.list_refs("nightly", "fit")
+    assert all(isinstance(r, RefRecord) for r in records)
+    assert records[-1].root == final["last_generation"] and records[-1].prefix.update == UPDATES
+    for record in records:
+        out = io.StringIO()
+        assert cli.main(["verify", "--store", str(store), record.root], out=out) == 0, out.getvalue()
+
+    resumed = subprocess.run([sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", "2", "--store", str(store),
+                              *SMALL, "--updates", str(UPDATES + 1), "--resume", "latest", "--publisher", publisher,
+                              CONFIG], capture_output=True, text=True, timeout=100)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads(resumed.stdout.strip().splitlines()[-1])["update"] == UPDATES + 1
