@@ -1,5 +1,6 @@
 """Progress bars on a terminal, one JSON event line otherwise."""
 import io
+import time
 import json
 import math
 import os
@@ -124,7 +125,9 @@ def test_the_console_script_writes_one_event_line_to_a_piped_stderr(saved):
 
 def test_gc_emits_one_event_with_the_counts_it_removed(saved):
     store_dir, _, _ = saved
-    (store_dir / "tmp" / "123-dead.tmp").write_bytes(b"left by a killed publisher")
+    stray = store_dir / "tmp" / "4194305-dead.tmp"  # a pid above any pid_max: its writer cannot be running
+    stray.write_bytes(b"left by a killed publisher")
+    os.utime(stray, (time.time() - 60, time.time() - 60))  # older than gc's clock slack
     err = io.StringIO()
     assert cli.main(["gc", "--store", str(store_dir), "--grace", "0"], out=io.StringIO(), err=err) == 0
     (event,) = _events(err.getvalue())
