@@ -47,6 +47,7 @@ import secrets
 import stat
 import time
 from dataclasses import dataclass, field
+from typing import Collection, Iterable
 
 from . import durable
 from .errors import Refusal, StoreUsageError
@@ -122,7 +123,10 @@ def _output_time(store: Store, run: str, step: str) -> float | None:
 
 
 def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRACE_S, now: float | None = None,
-            completed_steps: bool = False) -> GcPlan:
+            completed_steps: bool | Collection[tuple[str, str]] = False, dropped_objects_only: bool = False) -> GcPlan:
+    """What gc would remove. ``completed_steps``: True for every run/step, or the (run, step) pairs to
+    consider. ``dropped_objects_only``: remove only objects that the dropped generations reached (a job
+    discarding its own checkpoints), and leave temp files and leases alone."""
     if keep is not None and keep < 2:
         raise StoreUsageError(f"--keep {keep}: at least two generations are kept (the previous complete one "
                               "must survive a failed publish)")
@@ -165,7 +169,8 @@ def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRA
     for run, step in store.runs():
         records = [r for r in store.list_refs(run, step) if isinstance(r, RefRecord)]
         dropped: list[RefRecord] = []
-        if completed_steps and (run, step) not in busy:
+        considered = completed_steps is True or (completed_steps and (run, step) in completed_steps)
+        if considered and (run, step) not in busy:
             finished = _output_time(store, run, step)
             if finished is not None:
                 done = [r for r in records if r.published_at <= finished and r.root not in pins]
@@ -196,11 +201,20 @@ def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRA
         else:
             reachable |= reached[0]
     plan.reachable = len(reachable)
+    candidates: Iterable[str] = store.iter_objects()
+    if dropped_objects_only:
+        plan.leases = []
+        dropped_reach: set[str] = set()
+        for record in plan.refs:
+            reached = reach(record.root, record)
+            if not isinstance(reached, Refusal):
+                dropped_reach |= reached[0]
+        candidates = sorted(dropped_reach)
     if not plan.unreadable:
-        plan.objects = [d for d in store.iter_objects()
+        plan.objects = [d for d in candidates
                         if d not in reachable and _mtime(store.object_path(d)) < plan.protect_before]
     tmp_dir = os.path.join(store.root, "tmp")
-    if os.path.isdir(tmp_dir):
+    if os.path.isdir(tmp_dir) and not dropped_objects_only:
         plan.tmp = sorted(n for n in os.listdir(tmp_dir)
                           if not n.startswith(ASIDE_PREFIX) and _mtime(os.path.join(tmp_dir, n)) < plan.protect_before
                           and not writer_alive(n))
@@ -305,3 +319,15 @@ def apply_gc(store: Store, plan: GcPlan) -> None:
         os.close(tmp_fd)
     _remove(os.path.join(store.root, "tmp"), plan.tmp)
     _remove(os.path.join(store.root, PENDING_DIR), plan.leases)
+
+
+def discard_completed_step(store: Store, run: str, step: str) -> GcPlan:
+    """Once ``run``/``step`` published its declared output, remove its checkpoints (pins excepted).
+
+    Checkpoints are the step's scratch, not its output. Only objects those
+    generations reached and nothing kept or pinned reaches are removed, and
+    none that a live publish may be writing or reusing (the leases).
+    """
+    plan = plan_gc(store, grace=0.0, completed_steps={(run, step)}, dropped_objects_only=True)
+    apply_gc(store, plan)
+    return plan

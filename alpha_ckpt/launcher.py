@@ -57,6 +57,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--in-flight", choices=["wait", "skip"], default="wait",
                    help="async: a boundary that finds the previous save still running waits for it, or skips "
                         "its checkpoint (logged) (default wait)")
+    p.add_argument("--discard-checkpoints", action="store_true",
+                   help="once the fitted model (the declared output) is published, remove this run/step's "
+                        "checkpoints; pinned generations stay")
     resume = p.add_mutually_exclusive_group()
     resume.add_argument("--resume-from", metavar="ROOT_DIGEST", help="continue exactly this generation or refuse")
     resume.add_argument("--resume", choices=["latest"], help="continue the newest complete generation")
@@ -86,6 +89,8 @@ def torchrun_argv(args) -> list[str]:
               "--fanout", str(args.fanout), "--commit-timeout", str(args.commit_timeout), "--timeout", str(args.timeout)]
     # The run name travels as a config override: a worker flag named --run would be
     # an ambiguous prefix of torchrun's --run-path when torchrun parses the command.
+    if args.discard_checkpoints:
+        worker.append("--discard-checkpoints")
     for item in args.set + ([f"run={args.run}"] if args.run else []):
         worker += ["--set", item]
     for flag in ("resume_from", "resume", "branch_from", "backend", "mtbf", "checkpoint_cost"):

@@ -41,6 +41,7 @@ from .publish.star import build_capture, publish_star
 from .publish.tree import GroupTransport, TreeRole
 from .publish.wire import broadcast_json, gather_json
 from .device import check_devices, current_device
+from .gc import discard_completed_step
 from .restore import PreparedRestore, latest_generation, open_generation
 from .store import Store, write_all
 
@@ -83,6 +84,8 @@ def parse_args(argv):
     p.add_argument("--checkpoint-cost", help="--checkpoint-every auto: the cost assumed until one is measured")
     p.add_argument("--save", choices=["sync", "async"], default="sync")
     p.add_argument("--in-flight", choices=["wait", "skip"], default="wait")
+    p.add_argument("--discard-checkpoints", action="store_true",
+                   help="once the declared output is published, remove this step's checkpoints (pins excepted)")
     p.add_argument("--resume-from", metavar="ROOT_DIGEST")
     p.add_argument("--resume", choices=["latest"])
     p.add_argument("--branch-from", metavar="ROOT_DIGEST", help="start this run from another run's generation")
@@ -635,6 +638,13 @@ def run_owner(args) -> int:
         owner.finish_saves()
         tensors = owner.materialize()
         output = owner.publish_output() if owner.rank == 0 else None
+        if owner.rank == 0 and args.discard_checkpoints:
+            # Checkpoints are the step's scratch: with its output published they have served.
+            plan = discard_completed_step(store, config.run, config.step)
+            print(f"alpha-run: output published; discarded {len(plan.refs)} checkpoints of {config.run}/{config.step} "
+                  f"and {len(plan.objects)} objects only they reached", file=sys.stderr, flush=True)
+            emit_event("checkpoints_discarded", run=config.run, step=config.step, generations=len(plan.refs),
+                       objects=len(plan.objects), pinned=plan.pinned)
         if owner.rank == 0:
             print(json.dumps({"state_digest": state_digest(tensors, owner.state.update, owner.state.cursor),
                               "last_generation": owner.last_generation, "update": owner.state.update,

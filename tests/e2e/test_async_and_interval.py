@@ -127,3 +127,22 @@ def test_a_frozen_embedding_table_costs_zero_bytes_written_after_the_first_gener
     resumed = final(alpha_run(tmp_path / "store", *table, "--updates", "4", "--resume-from", second,
                               "--publisher", publisher))
     assert resumed["state_digest"] == out["state_digest"]
+
+
+@pytest.mark.timeout(300)
+def test_discard_checkpoints_removes_the_steps_checkpoints_once_its_output_is_published_but_not_pins(tmp_path):
+    store = tmp_path / "store"
+    first = final(alpha_run(store, "--updates", "2", "--checkpoint-every", "1"))
+    pin = subprocess.run([sys.executable, "-m", "alpha_ckpt.cli", "pin", "--store", str(store),
+                          first["last_generation"]], capture_output=True, text=True, timeout=60)
+    assert pin.returncode == 0, pin.stdout + pin.stderr
+    run = alpha_run(store, "--updates", "4", "--checkpoint-every", "1", "--resume", "latest", "--discard-checkpoints")
+    out = final(run)
+    (event,) = events(run.stderr, "checkpoints_discarded")
+    assert event["generations"] == 3 and event["pinned"] == 1     # generation 1, 3 and 4 go; 2 is pinned
+    refs = sorted(p.name for p in (store / "refs" / "nightly" / "fit").iterdir())
+    assert refs == ["0000000002"]
+    check = subprocess.run([sys.executable, "-m", "alpha_ckpt.cli", "verify", "--store", str(store),
+                            first["last_generation"]], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert os.path.exists(out["output"])
