@@ -1,8 +1,17 @@
 #!/usr/bin/env python3
 """Benchmark: save and restore one float32 state with alpha_ckpt, torch.save and DCP, against raw disk.
 
-What is measured
-----------------
+Three sections, chosen with ``--section`` (default ``store``; ``all`` runs the
+three in turn, in one invocation):
+
+  store    one process: save and restore, ours against torch.save, DCP and raw disk
+  stall    one process, a simulated training loop: the training stall of
+           synchronous and asynchronous saves, ours against DCP's save and async_save
+  owners   1, 2 and 4 owner processes: save and restore throughput, ours (tree
+           publisher) against DCP with a process group
+
+Section "store"
+---------------
 One state dict of ``--tensors`` float32 tensors totalling ``--size-mib`` MiB
 (default 16 x 64 MiB = 1 GiB, random normal values from a fixed seed) is saved
 and restored by each method below. Inside every repetition the methods run in
@@ -48,6 +57,9 @@ and it swamps the differences measured here. So (both untimed):
   faults and zeroing here) is still charged to the method that allocates.
   ``--prefault 0`` shows the raw effect.
 
+Warm-up and prefault apply to every section (an owner prefaults ``--prefault``
+times its own share); ``--cold`` applies to the restores of store and owners.
+
 Restores run on a hot page cache by default (the file was just written). With
 ``--cold`` the script runs ``sync`` and ``echo 3 > /proc/sys/vm/drop_caches``
 before every restore (root only), so restores read from the device.
@@ -59,18 +71,82 @@ nothing cannot pass the check. After every restore (outside the timing) the
 restored tensors are compared with the source with ``torch.equal``.
 
 Reported: per method the median, min and max seconds and the median
-throughput in GB/s (1e9 bytes / s, state bytes only), the target ratios, and
-one final JSON line with every median and ratio.
+throughput in GB/s (1e9 bytes / s, state bytes only) and the target ratios.
+
+Section "stall"
+---------------
+The same state in one process, driven like a training loop. Per checkpoint:
+the save is called at the update boundary; then a simulated forward and
+backward pass runs (``--compute-s`` seconds of 512x512 matmuls on tensors of
+its own, calibrated once into a fixed count, the same for every method); then
+the state is changed in place (``add_(1.0)`` on every tensor: the optimizer
+step), which must first wait at the method's snapshot fence; then the loop
+waits until the save is durable, so saves never pile up. The **stall** is the
+time the loop was blocked by the checkpoint: the time inside the save call
+plus the time waiting at the fence.
+
+  ours-sync            ``alpha_ckpt.save``: the stall is the whole save
+  ours-async           ``alpha_ckpt.save_async`` with one ``AsyncSaver`` reused for
+                       the whole run; the snapshot is copied inside the call
+  ours-async-deferred  as ours-async with ``defer_snapshot=True``: the copy runs in
+                       the background; ``handle.wait_snapshot()`` is the fence
+  dcp-sync             ``dcp.save``
+  dcp-async            ``dcp.async_save`` with its defaults (a fresh staging copy
+                       made inside the call); no fence
+  dcp-async-staged     ``dcp.async_save`` with one ``DefaultStager`` reused for the
+                       run (no pinned or shared memory, asynchronous staging,
+                       blocking copies: what works on a CPU-only torch); the fence
+                       is the response's ``staging_completion``
+
+After each save (untimed) the checkpoint is read back (``alpha_ckpt.load`` or
+``dcp.load``) and compared with a copy of the state taken at the boundary:
+a snapshot that let the in-place change through fails the run. Reported per
+method: median stall (call + fence), median seconds from the call to durable,
+the simulated pass's time (a save running beside it slows it down: that cost
+is not in the stall), stall / ours-sync save and stall / dcp-async stall.
+
+Section "owners"
+----------------
+``max(--owners)`` processes (one interpreter that forks the others, gloo on
+127.0.0.1), with a subgroup of ranks [0, n) for each count n. At count n,
+tensor i of the state belongs to owner i % n: each owner holds 1/n of it, its
+own distinct tensors. Inside every repetition each count runs every method in
+turn; every timed section starts at a barrier and its time is the slowest
+owner's.
+
+  ours     each owner writes its tensors to its own shards, its group manifest
+           and its commitment (``TreeRole`` over ``GroupTransport``, as the
+           worker's tree publisher does); the root publishes the ref. Restore:
+           each owner opens only its path (``open_generation(role=rank,
+           wanted=...)``), validates every byte it reads (``PreparedRestore``),
+           the owners agree (one all_reduce), then each copies into its
+           preallocated tensors.
+  dcp      ``dcp.save(state, checkpoint_id=DIR, process_group=...)``, default
+           FileSystemWriter; restore ``dcp.load`` in place.
+  dcp-t2   as dcp, ``FileSystemWriter(DIR, thread_count=2)``.
+  raw      each owner writes its share dd-style and fsyncs; restore readinto
+           (disk references, not compared with the source).
+
+After every restore (untimed) each owner compares its tensors with
+``torch.equal``. Reported: per count and method the median save and restore
+seconds and GB/s (bytes of the whole state), and the throughput ratios.
+
+Every section ends with its tables; the last line is one JSON object with
+every median and ratio (the store section's keys at the top level, as before
+the other sections existed; ``stall`` and ``owners`` beside them).
 
 Usage::
 
     python scripts/bench_store.py --size-mib 64 --reps 1 --warmup 0   # smoke run
     python scripts/bench_store.py --reps 5                            # the real one (~1 GiB state)
     python scripts/bench_store.py --reps 5 --cold                     # restores from the device
+    python scripts/bench_store.py --reps 5 --section all              # store, stall and owners
+    python scripts/bench_store.py --size-mib 64 --reps 1 --warmup 0 --section all   # smoke run of all
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import hashlib
 import json
@@ -79,19 +155,31 @@ import mmap
 import os
 import platform
 import shutil
+import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from typing import Callable
 
+import blake3
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 import alpha_ckpt
+from alpha_ckpt.format import CapturePrefix, RegionDecl
+from alpha_ckpt.planner import Hierarchy, Piece, WantedSlice, pack_shards
+from alpha_ckpt.publish.tree import GroupTransport, TreeRole
+from alpha_ckpt.restore import PreparedRestore, open_generation
+from alpha_ckpt.store import Store
+from alpha_ckpt.writer import DEFAULT_MAX_SHARD_BYTES
 
 MiB = 1 << 20
 RAW_BUFFER_BYTES = 16 * MiB
@@ -247,8 +335,8 @@ class RawDisk:
             self.buf = os.urandom(n)
         self.total = total
 
-    def save(self, state, workdir: str, rep: int):
-        path = os.path.join(workdir, "raw.bin")
+    def save(self, state, workdir: str, rep: int, name: str = "raw.bin"):
+        path = os.path.join(workdir, name)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             left = self.total
@@ -277,27 +365,13 @@ class RawDisk:
 
 
 # ---------------------------------------------------------------- driver
+# ---------------------------------------------------------------- section "store"
 
 
-def run(args: argparse.Namespace) -> dict:
-    torch.manual_seed(args.seed)
-    base = args.dir if args.dir else default_base_dir()
-    os.makedirs(base, exist_ok=True)
-    top = tempfile.mkdtemp(prefix="bench_store.", dir=base)
-    cold_ok = can_drop_caches()
-    if args.cold and not cold_ok:
-        shutil.rmtree(top, ignore_errors=True)
-        raise SystemExit(f"--cold needs write access to {DROP_CACHES} (root); it is not writable here")
-
-    t0 = time.perf_counter()
-    state = make_state(args.size_mib, args.tensors, args.seed)
-    dest = {k: torch.empty_like(v) for k, v in state.items()}
-    poison(dest)  # touch every destination page once, before anything is timed
+def run_store(args: argparse.Namespace, state: dict, dest: dict, top: str, code: dict) -> dict:
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     raw = RawDisk(state, nbytes)
     prefault_bytes = int(args.prefault * nbytes)
-    gen_s = time.perf_counter() - t0
-
     methods: dict[str, tuple[Callable, Callable, bool]] = {
         "ours": (ours_save, ours_restore, True),
         "torch": (torch_save, torch_restore, True),
@@ -306,69 +380,59 @@ def run(args: argparse.Namespace) -> dict:
         "raw": (raw.save, raw.restore, False),
     }
     times = {m: {"save": [], "load": []} for m in METHODS}
+    verified = 0
 
-    print(f"bench_store: {args.tensors} x float32[{state[next(iter(state))].numel()}] = {nbytes / MiB:.0f} MiB "
-          f"({nbytes / 1e9:.3f} GB), {args.reps} rep(s) after {args.warmup} warm-up round(s), seed {args.seed} (state built in {gen_s:.1f} s)")
-    print(f"  working dir {top}  (st_dev {os.stat(top).st_dev:#x}; repo st_dev {os.stat(REPO_ROOT).st_dev:#x})")
-    code = code_under_test()
-    print(f"  alpha_ckpt {alpha_ckpt.__version__} at commit {code['commit']}, uncommitted: {', '.join(code['dirty']) or 'none'}"
-          f" (sources sha256 {code['source_sha256']})" if code["dirty"] is not None else
-          f"  alpha_ckpt {alpha_ckpt.__version__} (not a git checkout; sources sha256 {code['source_sha256']})")
-    print(f"  python {platform.python_version()}, torch {torch.__version__}, torch threads {torch.get_num_threads()}, "
-          f"cpus {os.cpu_count()}")
-    print(f"  restores: {'COLD page cache (sync + drop_caches before each restore)' if args.cold else 'HOT page cache (restore right after the same method saved; files still cached)'}"
-          f"; drop_caches {'available' if cold_ok else 'not available'}")
-    print(f"  order per rep: {', '.join(METHODS)}; each restore verified with torch.equal (raw: not compared); "
-          f"prefault {args.prefault:g} x state before each save and restore")
-    sys.stdout.flush()
+    print()
+    print(f"== section store: save and restore, one process; order per rep: {', '.join(METHODS)}")
+    print(f"  restores: {'COLD page cache (sync + drop_caches before each restore)' if args.cold else 'HOT page cache (restore right after the same method saved; files still cached)'}")
+    print(f"  each restore verified with torch.equal (raw: not compared); "
+          f"prefault {args.prefault:g} x state before each save and restore", flush=True)
 
-    try:
-        for rnd in range(args.warmup + args.reps):
-            timed = rnd >= args.warmup
-            label = f"rep {rnd - args.warmup}" if timed else "warm-up"
-            for name in METHODS:
-                save, restore, verify = methods[name]
-                workdir = os.path.join(top, f"{name}-{rnd}")
-                os.mkdir(workdir)
-                os.sync()
-                gc.collect()
-                prefault(prefault_bytes)
+    for rnd in range(args.warmup + args.reps):
+        timed = rnd >= args.warmup
+        label = f"rep {rnd - args.warmup}" if timed else "warm-up"
+        for name in METHODS:
+            save, restore, verify = methods[name]
+            workdir = os.path.join(top, f"store-{name}-{rnd}")
+            os.mkdir(workdir)
+            os.sync()
+            gc.collect()
+            prefault(prefault_bytes)
 
-                t = time.perf_counter()
-                handle = save(state, workdir, rnd)
-                save_s = time.perf_counter() - t
+            t = time.perf_counter()
+            handle = save(state, workdir, rnd)
+            save_s = time.perf_counter() - t
 
-                poison(dest)
-                if args.cold:
-                    drop_caches()
-                gc.collect()
-                prefault(prefault_bytes)
-                t = time.perf_counter()
-                restore(dest, workdir, handle)
-                load_s = time.perf_counter() - t
+            poison(dest)
+            if args.cold:
+                drop_caches()
+            gc.collect()
+            prefault(prefault_bytes)
+            t = time.perf_counter()
+            restore(dest, workdir, handle)
+            load_s = time.perf_counter() - t
 
-                if verify:
-                    check_equal(name, state, dest)
-                if timed:
-                    times[name]["save"].append(save_s)
-                    times[name]["load"].append(load_s)
-                shutil.rmtree(workdir)
-                os.sync()  # issue the deletion's journal commit (and discards) now, not in the next method's fsync
-                print(f"  {label:<7}  {name:<7} save {save_s:7.3f} s  {nbytes / save_s / 1e9:6.2f} GB/s   "
-                      f"restore {load_s:7.3f} s  {nbytes / load_s / 1e9:6.2f} GB/s", flush=True)
-    finally:
-        shutil.rmtree(top, ignore_errors=True)
+            if verify:
+                check_equal(name, state, dest)
+                verified += 1
+            if timed:
+                times[name]["save"].append(save_s)
+                times[name]["load"].append(load_s)
+            shutil.rmtree(workdir)
+            os.sync()  # issue the deletion's journal commit (and discards) now, not in the next method's fsync
+            print(f"  {label:<7}  {name:<7} save {save_s:7.3f} s  {nbytes / save_s / 1e9:6.2f} GB/s   "
+                  f"restore {load_s:7.3f} s  {nbytes / load_s / 1e9:6.2f} GB/s", flush=True)
 
-    return report(args, nbytes, times, code)
+    return report_store(args, nbytes, times, code, verified)
 
 
-def report(args: argparse.Namespace, nbytes: int, times: dict, code: dict) -> dict:
+def report_store(args: argparse.Namespace, nbytes: int, times: dict, code: dict, verified: int) -> dict:
     med = {m: {k: median(v) for k, v in times[m].items()} for m in METHODS}
     gbps = {m: {k: nbytes / v / 1e9 for k, v in med[m].items()} for m in METHODS}
     cache = "cold" if args.cold else "hot"
 
     print()
-    print(f"medians over {args.reps} rep(s), {nbytes / 1e9:.3f} GB per save, restores on a {cache.upper()} page cache")
+    print(f"store: medians over {args.reps} rep(s), {nbytes / 1e9:.3f} GB per save, restores on a {cache.upper()} page cache")
     print(f"{'method':<8} {'save s':>8} {'save GB/s':>10} {'(min-max s)':>17}   {'restore s':>9} {'rest. GB/s':>10} {'(min-max s)':>17}")
     for m in METHODS:
         s, l = times[m]["save"], times[m]["load"]
@@ -394,7 +458,16 @@ def report(args: argparse.Namespace, nbytes: int, times: dict, code: dict) -> di
         "ours_load/dcp_t2_load": ("<=", 0.67),
     }
     print()
-    print("ratios (of medians)")
+    print("store: ratios (of medians)")
+    print_ratios(ratios, targets)
+    return {
+        "bytes": nbytes, "tensors": args.tensors, "reps": args.reps, "warmup": args.warmup, "prefault": args.prefault,
+        "cache": cache, "code": code, "median_s": med, "median_GBps": gbps, "ratios": ratios,
+        "targets_met": targets_met(ratios, targets), "verified_restores": verified,
+    }
+
+
+def print_ratios(ratios: dict[str, float], targets: dict[str, tuple[str, float]], indent: str = "  ") -> None:
     for k, v in ratios.items():
         if k in targets:
             op, goal = targets[k]
@@ -402,20 +475,584 @@ def report(args: argparse.Namespace, nbytes: int, times: dict, code: dict) -> di
             verdict = f"target {op} {goal:<4}  {'MET' if ok else 'MISSED'}"
         else:
             verdict = "(information)"
-        print(f"  {k:<32} {v:6.3f}   {verdict}")
+        print(f"{indent}{k:<44} {v:6.3f}   {verdict}")
 
-    result = {
-        "bytes": nbytes, "tensors": args.tensors, "reps": args.reps, "warmup": args.warmup, "prefault": args.prefault, "cache": cache, "code": code,
-        "median_s": med, "median_GBps": gbps, "ratios": ratios,
-        "targets_met": {k: (ratios[k] <= g if op == "<=" else ratios[k] >= g) for k, (op, g) in targets.items()},
+
+def targets_met(ratios: dict[str, float], targets: dict[str, tuple[str, float]]) -> dict[str, bool]:
+    return {k: (ratios[k] <= g if op == "<=" else ratios[k] >= g) for k, (op, g) in targets.items()}
+
+
+# ---------------------------------------------------------------- section "stall"
+# One training loop, one process. Per checkpoint: the save is called at the
+# update boundary, the simulated forward and backward pass runs (it never
+# touches the state), the state is then changed in place (the optimizer step),
+# which must first wait at the method's snapshot fence; the loop then waits for
+# the save to be durable before the next repetition, so saves never pile up.
+# The stall is the time the loop was blocked by the checkpoint: the time inside
+# the save call plus the time waiting at the fence.
+
+STALL_METHODS = ("ours-sync", "ours-async", "ours-async-deferred", "dcp-sync", "dcp-async", "dcp-async-staged")
+
+
+class SimulatedCompute:
+    """A forward and backward pass stand-in: a fixed number of matmuls on small tensors of its own."""
+
+    SIDE = 512
+
+    def __init__(self, seconds: float, seed: int):
+        gen = torch.Generator().manual_seed(seed + 1)
+        self.a = torch.randn(self.SIDE, self.SIDE, generator=gen)
+        self.b = torch.randn(self.SIDE, self.SIDE, generator=gen)
+        self.out = torch.empty(self.SIDE, self.SIDE)
+        self.matmuls = 0
+        if seconds > 0:
+            for _ in range(5):
+                torch.mm(self.a, self.b, out=self.out)
+            per = []
+            for _ in range(5):
+                t = time.perf_counter()
+                for _ in range(10):
+                    torch.mm(self.a, self.b, out=self.out)
+                per.append((time.perf_counter() - t) / 10)
+            self.matmuls = max(1, round(seconds / statistics.median(per)))
+
+    def run(self) -> None:
+        for _ in range(self.matmuls):
+            torch.mm(self.a, self.b, out=self.out)
+
+
+class Pending:
+    """One checkpoint in flight: its snapshot fence, its wait for durability, and its read-back."""
+
+    def __init__(self, *, fence: Callable[[], None] = lambda: None, wait: Callable[[], float],
+                 load: Callable[[dict], None]):
+        self.fence, self.wait, self.load = fence, wait, load
+
+
+def completion_clock(future) -> list[float]:
+    """perf_counter() at the moment ``future`` completes (filled by a done callback)."""
+    done: list[float] = []
+    future.add_done_callback(lambda _: done.append(time.perf_counter()))
+    return done
+
+
+class StallMethods:
+    """The six checkpoint methods of the stall section; ``start`` is the call at the update boundary."""
+
+    def __init__(self):
+        self.saver = alpha_ckpt.AsyncSaver()  # one for the whole run: it reuses its snapshot buffers
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                   use_async_staging=True, use_non_blocking_copy=False))
+
+    def close(self) -> None:
+        self.saver.close()
+        self.stager.close()
+
+    def start(self, name: str, state: dict, workdir: str, rep: int, t0: float) -> Pending:
+        if name == "ours-sync":
+            root = ours_save(state, workdir, rep)
+            done = time.perf_counter()
+            return Pending(wait=lambda: done - t0, load=lambda dest: ours_restore(dest, workdir, root))
+        if name in ("ours-async", "ours-async-deferred"):
+            store = alpha_ckpt.Store(workdir)
+            handle = alpha_ckpt.save_async(state, store=store, run="bench", step="fit", update=rep, cursor=rep,
+                                           epoch=0, saver=self.saver, defer_snapshot=name == "ours-async-deferred")
+            published = []
+
+            def wait() -> float:
+                try:
+                    published.append(handle.result())
+                finally:
+                    store.close()
+                return handle.save_s  # from the boundary to the durable result
+
+            return Pending(fence=handle.wait_snapshot, wait=wait,
+                           load=lambda dest: ours_restore(dest, workdir, published[0].root))
+        if name == "dcp-sync":
+            dcp_save(state, workdir, rep)
+            done = time.perf_counter()
+            return Pending(wait=lambda: done - t0, load=lambda dest: dcp_restore(dest, workdir, workdir))
+        if name == "dcp-async":
+            future = dcp.async_save(state, checkpoint_id=workdir)  # defaults: the copy is made inside the call
+            done = completion_clock(future)
+
+            def wait_default() -> float:
+                future.result()
+                return done[0] - t0
+
+            return Pending(wait=wait_default, load=lambda dest: dcp_restore(dest, workdir, workdir))
+        if name == "dcp-async-staged":
+            response = dcp.async_save(state, checkpoint_id=workdir, async_stager=self.stager)
+            done = completion_clock(response.upload_completion)
+
+            def wait_staged() -> float:
+                response.upload_completion.result()
+                return done[0] - t0
+
+            return Pending(fence=response.staging_completion.result, wait=wait_staged,
+                           load=lambda dest: dcp_restore(dest, workdir, workdir))
+        raise ValueError(name)
+
+
+@torch.no_grad()
+def optimizer_step(state: dict[str, torch.Tensor]) -> None:
+    """The in-place change after the boundary (every word changes: |x| + 1 stays far below 2**24)."""
+    for t in state.values():
+        t.add_(1.0)
+
+
+def run_stall(args: argparse.Namespace, state: dict, dest: dict, top: str) -> dict:
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    prefault_bytes = int(args.prefault * nbytes)
+    boundary = {k: torch.empty_like(v) for k, v in state.items()}  # the values at the boundary, for the check
+    poison(boundary)
+    compute = SimulatedCompute(args.compute_s, args.seed)
+    methods = StallMethods()
+    keys = ("stall", "call", "fence", "compute", "save")
+    times = {m: {k: [] for k in keys} for m in STALL_METHODS}
+    verified = 0
+
+    print()
+    print(f"== section stall: one training loop, one process; order per rep: {', '.join(STALL_METHODS)}")
+    print(f"  per checkpoint: save call at the boundary, {compute.matmuls} matmuls {SimulatedCompute.SIDE}x"
+          f"{SimulatedCompute.SIDE} (about {args.compute_s:g} s alone), fence, in-place add on every tensor, wait "
+          "until durable; stall = call + fence")
+    print("  after each save (untimed) the checkpoint is read back and compared with the values at the boundary",
+          flush=True)
+
+    try:
+        for rnd in range(args.warmup + args.reps):
+            timed = rnd >= args.warmup
+            label = f"rep {rnd - args.warmup}" if timed else "warm-up"
+            for name in STALL_METHODS:
+                workdir = os.path.join(top, f"stall-{name}-{rnd}")
+                os.mkdir(workdir)
+                for k, t in state.items():
+                    boundary[k].copy_(t)
+                os.sync()
+                gc.collect()
+                prefault(prefault_bytes)
+
+                t0 = time.perf_counter()
+                pending = methods.start(name, state, workdir, rnd, t0)
+                t1 = time.perf_counter()
+                compute.run()
+                t2 = time.perf_counter()
+                pending.fence()
+                t3 = time.perf_counter()
+                optimizer_step(state)
+                save_s = pending.wait()
+
+                sample = {"stall": (t1 - t0) + (t3 - t2), "call": t1 - t0, "fence": t3 - t2, "compute": t2 - t1,
+                          "save": save_s}
+                poison(dest)
+                pending.load(dest)
+                check_equal(name, boundary, dest)  # the snapshot is the boundary's values, not the changed ones
+                verified += 1
+                if timed:
+                    for k in keys:
+                        times[name][k].append(sample[k])
+                shutil.rmtree(workdir)
+                os.sync()
+                print(f"  {label:<7}  {name:<19} stall {sample['stall']:7.3f} s (call {sample['call']:.3f} + fence "
+                      f"{sample['fence']:.3f})  compute {sample['compute']:6.3f} s  durable after {save_s:7.3f} s",
+                      flush=True)
+    finally:
+        methods.close()
+    return report_stall(args, nbytes, times, compute, verified)
+
+
+def report_stall(args: argparse.Namespace, nbytes: int, times: dict, compute: SimulatedCompute, verified: int) -> dict:
+    med = {m: {k: median(v) for k, v in times[m].items()} for m in STALL_METHODS}
+    sync_save = med["ours-sync"]["save"]
+    dcp_stall = med["dcp-async"]["stall"]
+    print()
+    print(f"stall: medians over {args.reps} rep(s), {nbytes / 1e9:.3f} GB per checkpoint; "
+          f"simulated compute {compute.matmuls} matmuls")
+    print(f"{'method':<20} {'stall s':>8} {'(min-max)':>15} {'call s':>7} {'fence s':>8} {'compute s':>9} "
+          f"{'save s':>7} {'stall/ours-sync save':>21} {'stall/dcp-async stall':>22}")
+    for m in STALL_METHODS:
+        s = times[m]["stall"]
+        print(f"{m:<20} {med[m]['stall']:8.3f} {f'({min(s):.3f}-{max(s):.3f})':>15} {med[m]['call']:7.3f} "
+              f"{med[m]['fence']:8.3f} {med[m]['compute']:9.3f} {med[m]['save']:7.3f} "
+              f"{med[m]['stall'] / sync_save:21.3f} {med[m]['stall'] / dcp_stall:22.3f}")
+    print("  save s = from the call to durable; compute s = the simulated pass, slowed by a save running beside it")
+    ratios = {}
+    for m in STALL_METHODS:
+        ratios[f"{m}_stall/ours-sync_save"] = med[m]["stall"] / sync_save
+        ratios[f"{m}_stall/dcp-async_stall"] = med[m]["stall"] / dcp_stall
+    ratios["dcp-async-staged_stall/dcp-sync_save"] = med["dcp-async-staged"]["stall"] / med["dcp-sync"]["save"]
+    targets = {
+        "ours-async_stall/ours-sync_save": ("<=", 0.10),
+        "ours-async_stall/dcp-async_stall": ("<=", 1.0),
+        "ours-async-deferred_stall/ours-sync_save": ("<=", 0.10),
+        "ours-async-deferred_stall/dcp-async_stall": ("<=", 1.0),
     }
+    print()
+    print("stall: ratios (of medians)")
+    print_ratios({k: ratios[k] for k in targets}, targets)
+    print("  (every method's stall / ours-sync save and / dcp-async stall: in the table above)")
+    return {"bytes": nbytes, "reps": args.reps, "warmup": args.warmup, "compute_matmuls": compute.matmuls,
+            "compute_s_target": args.compute_s, "median_s": med, "ratios": ratios,
+            "targets_met": targets_met(ratios, targets), "verified_saves": verified}
+
+
+# ---------------------------------------------------------------- section "owners"
+# N owner processes (gloo on 127.0.0.1), one process group of the largest
+# count and a subgroup of ranks [0, n) for each count n. Tensor i of the state
+# is owned at count n by rank i % n, so each owner holds 1/n of the state (its
+# own distinct tensors) and a rank's tensors at a larger count are a subset of
+# those at a smaller one: every rank builds its tensors once. Every timed
+# section starts at a barrier of all ranks; its time is the largest over the
+# owners taking part.
+
+OWNER_METHODS = ("ours", "dcp", "dcp-t2", "raw")
+OWNERS_RESULT = "owners_result.json"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_owners(args: argparse.Namespace, top: str) -> dict:
+    counts = sorted(set(args.owners))
+    world = counts[-1]
+    workdir = os.path.join(top, "owners")
+    os.mkdir(workdir)
+    config = {"world": world, "counts": counts, "port": free_port(), "dir": workdir, "size_mib": args.size_mib,
+              "tensors": args.tensors, "seed": args.seed, "reps": args.reps, "warmup": args.warmup,
+              "prefault": args.prefault, "cold": args.cold, "fanout": args.fanout}
+    if args.tensors % world:
+        raise SystemExit(f"--tensors {args.tensors} does not split evenly among {world} owners")
+    print()
+    print(f"== section owners: {', '.join(map(str, counts))} owner process(es), gloo on 127.0.0.1; order per rep: "
+          f"for each owner count: {', '.join(OWNER_METHODS)}")
+    print(f"  tensor i belongs to owner i % n; times are the largest over the owners; each restore verified with "
+          f"torch.equal (raw: not compared); restores on a {'COLD' if args.cold else 'HOT'} page cache", flush=True)
+    env = dict(os.environ)
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(alpha_ckpt.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    # One fresh interpreter imports torch once and forks the other owners (starting each with
+    # spawn would import torch once per owner: seconds each on this machine).
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--owner-process", json.dumps(config)], env=env)
+    try:
+        code = proc.wait(timeout=args.owners_timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise SystemExit(f"owners section failed: the owners did not finish within {args.owners_timeout:g} s") from None
+    if code:
+        raise SystemExit(f"owners section failed: the owner processes exited with {code}")
+    with open(os.path.join(workdir, OWNERS_RESULT)) as f:
+        result = json.load(f)
+    return report_owners(args, result)
+
+
+def owner_processes(config: dict) -> None:
+    """Rank 0 of the owners section: fork the other ranks (before any torch work or thread), run, reap them."""
+    children: list[int] = []
+    rank = 0
+    for r in range(1, config["world"]):
+        pid = os.fork()
+        if pid == 0:
+            rank, children = r, []
+            break
+        children.append(pid)
+    if rank:
+        code = 0
+        try:
+            owner_process({**config, "rank": rank})
+        except BaseException:  # noqa: BLE001 - reported, then this forked owner exits without unwinding into main
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    try:
+        owner_process({**config, "rank": 0})
+    except BaseException:
+        for pid in children:  # they may wait in a collective that rank 0 will never join
+            os.kill(pid, signal.SIGKILL)
+        raise
+    finally:
+        failed = []
+        for pid in children:
+            # A rank that lost a peer fails its next collective and exits; reap every one.
+            _, status = os.waitpid(pid, 0)
+            if status:
+                failed.append(pid)
+    if failed:
+        raise SystemExit(f"owner process(es) {failed} failed")
+
+
+def owner_process(config: dict) -> None:
+    """One owner of the owners section: rank ``config['rank']`` of ``config['world']``."""
+    rank, world, counts = config["rank"], config["world"], config["counts"]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{config['port']}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    groups = {n: dist.new_group(list(range(n)), backend="gloo") for n in counts}  # every rank joins every new_group
+    tensors, total_mib = config["tensors"], config["size_mib"]
+    if (total_mib * MiB) % (4 * tensors):
+        raise SystemExit(f"--size-mib {total_mib} MiB does not split into {tensors} float32 tensors")
+    numel = total_mib * MiB // (4 * tensors)
+    names = [f"layer{i:02d}.weight" for i in range(tensors)]
+    regions = tuple(RegionDecl(i, names[i], "float32", (numel,)) for i in range(tensors))
+    smallest = min((n for n in counts if n > rank), default=None)
+    held = [i for i in range(tensors) if smallest is not None and i % smallest == rank]
+    source = {i: torch.randn(numel, generator=torch.Generator().manual_seed(config["seed"] * 100_003 + i))
+              for i in held}
+    dest = {i: torch.empty(numel) for i in held}
+    for t in dest.values():
+        t.fill_(float("nan"))
+    state_bytes = tensors * numel * 4
+    gc.freeze()  # the per-step gc.collect() then scans only what the methods left, not torch's own objects
+    times = {str(n): {m: {"save": [], "load": []} for m in OWNER_METHODS} for n in counts}
+    verified = 0
+    top = config["dir"]
+
+    def barrier() -> None:
+        dist.barrier()
+
+    def largest(seconds: float) -> float:
+        t = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    for rnd in range(config["warmup"] + config["reps"]):
+        timed = rnd >= config["warmup"]
+        label = f"rep {rnd - config['warmup']}" if timed else "warm-up"
+        for n in counts:
+            member = rank < n
+            mine = [i for i in range(tensors) if i % n == rank] if member else []
+            own_bytes = len(mine) * numel * 4
+            group = groups[n]
+            for method in OWNER_METHODS:
+                directory = os.path.join(top, f"{method}-n{n}-{rnd}")
+                if rank == 0:
+                    os.mkdir(directory)
+                    os.sync()
+                barrier()
+                gc.collect()
+                if member:
+                    prefault(int(config["prefault"] * own_bytes))
+                barrier()
+                t = time.perf_counter()
+                handle = owner_save(method, config, directory, rank, n, group, regions, mine, source, rnd) \
+                    if member else None
+                save_s = largest(time.perf_counter() - t if member else 0.0)
+
+                for i in mine:
+                    dest[i].fill_(float("nan"))
+                barrier()
+                if config["cold"] and rank == 0:
+                    drop_caches()
+                gc.collect()
+                if member:
+                    prefault(int(config["prefault"] * own_bytes))
+                barrier()
+                t = time.perf_counter()
+                if member:
+                    owner_restore(method, directory, rank, n, group, mine, dest, numel, handle)
+                load_s = largest(time.perf_counter() - t if member else 0.0)
+
+                bad = sum(1 for i in mine if not torch.equal(source[i], dest[i])) if method != "raw" else 0
+                bad_total = torch.tensor([bad], dtype=torch.int64)
+                dist.all_reduce(bad_total)
+                if int(bad_total.item()):
+                    raise SystemExit(f"owners: {method} with {n} owner(s): {int(bad_total.item())} restored tensor(s) "
+                                     "differ from the source")
+                if method != "raw":
+                    verified += 1
+                barrier()
+                if rank == 0:
+                    shutil.rmtree(directory)
+                    os.sync()
+                    if timed:
+                        times[str(n)][method]["save"].append(save_s)
+                        times[str(n)][method]["load"].append(load_s)
+                    print(f"  {label:<7}  {n} owner(s)  {method:<7} save {save_s:7.3f} s  "
+                          f"{state_bytes / save_s / 1e9:6.2f} GB/s   restore {load_s:7.3f} s  "
+                          f"{state_bytes / load_s / 1e9:6.2f} GB/s", flush=True)
+    barrier()
+    if rank == 0:
+        out = {"bytes": state_bytes, "counts": counts, "times": times, "verified_restores": verified,
+               "fanout": config["fanout"]}
+        path = os.path.join(top, OWNERS_RESULT)
+        with open(path + ".tmp", "w") as f:
+            json.dump(out, f)
+        os.replace(path + ".tmp", path)
+    dist.destroy_process_group()
+
+
+def owner_save(method: str, config: dict, directory: str, rank: int, n: int, group, regions, mine: list[int],
+               source: dict[int, torch.Tensor], rep: int):
+    state = {regions[i].name: source[i] for i in mine}
+    if method == "ours":
+        # This owner's tensors to its own shards, its group manifest and commitment; the root publishes the ref.
+        store = Store(directory)
+        try:
+            pieces = [Piece(i, 0, regions[i].words, 4) for i in mine]
+            views = {i: memoryview(source[i].view(torch.uint8).numpy()) for i in mine}
+            shards = [[(p, views[p.ordinal][p.lo * 4:p.hi * 4], "raw") for p in packed]
+                      for packed in pack_shards(pieces, DEFAULT_MAX_SHARD_BYTES)]
+            role = TreeRole(store, Hierarchy(n, config["fanout"]), rank, GroupTransport(group), timeout=120.0)
+            prefix = CapturePrefix("bench", "fit", rep, rep, 0)
+            completion = role.complete(role.commit(prefix, regions, shards, blake3.blake3().hexdigest(), None))
+        finally:
+            store.close()
+        if not completion["ok"]:
+            raise SystemExit(f"owner {rank}: tree publication failed: {completion['reason']}")
+        return completion["root"]
+    if method == "dcp":
+        dcp.save(state, checkpoint_id=directory, process_group=group)
+        return None
+    if method == "dcp-t2":
+        dcp.save(state, storage_writer=FileSystemWriter(directory, thread_count=2), process_group=group)
+        return None
+    if method == "raw":
+        nbytes = sum(source[i].numel() * 4 for i in mine)
+        return RawDisk(state, nbytes).save(None, directory, rep, name=f"raw-{rank}.bin")
+    raise ValueError(method)
+
+
+def owner_restore(method: str, directory: str, rank: int, n: int, group, mine: list[int],
+                  dest: dict[int, torch.Tensor], numel: int, handle) -> None:
+    if method == "ours":
+        # As a resume does: validate this owner's part completely, agree, then copy in place.
+        store = Store(directory, create=False)
+        generation = None
+        try:
+            wanted = [WantedSlice(i, 0, numel, k) for k, i in enumerate(mine)]
+            generation = open_generation(store, handle, role=rank, wanted=wanted)
+            prepared = PreparedRestore(generation, wanted)
+            agreed = torch.tensor([1], dtype=torch.int64)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+            prepared.copy_into([dest[i].view(torch.uint8) for i in mine])
+        finally:
+            if generation is not None:
+                generation.close()
+            store.close()
+        return
+    if method in ("dcp", "dcp-t2"):
+        dcp.load({f"layer{i:02d}.weight": dest[i] for i in mine}, checkpoint_id=directory, process_group=group)
+        return
+    if method == "raw":
+        RawDisk.restore({str(i): dest[i] for i in mine}, directory, handle)
+        return
+    raise ValueError(method)
+
+
+def report_owners(args: argparse.Namespace, result: dict) -> dict:
+    nbytes, counts, times = result["bytes"], result["counts"], result["times"]
+    med = {n: {m: {k: median(v) for k, v in times[str(n)][m].items()} for m in OWNER_METHODS} for n in counts}
+    gbps = {n: {m: {k: nbytes / v / 1e9 for k, v in med[n][m].items()} for m in OWNER_METHODS} for n in counts}
+    print()
+    print(f"owners: medians over {args.reps} rep(s), {nbytes / 1e9:.3f} GB per save in all, time = slowest owner, "
+          f"restores on a {'COLD' if args.cold else 'HOT'} page cache")
+    print(f"{'owners':>6} {'method':<8} {'save s':>8} {'save GB/s':>10} {'(min-max s)':>17}   {'restore s':>9} "
+          f"{'rest. GB/s':>10} {'(min-max s)':>17}")
+    for n in counts:
+        for m in OWNER_METHODS:
+            s, l = times[str(n)][m]["save"], times[str(n)][m]["load"]
+            print(f"{n:>6} {m:<8} {med[n][m]['save']:8.3f} {gbps[n][m]['save']:10.2f} "
+                  f"{f'({min(s):.3f}-{max(s):.3f})':>17}   {med[n][m]['load']:9.3f} {gbps[n][m]['load']:10.2f} "
+                  f"{f'({min(l):.3f}-{max(l):.3f})':>17}")
+    print("  (raw: each owner writes its share dd-style from one reused 16 MiB buffer and fsyncs; its restore is a "
+          "readinto: disk references)")
+    ratios: dict[str, dict[str, float]] = {}
+    met: dict[str, dict[str, bool]] = {}
+    targets = {
+        "ours_save_GBps/dcp_save_GBps": (">=", 1.5),
+        "ours_save_GBps/dcp_t2_save_GBps": (">=", 1.0),
+        "ours_restore_GBps/dcp_load_GBps": (">=", 2.0),
+    }
+    print()
+    print("owners: throughput ratios (of medians)")
+    for n in counts:
+        g = gbps[n]
+        r = {
+            "ours_save_GBps/dcp_save_GBps": g["ours"]["save"] / g["dcp"]["save"],
+            "ours_save_GBps/dcp_t2_save_GBps": g["ours"]["save"] / g["dcp-t2"]["save"],
+            "ours_restore_GBps/dcp_load_GBps": g["ours"]["load"] / g["dcp"]["load"],
+            "ours_restore_GBps/dcp_t2_load_GBps": g["ours"]["load"] / g["dcp-t2"]["load"],
+            "ours_save_GBps/raw_write_GBps": g["ours"]["save"] / g["raw"]["save"],
+            "dcp_save_GBps/raw_write_GBps": g["dcp"]["save"] / g["raw"]["save"],
+        }
+        ratios[str(n)], met[str(n)] = r, targets_met(r, targets)
+        print(f"  {n} owner(s)")
+        print_ratios(r, targets, indent="    ")
+    return {"bytes": nbytes, "counts": counts, "reps": args.reps, "warmup": args.warmup, "cache":
+            "cold" if args.cold else "hot", "fanout": result["fanout"],
+            "median_s": {str(n): v for n, v in med.items()}, "median_GBps": {str(n): v for n, v in gbps.items()},
+            "ratios": ratios, "targets_met": met, "verified_restores": result["verified_restores"]}
+
+
+# ---------------------------------------------------------------- driver
+
+SECTIONS = ("store", "stall", "owners")
+
+
+def run(args: argparse.Namespace) -> dict:
+    torch.manual_seed(args.seed)
+    sections = SECTIONS if "all" in args.section else tuple(s for s in SECTIONS if s in args.section)
+    base = args.dir if args.dir else default_base_dir()
+    os.makedirs(base, exist_ok=True)
+    top = tempfile.mkdtemp(prefix="bench_store.", dir=base)
+    cold_ok = can_drop_caches()
+    if args.cold and not cold_ok:
+        shutil.rmtree(top, ignore_errors=True)
+        raise SystemExit(f"--cold needs write access to {DROP_CACHES} (root); it is not writable here")
+
+    try:
+        t0 = time.perf_counter()
+        state = dest = None
+        if "store" in sections or "stall" in sections:
+            state = make_state(args.size_mib, args.tensors, args.seed)
+            dest = {k: torch.empty_like(v) for k, v in state.items()}
+            poison(dest)  # touch every destination page once, before anything is timed
+        gc.freeze()  # the per-step gc.collect() then scans only what the methods left, not torch's own objects
+        gen_s = time.perf_counter() - t0
+        nbytes = args.size_mib * MiB
+        numel = nbytes // (4 * args.tensors)
+
+        print(f"bench_store: sections {', '.join(sections)}; {args.tensors} x float32[{numel}] = {nbytes / MiB:.0f} MiB "
+              f"({nbytes / 1e9:.3f} GB), {args.reps} rep(s) after {args.warmup} warm-up round(s), seed {args.seed} "
+              f"(state built in {gen_s:.1f} s)")
+        print(f"  working dir {top}  (st_dev {os.stat(top).st_dev:#x}; repo st_dev {os.stat(REPO_ROOT).st_dev:#x})")
+        code = code_under_test()
+        print(f"  alpha_ckpt {alpha_ckpt.__version__} at commit {code['commit']}, uncommitted: {', '.join(code['dirty']) or 'none'}"
+              f" (sources sha256 {code['source_sha256']})" if code["dirty"] is not None else
+              f"  alpha_ckpt {alpha_ckpt.__version__} (not a git checkout; sources sha256 {code['source_sha256']})")
+        print(f"  python {platform.python_version()}, torch {torch.__version__}, torch threads {torch.get_num_threads()}, "
+              f"cpus {os.cpu_count()}")
+        print(f"  drop_caches {'available' if cold_ok else 'not available'}; prefault {args.prefault:g} x the bytes "
+              "about to be written or read before each save and restore")
+        sys.stdout.flush()
+
+        result: dict = {"sections": list(sections), "code": code}
+        if "store" in sections:
+            result.update(run_store(args, state, dest, top, code))  # top level, as before the other sections
+        if "stall" in sections:
+            result["stall"] = run_stall(args, state, dest, top)
+        if "owners" in sections:
+            state = dest = None
+            gc.collect()
+            result["owners"] = run_owners(args, top)
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
     print()
     print(json.dumps(result, sort_keys=True, allow_nan=True))
     return result
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict | None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--section", nargs="+", choices=SECTIONS + ("all",), default=["store"],
+                   help="what to measure: store (one process, save/restore against torch, DCP and raw disk), stall "
+                        "(training stall of synchronous and asynchronous saves), owners (1/2/4 owner processes), "
+                        "or all (default: store)")
     p.add_argument("--reps", type=int, default=5, help="repetitions of the alternating method sequence (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds of every method before the timed ones (default 1)")
     p.add_argument("--size-mib", type=int, default=1024, help="total state size in MiB (default 1024)")
@@ -423,15 +1060,30 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dir", default=None,
                    help="base directory for the working files (default: the temp dir if it is on the repo's file system, "
                         "else the repo's parent); a fresh subdirectory is created and removed")
-    p.add_argument("--cold", action="store_true", help="sync and drop the page cache before every restore (root only)")
+    p.add_argument("--cold", action="store_true",
+                   help="sync and drop the page cache before every restore (root only; sections store and owners)")
     p.add_argument("--prefault", type=float, default=2.0,
                    help="before every save and every restore (untimed), touch and free this many times the state size "
                         "of anonymous memory (default 2; 0 disables)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random state (default 0)")
+    p.add_argument("--compute-s", type=float, default=0.4,
+                   help="stall section: seconds the simulated forward and backward pass takes alone (calibrated once "
+                        "into a fixed matmul count; default 0.4)")
+    p.add_argument("--owners", type=int, nargs="+", default=[1, 2, 4],
+                   help="owners section: owner counts, alternated inside every repetition (default 1 2 4)")
+    p.add_argument("--fanout", type=int, default=8, help="owners section: fan-out of the publication tree (default 8)")
+    p.add_argument("--owners-timeout", type=float, default=3600.0,
+                   help="owners section: give up when the owner processes take longer (seconds, default 3600)")
+    p.add_argument("--owner-process", help=argparse.SUPPRESS)  # internal: run one owner of the owners section
     args = p.parse_args(argv)
+    if args.owner_process:
+        owner_processes(json.loads(args.owner_process))
+        return None
     if args.reps < 1 or args.size_mib < 1 or args.tensors < 1 or args.warmup < 0 or args.prefault < 0:
         p.error("--reps, --size-mib and --tensors must be positive, --warmup and --prefault non-negative")
-    run(args)
+    if min(args.owners) < 1 or args.fanout < 1 or args.compute_s < 0:
+        p.error("--owners and --fanout must be positive, --compute-s non-negative")
+    return run(args)
 
 
 if __name__ == "__main__":
