@@ -10,6 +10,7 @@ them trains. Exit codes: 0 done, 3 refused, 75 retryable failure, 2 usage.
 from __future__ import annotations
 
 import argparse
+import io
 import datetime
 import json
 import os
@@ -241,7 +242,7 @@ class Owner:
             record = self.store.find_ref(root)
             stats.update(generation=record.generation if record else None, bytes=record.bytes if record else None)
         # Only after the durable completion: the ref naming ``root`` exists.
-        print(f"alpha-run: owner {self.rank} committed update {prefix.update} as {root}", file=sys.stderr, flush=True)
+        say(f"alpha-run: owner {self.rank} committed update {prefix.update} as {root}")
         return root, stats
 
     def checkpoint(self, final: bool) -> None:
@@ -259,9 +260,9 @@ class Owner:
         elif self.saver.in_flight == "skip" and self._any_owner(self.saver.busy()):
             # Every owner skips, or none: the publish is collective.
             if self.rank == 0:
-                print(f"alpha-run: update {self.state.update} not checkpointed: the save of update "
+                say(f"alpha-run: update {self.state.update} not checkpointed: the save of update "
                       f"{self._unreported[-1][1] if self._unreported else '?'} is still in flight "
-                      "(--in-flight skip)", file=sys.stderr, flush=True)
+                      "(--in-flight skip)")
                 emit_event("checkpoint_skipped", update=self.state.update, reason="save in flight")
             return
         prefix, metadata = self.prefix(), self.metadata()
@@ -447,8 +448,7 @@ class Owner:
         self.segments = [dict(s) for s in m.metadata["segments"]]
         if self.segments[-1].get("owners") != self.world:
             self.segments.append({"owners": self.world, "from": p.update, "combine_order": COMBINE_ORDER})
-        print(f"alpha-run: owner {self.rank} restored update {p.update} from {root}: {read}", file=sys.stderr,
-              flush=True)
+        say(f"alpha-run: owner {self.rank} restored update {p.update} from {root}: {read}")
 
     def _open_own_part(self, root: str, wanted: list[WantedSlice]):
         """Open the generation for this owner's words only: the manifests and shards that hold them."""
@@ -522,15 +522,22 @@ class Owner:
         return os.path.join(self.store.root, "outputs", self.config.run, self.config.step, name)
 
 
+def say(line: str) -> None:
+    """One log line on stderr in one write(2): owners and the background save thread share the stream,
+    and a line written in two pieces (text, then newline) can be split by another writer."""
+    os.write(sys.stderr.fileno(), (line + "\n").encode("utf-8", "replace"))
+
+
 def emit_event(event: str, **fields) -> None:
     """A log collector gets one JSON line; a terminal gets a short line for a publish."""
     if not is_tty(sys.stderr):
-        emit(event, **fields)
+        buffer = io.StringIO()
+        emit(event, buffer, **fields)
+        say(buffer.getvalue().rstrip("\n"))
     elif event == "publish":
-        print(f"alpha-run: generation {fields.get('generation')} (update {fields['update']}): "
+        say(f"alpha-run: generation {fields.get('generation')} (update {fields['update']}): "
               f"{format_bytes(fields.get('bytes') or 0)}, {format_bytes(fields['bytes_written'])} written, "
-              f"{fields['seconds']:.3g} s ({fields['mode']}), training stalled {fields['stall_s']:.3g} s",
-              file=sys.stderr, flush=True)
+              f"{fields['seconds']:.3g} s ({fields['mode']}), training stalled {fields['stall_s']:.3g} s")
     elif event == "checkpoint_skipped":
         pass  # the human line was printed by the caller
 
@@ -584,8 +591,7 @@ class CheckpointSchedule:
             floor = owner.last_save_s if owner.saver is not None else 0.0
             every = plan.every_updates(update_s, floor)
             source = "measured over the last %d checkpoints" % len(costs) if costs else "assumed (--checkpoint-cost)"
-            print(f"alpha-run: {plan.describe()}; C {source}; every {every} updates at {update_s:.3g} s per update",
-                  file=sys.stderr, flush=True)
+            say(f"alpha-run: {plan.describe()}; C {source}; every {every} updates at {update_s:.3g} s per update")
             emit_event("checkpoint_interval", **plan.to_json(), cost_source="measured" if costs else "assumed",
                        update_s=update_s, every_updates=every, update=owner.state.update)
             decision = {"every": every}
@@ -598,10 +604,10 @@ def run_owner(args) -> int:
     config = load_config(args.config, args.set)
     problem = check_schedule_args(args)
     if problem:
-        print(f"alpha-run: {problem}", file=sys.stderr)
+        say(f"alpha-run: {problem}")
         return EXIT_USAGE
     if args.fanout < 1 or args.commit_timeout <= 0:
-        print("alpha-run: --fanout must be at least 1 and --commit-timeout positive", file=sys.stderr)
+        say("alpha-run: --fanout must be at least 1 and --commit-timeout positive")
         return EXIT_USAGE
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     device = compute_device(backend)
@@ -641,8 +647,8 @@ def run_owner(args) -> int:
         if owner.rank == 0 and args.discard_checkpoints:
             # Checkpoints are the step's scratch: with its output published they have served.
             plan = discard_completed_step(store, config.run, config.step)
-            print(f"alpha-run: output published; discarded {len(plan.refs)} checkpoints of {config.run}/{config.step} "
-                  f"and {len(plan.objects)} objects only they reached", file=sys.stderr, flush=True)
+            say(f"alpha-run: output published; discarded {len(plan.refs)} checkpoints of {config.run}/{config.step} "
+                  f"and {len(plan.objects)} objects only they reached")
             emit_event("checkpoints_discarded", run=config.run, step=config.step, generations=len(plan.refs),
                        objects=len(plan.objects), pinned=plan.pinned)
         if owner.rank == 0:
@@ -661,13 +667,13 @@ def main(argv=None) -> int:
     try:
         code = run_owner(args)
     except Refusal as refusal:
-        print(f"alpha-run: refused [{refusal.code.value}] {refusal.message}", file=sys.stderr)
+        say(f"alpha-run: refused [{refusal.code.value}] {refusal.message}")
         code = EXIT_REFUSED
     except (PublishFailed, DurableWriteError) as exc:
-        print(f"alpha-run: publish failed: {exc}", file=sys.stderr)
+        say(f"alpha-run: publish failed: {exc}")
         code = EXIT_RETRY
     except (RuntimeError, ConnectionError, dist.DistBackendError) as exc:
-        print(f"alpha-run: owner failed: {exc}", file=sys.stderr)
+        say(f"alpha-run: owner failed: {exc}")
         code = EXIT_RETRY
     if dist.is_initialized():
         dist.destroy_process_group()
