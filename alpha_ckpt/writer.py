@@ -59,6 +59,9 @@ class ShardCarry:
     def key(prefix: CapturePrefix, schema: str, piece: Piece, codec: str) -> tuple:
         return (prefix.run, prefix.step, schema, piece.ordinal, piece.lo, piece.hi, codec)
 
+    def knows(self, key: tuple) -> bool:
+        return key in self._entries
+
     def find(self, key: tuple, prefix: CapturePrefix, raw_digest: str, store: Store) -> ShardRef | None:
         entry = self._entries.get(key)
         if entry is None or entry[0] != raw_digest:
@@ -67,7 +70,7 @@ class ShardCarry:
         if (written.update, written.cursor, written.epoch) == (prefix.update, prefix.cursor, prefix.epoch):
             return record if record.carried is None else None
         # Renewing the object's mtime keeps gc's grace period over it until this publish has its ref.
-        if not store.has_object(record.digest) or not store._renew(record.digest):
+        if not store.has_object(record.digest) or not store.renew_object(record.digest):
             return None
         self.bytes_carried += record.size
         return ShardRef(record.digest, record.size, record.slices, (written.update, written.cursor, written.epoch))
@@ -233,10 +236,11 @@ def _hash(view) -> str:
 
 def write_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regions: Sequence[RegionDecl],
                 parts: Sequence[tuple[Piece, memoryview, str]], pool: ThreadPoolExecutor,
-                raw_digests: Sequence[str | None] = ()) -> ShardRef:
+                raw_digests: Sequence[str | None] = (), digests_out: list[str] | None = None) -> ShardRef:
     """Durably write one shard holding ``parts`` = (piece, its raw bytes, requested codec).
 
-    ``raw_digests`` may give parts' raw BLAKE3, already computed, so they are not hashed twice.
+    ``raw_digests`` may give parts' raw BLAKE3, already computed, so they are not hashed twice;
+    ``digests_out``, if given, receives every part's raw BLAKE3 (replacing what it held).
     """
     known = list(raw_digests) + [None] * (len(parts) - len(raw_digests))
     records: list[SliceRecord] = []
@@ -278,6 +282,8 @@ def write_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regions
             encoded = encode_head(shard_header(prefix, schema_digest, final))
             assert len(encoded) == head_len, "digest placeholders must not change the head length"
             encoded_head.append(encoded)
+            if digests_out is not None:
+                digests_out[:] = [r.blake3 for r in final]
             return encoded
 
         segments = [(head_len + r.offset, stored) for r, stored in zip(records, payloads)]
@@ -348,11 +354,13 @@ def _write_all(store, prefix, schema, regions, shards, pool, carry) -> list[Shar
             continue
         piece, raw, codec = parts[0]
         key = ShardCarry.key(prefix, schema, piece, codec)
-        raw_digest = _hash(raw)
-        record = carry.find(key, prefix, raw_digest, store)
+        # Hash first only where there is something to compare with; otherwise the
+        # digest is computed while the shard is written, as for any shard.
+        digests = [_hash(raw)] if carry.knows(key) else []
+        record = carry.find(key, prefix, digests[0], store) if digests else None
         if record is None:
-            record = write_shard(store, prefix, schema, regions, parts, pool, [raw_digest])
-            carry.remember(key, raw_digest, record, prefix)
+            record = write_shard(store, prefix, schema, regions, parts, pool, digests, digests_out=digests)
+            carry.remember(key, digests[0], record, prefix)
         out.append(record)
     return out
 
