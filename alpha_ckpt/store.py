@@ -435,6 +435,17 @@ class Store:
             return Refusal(RefusalCode.FORMAT, f"{what}: names generation {record.run}/{record.step}/{record.generation}")
         return record
 
+    def newest_ref(self, run: str, step: str) -> RefRecord | Refusal | None:
+        """The newest generation of (run, step): one directory listing and one ref read."""
+        dir_fd = self._refs_dir(run, step, create=False)
+        if dir_fd is None:
+            return None
+        try:
+            numbers = self._ref_numbers(dir_fd)
+            return self._read_ref(dir_fd, run, step, numbers[-1]) if numbers else None
+        finally:
+            os.close(dir_fd)
+
     def find_ref(self, root: str) -> RefRecord | None:
         """The first ref (any run/step) that names ``root``, or None."""
         for run, step in self.runs():

@@ -44,7 +44,7 @@ from .publish.wire import broadcast_json, gather_json
 from .device import check_devices, current_device
 from .gc import discard_completed_step
 from .restore import PreparedRestore, latest_generation, open_generation
-from .store import Store, write_all
+from .store import RefRecord, Store, write_all
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_RETRY = 0, 2, 3, 75
 KILL_ENV = "ALPHA_CKPT_KILL_OWNER"
@@ -239,7 +239,9 @@ class Owner:
         dist.all_reduce(written, group=group if group is not None else self.control_group)
         stats = {"update": prefix.update, "seconds": seconds, "bytes_written": int(written.item())}
         if self.rank == 0:
-            record = self.store.find_ref(root)
+            # The ref this publish just wrote is its run/step's newest: the owners publish one at a time.
+            record = self.store.newest_ref(prefix.run, prefix.step)
+            record = record if isinstance(record, RefRecord) and record.root == root else None
             stats.update(generation=record.generation if record else None, bytes=record.bytes if record else None)
         # Only after the durable completion: the ref naming ``root`` exists.
         say(f"alpha-run: owner {self.rank} committed update {prefix.update} as {root}")
@@ -252,7 +254,7 @@ class Owner:
             self.last_generation = root
             self.checkpoint_costs.append(stats["seconds"])
             self.last_save_s = stats["seconds"]
-            self._report(stats, root, stall=stats["seconds"], mode="sync")
+            self._report(stats, root, seconds=stats["seconds"], stall=stats["seconds"], mode="sync")
             return
         self.reap()
         if final:
@@ -287,7 +289,7 @@ class Owner:
             self.last_generation = root
             self.checkpoint_costs.append(handle.stall_s)
             self.last_save_s = handle.save_s
-            self._report(stats, root, stall=handle.stall_s, mode="async", seconds=handle.save_s)
+            self._report(stats, root, seconds=handle.save_s, stall=handle.stall_s, mode="async")
 
     def finish_saves(self) -> None:
         if self.saver is not None:
@@ -300,13 +302,11 @@ class Owner:
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.control_group)
         return bool(value.item())
 
-    def _report(self, stats: dict, root: str, *, stall: float, mode: str, seconds: float | None = None) -> None:
-        """Owner 0: one structured event per publish."""
+    def _report(self, stats: dict, root: str, *, seconds: float, stall: float, mode: str) -> None:
+        """Owner 0: one structured event per publish (``seconds``: boundary to durable)."""
         if self.rank == 0:
             emit_event("publish", run=self.config.run, step=self.config.step, root=root, mode=mode,
-                       owners=self.world, **{**stats, "seconds": round(seconds if seconds is not None
-                                                                          else stats["seconds"], 6)},
-                       stall_s=round(stall, 6))
+                       owners=self.world, **{**stats, "seconds": round(seconds, 6)}, stall_s=round(stall, 6))
 
     def _publish_tree(self, tensors, prefix: CapturePrefix, metadata: dict, group=None) -> str:
         """Own words to own shards, group manifest, commitment; the root's ref; completion down the tree."""
