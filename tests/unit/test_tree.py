@@ -115,17 +115,26 @@ def test_a_damaged_group_manifest_fails_verify_but_not_a_restore_of_another_subt
     open_generation(store, report.root, ref, role=2).close()  # the other subtree never reads it
 
 
+def _root_manifest(store, root_digest):
+    with open_generation(store, root_digest, store.list_refs("sim", "fit")[0], role=0) as generation:
+        return generation.manifest
+
+
+def _republish_root_with_children(store, root_digest, children) -> str:
+    """The same root manifest with other child records, published as a new generation; its digest."""
+    root = _root_manifest(store, root_digest)
+    digest, size = write_manifest(store, root.prefix, root.regions, root.shards, root.owners, root.metadata,
+                                  root.publisher, children)
+    store.publish_ref(root.prefix, digest, size, size, owners=root.owners)
+    return digest
+
+
 def test_a_root_whose_child_record_claims_another_subtree_size_is_refused(tmp_path):
     store = Store(tmp_path / "store")
     report, _ = simulate.publish(store, 7, 2)
-    ref = store.list_refs("sim", "fit")[0]
-    with open_generation(store, report.root, ref, role=0) as generation:
-        root = generation.manifest
-    bad = (ChildRef(root.children[0].role, root.children[0].size + 1, root.children[0].digest, root.children[0].bytes),
-           root.children[1])
-    digest, size = write_manifest(store, root.prefix, root.regions, root.shards, root.owners, root.metadata,
-                                  root.publisher, bad)
-    store.publish_ref(root.prefix, digest, size, size, owners=root.owners)
+    first, second = _root_manifest(store, report.root).children
+    digest = _republish_root_with_children(
+        store, report.root, (ChildRef(first.role, first.size + 1, first.digest, first.bytes), second))
     for role in (None, 2):
         with pytest.raises(Refusal) as info:
             open_generation(store, digest, role=role).close()
@@ -136,13 +145,10 @@ def test_a_child_record_naming_an_ancestor_manifest_is_refused(tmp_path):
     """Content addressing makes a true cycle unwritable; the nearest thing, a record naming a root, is refused."""
     store = Store(tmp_path / "store")
     report, _ = simulate.publish(store, 3, 2)
-    ref = store.list_refs("sim", "fit")[0]
-    with open_generation(store, report.root, ref, role=0) as generation:
-        root = generation.manifest
-    looped = (ChildRef(1, 1, report.root, root.size), root.children[1])  # role 1 "is" the root manifest
-    digest, size = write_manifest(store, root.prefix, root.regions, root.shards, root.owners, root.metadata,
-                                  root.publisher, looped)
-    store.publish_ref(root.prefix, digest, size, size, owners=root.owners)
+    root = _root_manifest(store, report.root)
+    # role 1 "is" the root manifest
+    digest = _republish_root_with_children(store, report.root, (ChildRef(1, 1, report.root, root.size),
+                                                                root.children[1]))
     with pytest.raises(Refusal) as info:
         open_generation(store, digest).close()
     assert info.value.code == RefusalCode.COVERAGE
