@@ -47,7 +47,7 @@ import secrets
 import stat
 import time
 from dataclasses import dataclass, field
-from typing import Collection, Iterable
+from typing import Iterable, Mapping
 
 from . import durable
 from .errors import Refusal, StoreUsageError
@@ -123,9 +123,10 @@ def _output_time(store: Store, run: str, step: str) -> float | None:
 
 
 def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRACE_S, now: float | None = None,
-            completed_steps: bool | Collection[tuple[str, str]] = False, dropped_objects_only: bool = False) -> GcPlan:
-    """What gc would remove. ``completed_steps``: True for every run/step, or the (run, step) pairs to
-    consider. ``dropped_objects_only``: remove only objects that the dropped generations reached (a job
+            completed_steps: bool | Mapping[tuple[str, str], float] = False,
+            dropped_objects_only: bool = False) -> GcPlan:
+    """What gc would remove. ``completed_steps``: True for every run/step (each completed when its newest
+    output file was written), or {(run, step): the time its output was published}. ``dropped_objects_only``: remove only objects that the dropped generations reached (a job
     discarding its own checkpoints), and leave temp files and leases alone."""
     if keep is not None and keep < 2:
         raise StoreUsageError(f"--keep {keep}: at least two generations are kept (the previous complete one "
@@ -171,7 +172,8 @@ def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRA
         dropped: list[RefRecord] = []
         considered = completed_steps is True or (completed_steps and (run, step) in completed_steps)
         if considered and (run, step) not in busy:
-            finished = _output_time(store, run, step)
+            finished = (completed_steps[(run, step)] if isinstance(completed_steps, Mapping)
+                        else _output_time(store, run, step))
             if finished is not None:
                 done = [r for r in records if r.published_at <= finished and r.root not in pins]
                 if done:
@@ -321,13 +323,15 @@ def apply_gc(store: Store, plan: GcPlan) -> None:
     _remove(os.path.join(store.root, PENDING_DIR), plan.leases)
 
 
-def discard_completed_step(store: Store, run: str, step: str) -> GcPlan:
+def discard_completed_step(store: Store, run: str, step: str, finished_at: float) -> GcPlan:
     """Once ``run``/``step`` published its declared output, remove its checkpoints (pins excepted).
 
     Checkpoints are the step's scratch, not its output. Only objects those
     generations reached and nothing kept or pinned reaches are removed, and
     none that a live publish may be writing or reusing (the leases).
     """
-    plan = plan_gc(store, grace=0.0, completed_steps={(run, step)}, dropped_objects_only=True)
+    # The caller's clock, read after the output was published: a file's mtime is kernel-tick
+    # coarse and can fall before a ref's published_at written in the same tick.
+    plan = plan_gc(store, grace=0.0, completed_steps={(run, step): finished_at}, dropped_objects_only=True)
     apply_gc(store, plan)
     return plan

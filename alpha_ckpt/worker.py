@@ -646,7 +646,7 @@ def run_owner(args) -> int:
         output = owner.publish_output() if owner.rank == 0 else None
         if owner.rank == 0 and args.discard_checkpoints:
             # Checkpoints are the step's scratch: with its output published they have served.
-            plan = discard_completed_step(store, config.run, config.step)
+            plan = discard_completed_step(store, config.run, config.step, time.time())
             say(f"alpha-run: output published; discarded {len(plan.refs)} checkpoints of {config.run}/{config.step} "
                   f"and {len(plan.objects)} objects only they reached")
             emit_event("checkpoints_discarded", run=config.run, step=config.step, generations=len(plan.refs),
