@@ -22,6 +22,7 @@ class RefusalCode(str, enum.Enum):
     RESET_CURSOR = "reset-cursor"
     DEVICE_MISMATCH = "device-mismatch"
     PLACEMENT_BOUND = "placement-bound"
+    FENCED = "fenced"  # another job (same epoch) owns this run/step's history, or a fresh start over history
 
     def __str__(self) -> str:  # so f"{code}" prints "corrupt-shard"
         return self.value

@@ -7,6 +7,7 @@ Coverage is checked on word ranges, never by adding up byte counts.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
@@ -14,12 +15,36 @@ import torch
 from .errors import Refusal, RefusalCode
 from .format import DTYPES, CapturePrefix, RegionDecl, ShardHead, ShardRef
 
+# torch.frombuffer warns on every read-only buffer (mapped files, caller memory); we never write through them.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning, module=r"alpha_ckpt\.")
+
 _TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 _DTYPE_NAMES = {dt: name for name, dt in _TORCH_DTYPES.items()}
 
 
 def torch_dtype(name: str) -> torch.dtype:
     return _TORCH_DTYPES[name]
+
+
+def first_non_finite(raw, dtype: str, start: int = 0, end: int | None = None) -> int | None:
+    """Index of the first NaN/inf word in raw bytes [start, end) of words of ``dtype``, or None.
+
+    The one finiteness rule: a restore refuses what it finds, and a publish
+    refuses to write what a restore would refuse.
+    """
+    end = len(raw) if end is None else end
+    if not DTYPES[dtype][1] or end <= start:
+        return None
+    size = DTYPES[dtype][0]
+    words = torch.frombuffer(raw, dtype=torch_dtype(dtype), count=(end - start) // size, offset=start)
+    low, high = torch.aminmax(words)  # NaN propagates; +-inf shows at the ends
+    if torch.isfinite(low) and torch.isfinite(high):
+        return None
+    return start // size + int((~torch.isfinite(words)).nonzero()[0, 0])
+
+
+def word_value(raw, dtype: str, index: int) -> float:
+    return float(torch.frombuffer(raw, dtype=torch_dtype(dtype), count=1, offset=index * DTYPES[dtype][0])[0])
 
 
 def dtype_name(dtype: torch.dtype, where: str) -> str:

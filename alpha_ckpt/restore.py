@@ -27,7 +27,10 @@ from .format import (
     DTYPES, PREFIX_LEN, CapturePrefix, ChildRef, ManifestHead, ShardHead, ShardRef, SliceRecord, decode_head, padding_ranges,
     parse_manifest_header, parse_shard_header, split_head,
 )
-from .manifest import check_coverage, check_schema_matches, check_shard_against_record, flatten_state, regions_of, torch_dtype
+from .manifest import (
+    check_coverage, check_schema_matches, check_shard_against_record, first_non_finite, flatten_state, regions_of,
+    torch_dtype, word_value,
+)
 from .planner import Hierarchy, PlanError, SavedSlice, WantedSlice, plan_restore
 from .store import ObjectFile, RefRecord, Store
 
@@ -222,20 +225,11 @@ def open_generation(store: Store, root: str, ref: RefRecord | None = None, *,
 
 def _first_non_finite(rec: SliceRecord, raw: memoryview, start: int = 0, end: int | None = None) -> int | None:
     """Index (within the slice) of the first NaN/inf word in raw bytes [start, end), or None."""
-    end = len(raw) if end is None else end
-    if not DTYPES[rec.dtype][1] or end <= start:
-        return None
-    size = DTYPES[rec.dtype][0]
-    words = torch.frombuffer(raw, dtype=torch_dtype(rec.dtype), count=(end - start) // size, offset=start)
-    low, high = torch.aminmax(words)  # NaN propagates; +-inf shows at the ends
-    if torch.isfinite(low) and torch.isfinite(high):
-        return None
-    return start // size + int((~torch.isfinite(words)).nonzero()[0, 0])
+    return first_non_finite(raw, rec.dtype, start, end)
 
 
 def _word_value(rec: SliceRecord, raw: memoryview, index: int) -> float:
-    size = DTYPES[rec.dtype][0]
-    return float(torch.frombuffer(raw, dtype=torch_dtype(rec.dtype), count=1, offset=index * size)[0])
+    return word_value(raw, rec.dtype, index)
 
 
 def _refuse_non_finite(rec: SliceRecord, index: int, value: float, what: str) -> Refusal:
@@ -632,20 +626,46 @@ def validate_object_bytes(data: bytes | memoryview, digest: str, what: str = "ob
     return head
 
 
-def latest_generation(store: Store, run: str, step: str) -> tuple[RefRecord | None, list[tuple[str, Refusal]]]:
-    """The newest complete generation of (run, step), fully validated, and the newer ones skipped with why.
+def check_complete(store: Store, record: RefRecord) -> Refusal | None:
+    """Why generation ``record`` is not complete, or None when it is.
 
-    A generation is complete when its ref is readable and every object it names
-    validates; a damaged newer one never hides an intact older one.
+    The one definition that ``latest``, ``--resume latest``, retention and gc
+    share: a generation is complete when its ref reads back intact and every
+    object it names validates fully (digests, format, coverage, capture
+    prefixes, finiteness): exactly what a restore of the whole state checks.
+    gc remembers the result per object file (:mod:`alpha_ckpt.complete`).
+    """
+    try:
+        with open_generation(store, record.root, record) as generation:
+            check_payloads(generation)
+    except Refusal as refusal:
+        return refusal
+    return None
+
+
+def latest_generation(store: Store, run: str, step: str) -> tuple[RefRecord | None, list[tuple[str, Refusal]]]:
+    """The newest complete generation of (run, step) that is not stale, and the newer ones skipped with why.
+
+    Complete is :func:`check_complete`; stale is of an older epoch than the
+    newest readable generation's (a continuation has published since, so a
+    resume of it would be refused as ``stale-epoch``). A damaged or stale
+    newer generation never hides an intact older one of the newest epoch.
     """
     skipped: list[tuple[str, Refusal]] = []
-    for record in reversed(store.list_refs(run, step)):
+    records = store.list_refs(run, step)
+    epochs = [r.prefix.epoch for r in records if isinstance(r, RefRecord)]
+    newest_epoch = max(epochs, default=0)
+    for record in reversed(records):
         if isinstance(record, Refusal):
             skipped.append(("(unreadable ref)", record))
             continue
-        try:
-            verify_generation(store, record.root)
-        except Refusal as refusal:
+        if record.prefix.epoch < newest_epoch:
+            skipped.append((record.root, Refusal(RefusalCode.STALE_EPOCH, f"generation {record.generation} is of "
+                                                 f"epoch {record.prefix.epoch}; {run}/{step} has published in "
+                                                 f"epoch {newest_epoch} since")))
+            continue
+        refusal = check_complete(store, record)
+        if refusal is not None:
             skipped.append((record.root, refusal))
             continue
         return record, skipped

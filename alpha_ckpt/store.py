@@ -371,15 +371,28 @@ class Store:
             return Refusal(RefusalCode.FORMAT, f"store entry {path} is a symlink or not a directory")
         return exc
 
-    def publish_ref(self, prefix: CapturePrefix, root: str, root_size: int, total_bytes: int, owners: int) -> RefRecord:
-        """Publish the next generation of (run, step): a NOREPLACE ref naming ``root``.
+    def publish_ref(self, prefix: CapturePrefix, root: str, root_size: int, total_bytes: int, owners: int, *,
+                    follows: int | None = None, fence: bool = True) -> RefRecord:
+        """Publish the next generation of (run, step): a NOREPLACE ref naming ``root``, if the history allows it.
 
-        Two publishers racing for the same generation number cannot both win;
-        the loser gets :class:`PublishConflict`.
+        History fencing (:func:`check_fence`): the newest ref is read first, and
+        a publish whose epoch is older than the newest generation's is refused
+        (``stale-epoch``); with ``follows`` (the generation number this
+        publisher continues, 0 for an empty history), a newest generation of
+        the same epoch that is not ``follows`` is refused too (``fenced``):
+        another job of this epoch published meanwhile. The ref then takes the
+        number after the newest with NOREPLACE, so the check is race-free: a
+        publisher that lost the number re-reads the newest ref and is fenced,
+        or gets :class:`PublishConflict` (retryable) when the winner was not
+        one to fence it. ``fence=False`` is for forging test generations only.
         """
         dir_fd = self._refs_dir(prefix.run, prefix.step, create=True)
         try:
-            generation = max((g for g in self._ref_numbers(dir_fd)), default=0) + 1
+            numbers = self._ref_numbers(dir_fd)
+            newest = self._read_ref(dir_fd, prefix.run, prefix.step, numbers[-1]) if numbers else None
+            if fence:
+                check_fence(newest, prefix, follows)
+            generation = (numbers[-1] if numbers else 0) + 1
             record = RefRecord(prefix.run, prefix.step, generation, root, root_size, prefix, time.time(), total_bytes, owners)
             body = encode_ref(record)
 
@@ -390,6 +403,9 @@ class Store:
                 durable.durable_commit(tmp_dir=self._tmp_fd, dest_dir=dir_fd, write=write,
                                        name=f"{generation:0{REF_DIGITS}d}", kind="ref")
             except FileExistsError:
+                winner = self._read_ref(dir_fd, prefix.run, prefix.step, generation)
+                if fence and isinstance(winner, RefRecord):  # it may fence this publish: say so precisely
+                    check_fence(winner, prefix, follows)
                 raise PublishConflict(f"generation {generation} of {prefix.run}/{prefix.step} was published by another publisher") from None
             return record
         finally:
@@ -471,6 +487,36 @@ class Store:
         finally:
             os.close(refs)
         return out
+
+
+def check_fence(newest: "RefRecord | Refusal | None", prefix: CapturePrefix, follows: int | None) -> None:
+    """Refuse a publish of ``prefix`` that would fork the history whose newest ref is ``newest``.
+
+    - newest is of a newer epoch: a continuation owns the run/step; this publisher is stale (``stale-epoch``).
+    - ``follows`` given and newest is of the same epoch but is not generation ``follows`` (0: no generation):
+      another publisher of this epoch published meanwhile (``fenced``).
+    - newest cannot be read: the history cannot be checked, so nothing is published after it.
+    Pure: the caller reads the ref.
+    """
+    where = f"{prefix.run}/{prefix.step}"
+    if isinstance(newest, Refusal):
+        raise Refusal(newest.code, f"the newest ref of {where} cannot be read, so a publish of update "
+                      f"{prefix.update} cannot be fenced: {newest.message}")
+    if newest is None:
+        if follows:
+            raise Refusal(RefusalCode.FENCED, f"publish of update {prefix.update} fenced: {where} no longer has "
+                          f"generation {follows}, which this job continues")
+        return
+    p = newest.prefix
+    if p.epoch > prefix.epoch:
+        raise Refusal(RefusalCode.STALE_EPOCH, f"publish of update {prefix.update} in epoch {prefix.epoch} fenced: "
+                      f"{where} generation {newest.generation} (update {p.update}, root {newest.root}) is of "
+                      f"epoch {p.epoch}, a newer continuation that owns this run/step")
+    if follows is not None and p.epoch == prefix.epoch and newest.generation != follows:
+        expected = f"generation {follows}" if follows else "an empty history"
+        raise Refusal(RefusalCode.FENCED, f"publish of update {prefix.update} in epoch {prefix.epoch} fenced: "
+                      f"{where} generation {newest.generation} (update {p.update}, root {newest.root}) was "
+                      f"published by another job of the same epoch; this job continues {expected}")
 
 
 class PublishLease:

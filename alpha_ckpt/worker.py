@@ -131,6 +131,9 @@ class Owner:
         self.carry = ShardCarry()  # unchanged regions (a frozen table) are not written again
         self.checkpoint_costs: list[float] = []     # training seconds each checkpoint cost (sync: all of it)
         self.last_save_s = 0.0
+        # Owner 0: the generation number this job's history continues (0: none yet), so that a
+        # second job on this run/step is fenced at publish instead of forking it (store.check_fence).
+        self.follows: int | None = None
 
     def _owned(self, name: str, t: torch.Tensor):
         """None for replicated words; this owner's contiguous word range for partitioned ones."""
@@ -232,7 +235,7 @@ class Owner:
         else:
             capture = build_capture(prefix, self.regions, tensors, self.owned)
             root = publish_star(self.store if self.rank == 0 else None, capture, self.regions, metadata, group,
-                                carry=self.carry)
+                                carry=self.carry, follows=self.follows)
         seconds = time.monotonic() - t0
         # Bytes every owner wrote (the tree's owners write their own shards).
         written = torch.tensor([self.store.bytes_written - written0], dtype=torch.int64)
@@ -243,6 +246,9 @@ class Owner:
             record = self.store.newest_ref(prefix.run, prefix.step)
             record = record if isinstance(record, RefRecord) and record.root == root else None
             stats.update(generation=record.generation if record else None, bytes=record.bytes if record else None)
+            # Another ref already after ours can only be one that fences this job: following
+            # "none" (0) makes the next publish refuse, never fork.
+            self.follows = record.generation if record else 0
         # Only after the durable completion: the ref naming ``root`` exists.
         say(f"alpha-run: owner {self.rank} committed update {prefix.update} as {root}")
         return root, stats
@@ -327,8 +333,10 @@ class Owner:
         role = TreeRole(self.store, self.hierarchy, self.rank, transport, timeout=self.commit_timeout, carry=self.carry,
                         fault=fault.partition(":")[2] if fault.partition(":")[0] == str(self.rank) else None)
         completion = role.complete(role.commit(prefix, self.regions, [parts] if parts else [],
-                                               replicated.hexdigest(), metadata))
+                                               replicated.hexdigest(), metadata, follows=self.follows))
         if not completion["ok"]:
+            if completion.get("code"):  # a refusal (a NaN, a fenced history): exit 3 on every owner
+                raise Refusal(completion["code"], str(completion["reason"]))
             raise PublishFailed(completion["reason"])
         return completion["root"]
 
@@ -375,10 +383,11 @@ class Owner:
         newer = [r for r in self.store.list_refs(prefix.run, prefix.step)
                  if not isinstance(r, Refusal) and r.prefix.epoch > prefix.epoch]
         if newer:
-            r = newer[0]
+            r = newer[-1]  # the newest: the one to resume instead
             raise Refusal(RefusalCode.STALE_EPOCH, f"generation is of epoch {prefix.epoch}, but a continuation of "
-                          f"{prefix.run}/{prefix.step} already published generation {r.generation} in epoch "
-                          f"{r.prefix.epoch}; resume that one, or branch a new run (--branch-from)")
+                          f"{prefix.run}/{prefix.step} already published generation {r.generation} ({r.root}, update "
+                          f"{r.prefix.update}) in epoch {r.prefix.epoch}; resume that one (--resume latest), or "
+                          "branch a new run (--branch-from)")
 
     def resume(self, root: str | None, latest: bool, branch: bool = False) -> None:
         """Collective: owner 0 checks the generation's bindings, then every owner validates what it reads.
@@ -392,24 +401,18 @@ class Owner:
         verdict = None
         if self.rank == 0:
             try:
-                if not branch and not latest:  # --resume latest skips (and names) unreadable refs instead
-                    self._check_history_readable()
-                if latest:
-                    record, _ = latest_generation(self.store, self.config.run, self.config.step)
-                    if record is None:
-                        raise Refusal(RefusalCode.MISSING_SHARD, f"no complete generation of {self.config.run}/{self.config.step}")
-                    root = record.root
-                # The bindings live in the root manifest: no shard is opened here.
-                with open_generation(self.store, root, role=0, wanted=[]) as generation:
-                    self._check_binding(generation, branch)
-                    check_schema_matches(generation.manifest.regions, self.regions, f"generation {root[:16]}...")
-                verdict = {"ok": True, "root": root}
+                verdict = {"ok": True, "root": self._choose_generation(root, latest, branch)}
             except Refusal as refusal:
                 verdict = {"ok": False, "code": refusal.code.value, "message": refusal.message}
         verdict = broadcast_json(verdict)
         if not verdict["ok"]:
             raise Refusal(verdict["code"], verdict["message"])
         root = verdict["root"]
+        if root is None:
+            if self.rank == 0:
+                say(f"alpha-run: {self.config.run}/{self.config.step} has no generation yet: --resume latest "
+                    "starts at update 0")
+            return
         # Restore into host memory: validation and the copy run on the CPU, and
         # a CUDA owner's state is only touched once every owner's bytes passed.
         host = [t if t.device.type == "cpu" else torch.empty_like(t, device="cpu") for _, t in self.named]
@@ -449,6 +452,61 @@ class Owner:
         if self.segments[-1].get("owners") != self.world:
             self.segments.append({"owners": self.world, "from": p.update, "combine_order": COMBINE_ORDER})
         say(f"alpha-run: owner {self.rank} restored update {p.update} from {root}: {read}")
+
+    def _choose_generation(self, root: str | None, latest: bool, branch: bool) -> str | None:
+        """Owner 0: the generation to resume (None: --resume latest on an empty history), its bindings checked.
+
+        Also sets what this job's history follows: the run/step's newest generation now (a
+        continuation runs in a new epoch after it), or none for a branch or an empty history.
+        """
+        run, step = self.config.run, self.config.step
+        if not branch and not latest:  # --resume latest skips (and names) unreadable refs instead
+            self._check_history_readable()
+        newest = self.store.newest_ref(run, step)
+        if isinstance(newest, Refusal) and not branch:
+            raise Refusal(newest.code, f"the newest ref of {run}/{step} cannot be read, so no continuation could be "
+                          f"fenced against it: {newest.message}")
+        self.follows = newest.generation if isinstance(newest, RefRecord) and not branch else 0
+        if latest:
+            record, skipped = latest_generation(self.store, run, step)
+            if record is None:
+                if newest is None:
+                    return None  # a first attempt that died before its first checkpoint: start it again
+                why = "; ".join(f"{digest[:16]}: [{r.code.value}] {r.message}" for digest, r in skipped[:3])
+                raise Refusal(RefusalCode.MISSING_SHARD, f"no complete generation of {run}/{step} to resume "
+                              f"({len(skipped)} skipped: {why})")
+            root = record.root
+        # The bindings live in the root manifest: no shard is opened here.
+        with open_generation(self.store, root, role=0, wanted=[]) as generation:
+            self._check_binding(generation, branch)
+            check_schema_matches(generation.manifest.regions, self.regions, f"generation {root[:16]}...")
+        return root
+
+    def start_fresh(self) -> None:
+        """Collective: a fresh start (epoch 0) owns a run/step only if it has no generation yet.
+
+        A second history under one run/step would fork it silently; a retry continues the
+        first with --resume latest instead.
+        """
+        verdict = None
+        if self.rank == 0:
+            run, step = self.config.run, self.config.step
+            refs = self.store.list_refs(run, step)
+            if refs:
+                newest = refs[-1]
+                named = (f"newest generation {newest.generation}: update {newest.prefix.update}, epoch "
+                         f"{newest.prefix.epoch}, root {newest.root}" if isinstance(newest, RefRecord)
+                         else "its newest ref cannot be read")
+                verdict = {"ok": False, "code": RefusalCode.FENCED.value,
+                           "message": f"a fresh start of {run}/{step} would fork its history: it already has "
+                                      f"{len(refs)} generations ({named}); continue it with --resume latest, or "
+                                      "start another --run"}
+            else:
+                self.follows = 0
+                verdict = {"ok": True}
+        verdict = broadcast_json(verdict)
+        if not verdict["ok"]:
+            raise Refusal(verdict["code"], verdict["message"])
 
     def _open_own_part(self, root: str, wanted: list[WantedSlice]):
         """Open the generation for this owner's words only: the manifests and shards that hold them."""
@@ -624,6 +682,8 @@ def run_owner(args) -> int:
         if args.resume_from or args.resume or args.branch_from:
             owner.resume(args.resume_from or args.branch_from, latest=args.resume == "latest",
                          branch=args.branch_from is not None)
+        else:
+            owner.start_fresh()
         schedule = CheckpointSchedule(args)
         kill_at = os.environ.get(KILL_ENV)  # test hook: "RANK:UPDATE" SIGKILLs that owner after that update
         while owner.state.update < args.updates:

@@ -28,7 +28,8 @@ from .format import (
     DTYPES, STAR, CapturePrefix, ChildRef, Publisher, RegionDecl, ShardRef, SliceRecord, aligned, canonical_json,
     check_name, digest_bytes, encode_head, manifest_header, schema_digest_of, shard_header,
 )
-from .manifest import flatten_state, regions_of
+from .errors import Refusal, RefusalCode
+from .manifest import first_non_finite, flatten_state, regions_of, word_value
 from .planner import Piece, pack_shards
 from .store import RefRecord, Store
 
@@ -234,13 +235,43 @@ def _hash(view) -> str:
     return blake3.blake3(view).hexdigest()
 
 
+_FINITE_CHUNK = 8 << 20  # hashed and checked together while the chunk is in cache
+
+
+def _hash_and_check(view: memoryview, dtype: str, digest: str | None) -> tuple[str, int | None]:
+    """A part's raw BLAKE3 (``digest`` when already known) and its first NaN/inf word, in one pass."""
+    if not DTYPES[dtype][1]:
+        return digest or _hash(view), None
+    hasher = None if digest else blake3.blake3()
+    bad = None
+    for start in range(0, len(view), _FINITE_CHUNK):
+        chunk = view[start:start + _FINITE_CHUNK]
+        if hasher is not None:
+            hasher.update(chunk)
+        if bad is None:
+            index = first_non_finite(chunk, dtype)
+            bad = None if index is None else start // DTYPES[dtype][0] + index
+            if bad is not None and hasher is None:
+                break
+    return digest or hasher.hexdigest(), bad
+
+
+def _refuse_non_finite(region: RegionDecl, piece: Piece, raw: memoryview, index: int) -> Refusal:
+    value = word_value(raw, region.dtype, index)
+    return Refusal(RefusalCode.NON_FINITE, f"region {region.name!r} word {piece.lo + index} is {value}: a restore "
+                   "would refuse it, so it is not published")
+
+
 def write_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regions: Sequence[RegionDecl],
                 parts: Sequence[tuple[Piece, memoryview, str]], pool: ThreadPoolExecutor,
-                raw_digests: Sequence[str | None] = (), digests_out: list[str] | None = None) -> ShardRef:
+                raw_digests: Sequence[str | None] = (), digests_out: list[str] | None = None,
+                check_finite: bool = True) -> ShardRef:
     """Durably write one shard holding ``parts`` = (piece, its raw bytes, requested codec).
 
     ``raw_digests`` may give parts' raw BLAKE3, already computed, so they are not hashed twice;
     ``digests_out``, if given, receives every part's raw BLAKE3 (replacing what it held).
+    Every float word is checked while it is hashed: a NaN or inf raises a ``non-finite``
+    :class:`Refusal` naming the region and word, and the shard is not committed.
     """
     known = list(raw_digests) + [None] * (len(parts) - len(raw_digests))
     records: list[SliceRecord] = []
@@ -267,7 +298,10 @@ def write_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regions
     def write(fd: int) -> str:
         futures = []
         for record, stored, (_, raw, _), digest in zip(records, payloads, parts, known):
-            raw_f = pool.submit(_hash, raw) if digest is None else _done(digest)
+            if check_finite:
+                raw_f = pool.submit(_hash_and_check, raw, record.dtype, digest)
+            else:
+                raw_f = _done((digest, None)) if digest is not None else pool.submit(lambda v: (_hash(v), None), raw)
             futures.append((raw_f, pool.submit(_hash, stored) if record.codec == "zstd" else None))
 
         encoded_head: list[bytes] = []
@@ -276,8 +310,11 @@ def write_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regions
             if encoded_head:
                 return encoded_head[0]
             final = []
-            for record, (raw_f, stored_f) in zip(records, futures):
-                final.append(SliceRecord(**{**record.__dict__, "blake3": raw_f.result(),
+            for record, (raw_f, stored_f), (piece, raw, _) in zip(records, futures, parts):
+                raw_digest, bad = raw_f.result()
+                if bad is not None:
+                    raise _refuse_non_finite(regions[piece.ordinal], piece, raw, bad)
+                final.append(SliceRecord(**{**record.__dict__, "blake3": raw_digest,
                                             "stored_blake3": stored_f.result() if stored_f else None}))
             encoded = encode_head(shard_header(prefix, schema_digest, final))
             assert len(encoded) == head_len, "digest placeholders must not change the head length"
@@ -328,7 +365,8 @@ def _done(value) -> Future:
 
 def write_shards(store: Store, prefix: CapturePrefix, regions: Sequence[RegionDecl],
                  shards: Sequence[Sequence[tuple[Piece, memoryview, str]]],
-                 pool: ThreadPoolExecutor | None = None, carry: ShardCarry | None = None) -> list[ShardRef]:
+                 pool: ThreadPoolExecutor | None = None, carry: ShardCarry | None = None,
+                 check_finite: bool = True) -> list[ShardRef]:
     """Durably write each shard (its (piece, raw bytes, codec) parts in physical order).
 
     With ``carry``, large parts get shards of their own, and a part whose bytes
@@ -342,15 +380,15 @@ def write_shards(store: Store, prefix: CapturePrefix, regions: Sequence[RegionDe
         shards = isolate_large_pieces(shards)
     if pool is None:
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="alpha-ckpt-hash") as own_pool:
-            return _write_all(store, prefix, schema, regions, shards, own_pool, carry)
-    return _write_all(store, prefix, schema, regions, shards, pool, carry)
+            return _write_all(store, prefix, schema, regions, shards, own_pool, carry, check_finite)
+    return _write_all(store, prefix, schema, regions, shards, pool, carry, check_finite)
 
 
-def _write_all(store, prefix, schema, regions, shards, pool, carry) -> list[ShardRef]:
+def _write_all(store, prefix, schema, regions, shards, pool, carry, check_finite) -> list[ShardRef]:
     out = []
     for parts in shards:
         if carry is None or len(parts) != 1:
-            out.append(write_shard(store, prefix, schema, regions, parts, pool))
+            out.append(write_shard(store, prefix, schema, regions, parts, pool, check_finite=check_finite))
             continue
         piece, raw, codec = parts[0]
         key = ShardCarry.key(prefix, schema, piece, codec)
@@ -359,7 +397,8 @@ def _write_all(store, prefix, schema, regions, shards, pool, carry) -> list[Shar
         digests = [_hash(raw)] if carry.knows(key) else []
         record = carry.find(key, prefix, digests[0], store) if digests else None
         if record is None:
-            record = write_shard(store, prefix, schema, regions, parts, pool, digests, digests_out=digests)
+            record = write_shard(store, prefix, schema, regions, parts, pool, digests, digests_out=digests,
+                                 check_finite=check_finite)
             carry.remember(key, digests[0], record, prefix)
         out.append(record)
     return out
@@ -382,13 +421,19 @@ def write_manifest(store: Store, prefix: CapturePrefix, regions: Sequence[Region
 
 def publish_slices(store: Store, prefix: CapturePrefix, regions: Sequence[RegionDecl],
                    shards: Sequence[Sequence[tuple[Piece, memoryview, str]]], *, metadata: Any = None,
-                   owners: int = 1, carry: ShardCarry | None = None) -> Published:
-    """Write each shard (its (piece, raw bytes, codec) parts in physical order), the manifest, then the ref."""
+                   owners: int = 1, carry: ShardCarry | None = None, follows: int | None = None,
+                   forged: bool = False) -> Published:
+    """Write each shard (its (piece, raw bytes, codec) parts in physical order), the manifest, then the ref.
+
+    Refuses (nothing published) what a restore would refuse (a NaN or inf word)
+    and what would fork the history (:func:`alpha_ckpt.store.check_fence`;
+    ``follows`` as there). ``forged=True`` skips both: test generations only.
+    """
     with store.pending_publish(prefix.run, prefix.step):  # gc spares what this publish writes or reuses
-        shard_refs = write_shards(store, prefix, regions, shards, carry=carry)
+        shard_refs = write_shards(store, prefix, regions, shards, carry=carry, check_finite=not forged)
         root, root_size = write_manifest(store, prefix, regions, shard_refs, owners, metadata)
         total = root_size + sum(s.size for s in shard_refs)
-        record = store.publish_ref(prefix, root, root_size, total, owners=owners)
+        record = store.publish_ref(prefix, root, root_size, total, owners=owners, follows=follows, fence=not forged)
     return Published(root, record, tuple(shard_refs))
 
 

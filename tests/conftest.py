@@ -2,6 +2,11 @@ import pytest
 import torch
 
 import alpha_ckpt
+from alpha_ckpt.format import DTYPES, CapturePrefix
+from alpha_ckpt.manifest import flatten_state, regions_of
+from alpha_ckpt.planner import Piece
+from alpha_ckpt.store import Store
+from alpha_ckpt.writer import publish_slices, word_bytes
 
 
 def small_state(seed: int = 0) -> dict:
@@ -28,6 +33,18 @@ def assert_bit_equal(a: dict, b: dict) -> None:
             assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
             x, y = a[k].contiguous().reshape(-1), b[k].contiguous().reshape(-1)
             assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), k
+
+
+def save_forged(state: dict, store_dir, *, update: int = 1, cursor: int = 0, epoch: int = 0,
+                compression: str = "raw", run: str = "r", step: str = "s") -> str:
+    """Publish a generation that publication refuses (NaN/inf words), as alpha_ckpt.forge makes one:
+    restore's own checks must refuse it (an old store, or damage with the checksums repaired)."""
+    named = flatten_state(state)
+    regions = regions_of(named)
+    shards = [[(Piece(r.ordinal, 0, r.words, DTYPES[r.dtype][0]), memoryview(word_bytes(t).numpy()), compression)]
+              for r, (_, t) in zip(regions, named)]
+    with Store(store_dir) as s:
+        return publish_slices(s, CapturePrefix(run, step, update, cursor, epoch), regions, shards, forged=True).root
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..durable import fault_point
-from ..errors import PublishFailed, Refusal, RefusalCode
+from ..errors import PublishConflict, PublishFailed, Refusal, RefusalCode
 from ..format import DTYPES, CapturePrefix, RegionDecl, canonical_json
 from ..planner import Piece
 from ..store import Store
@@ -53,9 +53,11 @@ def build_capture(prefix: CapturePrefix, regions: Sequence[RegionDecl], tensors:
 
 
 def publish_star(store: Store | None, capture: Capture, regions: Sequence[RegionDecl], metadata: Any,
-                 group: Any = None, carry: ShardCarry | None = None) -> str:
+                 group: Any = None, carry: ShardCarry | None = None, follows: int | None = None) -> str:
     """Collective over ``group`` (default: the default group). Returns the root digest once owner 0
-    reports it durable; raises PublishFailed otherwise."""
+    reports it durable. Every owner raises owner 0's :class:`Refusal` when the capture is refused
+    (a NaN, diverged replicas, a fenced history: exit 3), and PublishFailed for any other failure
+    (an I/O error, a lost ref race: retryable). ``follows``: see :func:`alpha_ckpt.store.check_fence`."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank != 0:
         send_bytes(capture.descriptor(), 0, group)
@@ -70,13 +72,17 @@ def publish_star(store: Store | None, capture: Capture, regions: Sequence[Region
             captures.append(Capture(CapturePrefix.from_json(descriptor["prefix"], f"owner {r} capture"),
                                     tuple(tuple(p) for p in descriptor["pieces"]), data))
         try:
-            root = _check_and_write(store, captures, regions, metadata, carry)
+            root = _check_and_write(store, captures, regions, metadata, carry, follows)
             ack = {"ok": True, "root": root}
-        except (Refusal, OSError, ValueError) as exc:
+        except Refusal as refusal:
+            ack = {"ok": False, "code": refusal.code.value, "reason": refusal.message}
+        except (OSError, ValueError, PublishConflict) as exc:
             ack = {"ok": False, "reason": str(exc)}
         fault_point("publish", "before-completion")
         broadcast_json(ack, 0, group)
     if not ack["ok"]:
+        if ack.get("code"):
+            raise Refusal(ack["code"], ack["reason"])
         raise PublishFailed(ack["reason"])
     return ack["root"]
 
@@ -90,7 +96,7 @@ def _views(capture: Capture, regions: Sequence[RegionDecl]):
 
 
 def _check_and_write(store: Store, captures: list[Capture], regions: Sequence[RegionDecl], metadata: Any,
-                     carry: ShardCarry | None = None) -> str:
+                     carry: ShardCarry | None = None, follows: int | None = None) -> str:
     mine = captures[0]
     replicas = {(o, lo, hi): view for (o, lo, hi, rep), view in _views(mine, regions) if rep}
     shards = []
@@ -109,4 +115,4 @@ def _check_and_write(store: Store, captures: list[Capture], regions: Sequence[Re
         if parts:
             shards.append(parts)
     return publish_slices(store, mine.prefix, regions, shards, metadata=metadata, owners=len(captures),
-                          carry=carry).root
+                          carry=carry, follows=follows).root

@@ -202,6 +202,11 @@ class _MemoryEndpoint:
 # ---------------------------------------------------------------- one role
 
 
+def _failed(reason: str, code: str | None = None) -> dict:
+    """A failed completion (its reason cut to fit one message); ``code`` when it is a refusal."""
+    return {"kind": "complete", "ok": False, "reason": reason[:600], **({"code": code} if code else {})}
+
+
 @dataclass
 class RoleStats:
     """What one role did in one publication (the simulation reports the largest per level)."""
@@ -239,28 +244,32 @@ class TreeRole:
 
     def commit(self, prefix: CapturePrefix, regions: Sequence[RegionDecl],
                own_shards: Sequence[Sequence[tuple[Piece, memoryview, str]]], replicas: str,
-               metadata: Any) -> dict | None:
+               metadata: Any, follows: int | None = None) -> dict | None:
         """Steps 1-3 (and the ref, at the root). Returns the completion to release at the root, else None.
 
         Holds a pending-publish lease from before the first own object until :meth:`complete`: until
-        the root's ref names them, gc must spare them.
+        the root's ref names them, gc must spare them. A refusal anywhere (a NaN in a role's words, a
+        fenced history at the root) travels with its code, so every owner raises that refusal.
+        ``follows`` (the root's): see :func:`alpha_ckpt.store.check_fence`.
         """
         self._lease = self.store.pending_publish(prefix.run, prefix.step)
         try:
-            return self._commit(prefix, regions, own_shards, replicas, metadata)
+            return self._commit(prefix, regions, own_shards, replicas, metadata, follows)
         except BaseException:
             self._lease.release()
             raise
 
     def _commit(self, prefix: CapturePrefix, regions: Sequence[RegionDecl],
                 own_shards: Sequence[Sequence[tuple[Piece, memoryview, str]]], replicas: str,
-                metadata: Any) -> dict | None:
-        failure = None
+                metadata: Any, follows: int | None) -> dict | None:
+        failure, code = None, None  # the first failure, and its refusal code when it is a refusal
         shard_refs = []
         try:
             shard_refs = write_shards(self.store, prefix, regions, own_shards, self.pool, carry=self.carry)
         except (OSError, DurableWriteError) as exc:
             failure = f"role {self.role} could not write its shards: {exc}"
+        except Refusal as refusal:
+            failure, code = f"role {self.role}: {refusal.message}", refusal.code.value
         # Always hear every child out, so none is left blocked in its send. A child
         # reports its own subtree's failure only after its own waits: allow it
         # one timeout per level below it, so the first failure's reason arrives.
@@ -277,7 +286,8 @@ class TreeRole:
             try:
                 message = decode_message(arrived[child], f"the message from role {child}")
                 if message["kind"] == "abort":
-                    failure = failure or str(message.get("reason"))
+                    if failure is None:
+                        failure, code = str(message.get("reason")), message.get("code")
                     continue
                 commitment = Commitment.from_json(message, f"the commitment from role {child}")
                 records.append(check_commitment(commitment, role=child, size=size, prefix=prefix, replicas=replicas))
@@ -295,14 +305,18 @@ class TreeRole:
                 failure = f"role {self.role} could not write its group manifest: {exc}"
         if self.parent is None:
             if failure is not None:
-                return {"kind": "complete", "ok": False, "reason": failure}
+                return _failed(failure, code)
             try:
-                self.store.publish_ref(prefix, digest, nbytes, subtree_bytes, owners=self.hierarchy.owners)
+                self.store.publish_ref(prefix, digest, nbytes, subtree_bytes, owners=self.hierarchy.owners,
+                                       follows=follows)
+            except Refusal as refusal:
+                return _failed(refusal.message, refusal.code.value)
             except (OSError, DurableWriteError, PublishConflict) as exc:
-                return {"kind": "complete", "ok": False, "reason": f"the root could not publish the ref: {exc}"}
+                return _failed(f"the root could not publish the ref: {exc}")
             return {"kind": "complete", "ok": True, "root": digest}
         if failure is not None:
-            self._send_up({"kind": "abort", "role": self.role, "reason": failure[:600]})
+            self._send_up({"kind": "abort", "role": self.role, "reason": failure[:600],
+                           **({"code": code} if code else {})})
             return None
         commitment = Commitment(prefix, ChildRef(self.role, self.size, digest, nbytes), replicas, subtree_bytes)
         self._send_up(self._injected(commitment).to_json() if self.fault else commitment.to_json())

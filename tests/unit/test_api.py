@@ -8,7 +8,7 @@ import alpha_ckpt
 from alpha_ckpt import Refusal, RefusalCode
 from alpha_ckpt.store import Store
 
-from conftest import assert_bit_equal, small_state, zeros_like_state
+from conftest import assert_bit_equal, save_forged, small_state, zeros_like_state
 
 ALL_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int16, torch.int32,
               torch.int64, torch.uint8, torch.bool]
@@ -58,7 +58,7 @@ def test_nested_state_many_shards_counters_and_metadata_come_back(saved):
 
 def test_nan_in_saved_state_is_refused_and_destination_untouched(store_dir):
     state = {"a": torch.ones(4), "b": torch.tensor([1.0, float("nan"), 2.0])}
-    root = alpha_ckpt.save(state, store=store_dir, run="r", step="s", update=1, cursor=0, epoch=0)
+    root = save_forged(state, store_dir)
     out = {"a": torch.full((4,), 7.0), "b": torch.full((3,), 7.0)}
     with pytest.raises(Refusal) as info:
         alpha_ckpt.load(out, store=store_dir, digest=root)
@@ -68,8 +68,7 @@ def test_nan_in_saved_state_is_refused_and_destination_untouched(store_dir):
 
 @pytest.mark.parametrize("value", [float("inf"), float("-inf")])
 def test_infinite_values_are_refused(store_dir, value):
-    root = alpha_ckpt.save({"a": torch.tensor([0.0, value], dtype=torch.bfloat16)}, store=store_dir, run="r",
-                           step="s", update=1, cursor=0, epoch=0)
+    root = save_forged({"a": torch.tensor([0.0, value], dtype=torch.bfloat16)}, store_dir)
     with pytest.raises(Refusal) as info:
         alpha_ckpt.verify(store_dir, root)
     assert info.value.code == RefusalCode.NON_FINITE
@@ -191,8 +190,7 @@ def test_non_finite_word_is_located_across_read_chunks(store_dir, compression):
     # 20 MiB: more than one 16 MiB read-ahead chunk, read by two streams.
     big = torch.zeros(5 << 20)
     big[4_500_000] = float("inf")
-    root = alpha_ckpt.save({"big": big}, store=store_dir, run="r", step="s", update=0, cursor=0, epoch=0,
-                           compression=compression)
+    root = save_forged({"big": big}, store_dir, update=0, compression=compression)
     with pytest.raises(Refusal) as info:
         alpha_ckpt.verify(store_dir, root)
     assert info.value.code == RefusalCode.NON_FINITE and "word 4500000 is inf" in info.value.message

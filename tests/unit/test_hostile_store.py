@@ -14,6 +14,7 @@ from alpha_ckpt.planner import WantedSlice
 from alpha_ckpt.restore import open_generation, restore_slices, validate_object_bytes
 from alpha_ckpt.writer import write_manifest
 from alpha_ckpt.store import Store
+from conftest import save_forged
 
 
 def test_manifest_record_naming_an_undeclared_region_is_coverage(saved):
@@ -130,7 +131,7 @@ def test_an_existing_directory_is_fsynced_again(tmp_path, monkeypatch):
 def test_a_refusal_in_the_first_slice_of_many_ends_the_restore(store_dir):
     state = {f"t{i}": torch.randn(1 << 18) for i in range(24)}
     state["t0"][5] = float("nan")
-    root = alpha_ckpt.save(state, store=store_dir, run="r", step="s", update=0, cursor=0, epoch=0)
+    root = save_forged(state, store_dir, update=0)
     with pytest.raises(Refusal) as info:
         alpha_ckpt.load({k: torch.zeros_like(v) for k, v in state.items()}, store=store_dir, digest=root)
     assert info.value.code == RefusalCode.NON_FINITE and "word 5 " in info.value.message
