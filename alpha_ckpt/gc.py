@@ -5,10 +5,15 @@
 What stays:
 
 - **Retention**: of every run/step, the ``keep`` newest *complete*
-  generations (manifests readable, every object they name present; checking
-  every byte is ``verify``'s job) and every generation newer than those. At
-  least two are kept, so the previous complete generation survives a failed
-  publish. By default every generation is kept.
+  generations and every generation newer than those. Complete is the one
+  definition ``latest`` and ``--resume latest`` use too
+  (:func:`alpha_ckpt.restore.check_complete`: the ref reads back intact and
+  every object validates fully, NaN/inf included), so gc never removes the
+  newest generation that validates. gc remembers what it validated in
+  ``STORE/verified/`` (:mod:`alpha_ckpt.complete`) and re-hashes a generation
+  only when one of its object files changed. At least two are kept, so the
+  previous complete generation survives a failed publish. By default every
+  generation is kept (and nothing is hashed).
 - **Pins** (:mod:`alpha_ckpt.pins`): a pinned generation stays whatever the
   retention, and does not count toward ``keep``.
 - **Completed steps** (``completed_steps``, off by default): once a run/step's
@@ -53,6 +58,7 @@ from . import durable
 from .errors import Refusal, StoreUsageError
 from .format import is_digest
 from .leases import CLOCK_SLACK_S, PENDING_DIR, STALE_AFTER_S, lease_is_stale, read_leases, writer_alive
+from .complete import VERIFIED_DIR, remembered_check_complete, remembered_roots
 from .pins import pinned_roots
 from .restore import open_generation
 from .store import RefRecord, Store
@@ -73,6 +79,8 @@ class GcPlan:
     pinned: int = 0
     live_leases: int = 0
     completed: list[str] = field(default_factory=list)        # run/step whose checkpoints completion discards
+    records: list[str] = field(default_factory=list)          # verified/ records of generations no longer kept
+    validated: int = 0                                        # generations whose bytes this gc hashed
     unreadable: list[str] = field(default_factory=list)       # kept roots whose manifests could not be read
     protect_before: float = 0.0                               # what was modified at or after this is spared
 
@@ -80,7 +88,8 @@ class GcPlan:
         return {"refs": [f"{r.run}/{r.step}/{r.generation}" for r in self.refs], "objects": len(self.objects),
                 "tmp": len(self.tmp), "stale_leases": len(self.leases), "kept_generations": self.kept_generations,
                 "reachable": self.reachable, "pinned": self.pinned, "live_leases": self.live_leases,
-                "completed_steps": self.completed, "unreadable": self.unreadable}
+                "completed_steps": self.completed, "unreadable": self.unreadable,
+                "validated": self.validated, "stale_records": len(self.records)}
 
 
 def _mtime(path: str) -> float:
@@ -166,6 +175,11 @@ def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRA
             reaches[root] = _reach(store, root, record)
         return reaches[root]
 
+    def is_complete(record: RefRecord) -> bool:
+        refusal, hashed = remembered_check_complete(store, record)
+        plan.validated += hashed
+        return refusal is None
+
     kept: list[RefRecord] = []
     for run, step in store.runs():
         records = [r for r in store.list_refs(run, step) if isinstance(r, RefRecord)]
@@ -188,8 +202,8 @@ def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRA
                 dropped.append(record)
             else:
                 kept.append(record)
-                reached = reach(record.root, record)
-                complete += not isinstance(reached, Refusal) and reached[1]
+                if keep is not None:
+                    complete += is_complete(record)
         plan.refs += sorted(dropped, key=lambda r: r.generation)
     plan.kept_generations = len(kept)
 
@@ -203,6 +217,8 @@ def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRA
         else:
             reachable |= reached[0]
     plan.reachable = len(reachable)
+    if not dropped_objects_only:
+        plan.records = [r for r in remembered_roots(store) if r not in kept_roots and r not in pins]
     candidates: Iterable[str] = store.iter_objects()
     if dropped_objects_only:
         plan.leases = []
@@ -320,6 +336,8 @@ def apply_gc(store: Store, plan: GcPlan) -> None:
         os.close(objects_fd)
         os.close(tmp_fd)
     _remove(os.path.join(store.root, "tmp"), plan.tmp)
+    if plan.records:
+        _remove(os.path.join(store.root, VERIFIED_DIR), plan.records)
     _remove(os.path.join(store.root, PENDING_DIR), plan.leases)
 
 

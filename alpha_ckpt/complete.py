@@ -1,0 +1,140 @@
+"""Which generations are complete, as gc's retention sees them, remembered so gc need not re-hash each run.
+
+The definition is :func:`alpha_ckpt.restore.check_complete` (ref intact, every
+object validates fully), the same one ``latest`` and ``--resume latest`` use.
+Retention counts only complete generations, so gc never removes the newest
+generation that validates.
+
+Validating a generation reads and hashes every byte of it. So that gc does
+not do that on every run, it writes what it validated to
+``STORE/verified/<root>``: one canonical JSON line and its BLAKE3 (like a ref)::
+
+    {"kind": "verified", "root": ROOT, "verified_at": T,
+     "objects": {DIGEST: [st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns], ...}}
+
+The identity of each object file is taken before its bytes are checked. A
+later gc trusts the record only while every object it lists has the same
+identity (lstat): a write into an object, a replacement, a chmod, or a
+renewal of its time (a publish reusing it, a pin) changes its mtime or ctime,
+and the generation is validated again. What a record cannot see is bytes that
+change without the file's metadata changing (media bit rot): ``verify`` and
+every restore still check every byte they read. A record is a cache: losing
+it costs one validation, and gc removes the records of generations it no
+longer keeps.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import time
+
+from . import durable
+from .errors import Refusal
+from .format import canonical_json, digest_bytes, is_digest, parse_canonical_json
+from .restore import check_payloads, open_generation
+from .store import RefRecord, Store, write_all
+
+VERIFIED_DIR = "verified"
+MAX_RECORD_BYTES = 64 << 20
+_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+
+
+def _identity(store: Store, digest: str) -> list[int] | None:
+    try:
+        st = os.stat(store.object_path(digest), follow_symlinks=False)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _read_record(store: Store, root: str) -> dict | None:
+    """The record gc wrote for ``root``, or None (absent, hostile or damaged: validate again)."""
+    try:
+        fd = os.open(os.path.join(store.root, VERIFIED_DIR, root), _FLAGS)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_RECORD_BYTES:
+            return None
+        data = os.pread(fd, st.st_size, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    lines = data.split(b"\n")
+    if len(lines) != 3 or lines[2] != b"" or digest_bytes(lines[0]).encode("ascii") != lines[1]:
+        return None
+    try:
+        obj = parse_canonical_json(lines[0], f"verified/{root}")
+    except Refusal:
+        return None
+    if not isinstance(obj, dict) or obj.get("kind") != "verified" or obj.get("root") != root \
+            or not isinstance(obj.get("objects"), dict):
+        return None
+    return obj
+
+
+def _still_valid(store: Store, record: dict) -> bool:
+    objects = record["objects"]
+    return bool(objects) and all(is_digest(d) and _identity(store, d) == ident for d, ident in objects.items())
+
+
+def _remember(store: Store, root: str, identities: dict[str, list[int]]) -> None:
+    """Write the record (best effort: a record that cannot be written only costs a later validation)."""
+    body = canonical_json({"kind": "verified", "root": root, "verified_at": time.time(), "objects": identities})
+    data = body + b"\n" + digest_bytes(body).encode("ascii") + b"\n"
+    try:
+        root_fd = os.open(store.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            dir_fd = durable.make_dir_durable(root_fd, VERIFIED_DIR)
+            tmp_fd = os.open("tmp", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root_fd)
+        finally:
+            os.close(root_fd)
+        try:
+            try:
+                os.unlink(root, dir_fd=dir_fd)  # an outdated record: replaced, never trusted again
+            except FileNotFoundError:
+                pass
+            durable.durable_commit(tmp_dir=tmp_fd, dest_dir=dir_fd, write=lambda fd: write_all(fd, data),
+                                   name=root, kind="verified")
+        finally:
+            os.close(tmp_fd)
+            os.close(dir_fd)
+    except (OSError, FileExistsError):
+        pass
+
+
+def remembered_check_complete(store: Store, record: RefRecord) -> tuple[Refusal | None, bool]:
+    """:func:`alpha_ckpt.restore.check_complete`, skipped while gc's record of it still holds.
+
+    Returns (why it is not complete or None, whether its bytes were hashed now).
+    """
+    remembered = _read_record(store, record.root)
+    if remembered is not None and _still_valid(store, remembered):
+        return None, False
+    try:
+        with open_generation(store, record.root, record) as generation:
+            digests = {m.digest for m in generation.manifests} | {s.digest for m in generation.manifests
+                                                                   for s in m.shards}
+            identities = {d: _identity(store, d) for d in sorted(digests)}  # before the bytes are checked
+            check_payloads(generation)
+    except Refusal as refusal:
+        return refusal, True
+    if all(ident is not None for ident in identities.values()):
+        _remember(store, record.root, identities)
+    return None, True
+
+
+def remembered_roots(store: Store) -> list[str]:
+    """The roots gc holds a record for (plain digest names only)."""
+    try:
+        names = os.listdir(os.path.join(store.root, VERIFIED_DIR))
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            return []
+        raise
+    return sorted(n for n in names if is_digest(n))
