@@ -9,7 +9,6 @@ them trains. Exit codes: 0 done, 3 refused, 75 retryable failure, 2 usage.
 """
 from __future__ import annotations
 
-import argparse
 import io
 import datetime
 import json
@@ -26,10 +25,10 @@ import torch.distributed as dist
 from . import durable
 from .async_save import AsyncSaver, SaveHandle
 from .progress import emit, format_bytes, is_tty
-from .interval import IntervalPlan, check_schedule_args, parse_duration, young_daly
+from .interval import IntervalPlan, parse_duration, young_daly
 from .errors import DurableWriteError, PublishFailed, Refusal, RefusalCode
 from .format import DTYPES, CapturePrefix, canonical_json
-from .learner.config import JobConfig, load_config
+from .learner.config import JobConfig
 from .learner.data import shares
 from .learner.digest import state_digest
 from .learner.model import (
@@ -45,6 +44,7 @@ from .device import check_devices, current_device
 from .gc import discard_completed_step
 from .restore import PreparedRestore, latest_generation, open_generation
 from .store import RefRecord, Store, write_all
+from .usage import OneLineArgumentParser, UsageError, check_job_args
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_RETRY = 0, 2, 3, 75
 KILL_ENV = "ALPHA_CKPT_KILL_OWNER"
@@ -75,7 +75,7 @@ def compute_device(backend: str) -> torch.device:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="alpha_ckpt.worker", description=__doc__.splitlines()[0])
+    p = OneLineArgumentParser(prog="alpha_ckpt.worker", description=__doc__.splitlines()[0])
     p.add_argument("config")
     p.add_argument("--store", default="./alpha-store")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -94,7 +94,7 @@ def parse_args(argv):
     p.add_argument("--fanout", type=int, default=8, help="tree publisher: children per owner at most")
     p.add_argument("--commit-timeout", type=float, default=60.0,
                    help="tree publisher: seconds a parent waits for its children's commitments")
-    p.add_argument("--backend")
+    p.add_argument("--backend", choices=["gloo", "nccl"])
     p.add_argument("--timeout", type=float, default=120.0, help="process-group timeout, seconds")
     return p.parse_args(argv)
 
@@ -601,13 +601,12 @@ class CheckpointSchedule:
 
 
 def run_owner(args) -> int:
-    config = load_config(args.config, args.set)
-    problem = check_schedule_args(args)
-    if problem:
-        say(f"alpha-run: {problem}")
-        return EXIT_USAGE
-    if args.fanout < 1 or args.commit_timeout <= 0:
-        say("alpha-run: --fanout must be at least 1 and --commit-timeout positive")
+    try:
+        # The checks alpha-run made before starting us; under plain torchrun they are new.
+        config = check_job_args(args, args.set)
+    except UsageError as exc:
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # one line per node, not one per owner
+            say(f"alpha-run: {exc}")
         return EXIT_USAGE
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     device = compute_device(backend)
