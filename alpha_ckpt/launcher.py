@@ -9,7 +9,7 @@ which sets the same worker environment (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT, ...) and does the rendezvous. Each owner runs
 `python -m alpha_ckpt.worker`, which also runs under plain torchrun.
 
-Every flag, config key and value and run name is
+Every flag, config key and value, run name and the store's writability are
 checked here, in one process, before any owner starts: a usage error is one
 line on stderr and exit 2.
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 
-from .usage import OneLineArgumentParser, UsageError, check_job_args
+from .usage import OneLineArgumentParser, UsageError, check_job_args, check_store_writable
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_RETRY, EXIT_INTERRUPTED = 0, 2, 3, 75, 130
 
@@ -146,6 +146,7 @@ def main(argv=None) -> int:
     try:
         check_launch_args(args)
         check_job_args(args, config_overrides(args))
+        check_store_writable(args.store)
     except UsageError as exc:
         print(f"alpha-run: {exc}", file=sys.stderr)
         return EXIT_USAGE

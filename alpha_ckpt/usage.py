@@ -1,7 +1,8 @@
 """A job's usage errors, found before any owner starts: one check shared by alpha-run and every owner.
 
-alpha-run runs :func:`check_job_args` in its one process, so a bad flag,
-config key or value or run name is one line and exit 2 instead of a traceback from every owner (or a whole interval
+alpha-run runs :func:`check_job_args` and :func:`check_store_writable` in its
+one process, so a bad flag, config key or value, run name or store is one line
+and exit 2 instead of a traceback from every owner (or a whole interval
 trained before a publish fails). Each owner runs the same checks, so the
 worker under plain torchrun answers the same way.
 """
@@ -9,11 +10,15 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import secrets
 import tomllib
 
+from .errors import DurableWriteError, Refusal, StoreUsageError
 from .format import is_digest
 from .interval import check_schedule_args
 from .learner.config import JobConfig, load_config
+from .store import Store
 
 EXIT_USAGE = 2
 # Longer waits are no job's intent, and the derived waits (a tree's parent waits one
@@ -70,3 +75,30 @@ def check_job_args(args, overrides: list[str]) -> JobConfig:
     except (ValueError, TypeError) as exc:
         raise UsageError(exc) from None
 
+
+def check_store_writable(path: str) -> None:
+    """Create and remove a file in STORE/tmp, where every publish starts; :class:`UsageError` if that fails.
+
+    A real write, not a look at permission bits: root writes through those, a
+    read-only mount refuses even root. The file is named like a live
+    publisher's temporary file (``PID-RANDOM.tmp``), so a gc meanwhile leaves it.
+    """
+    try:
+        with Store(path) as store:  # creates the store's directories, as the owners would
+            tmp_fd = os.open(os.path.join(store.root, "tmp"),
+                             os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                name = f"{os.getpid()}-{secrets.token_hex(8)}.tmp"
+                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444,
+                             dir_fd=tmp_fd)
+                try:
+                    os.write(fd, b"probe")
+                finally:
+                    os.close(fd)
+                    os.unlink(name, dir_fd=tmp_fd)
+            finally:
+                os.close(tmp_fd)
+    except OSError as exc:
+        raise UsageError(f"store {path} is not writable: {exc.strerror or exc}") from None
+    except (DurableWriteError, StoreUsageError, Refusal) as exc:
+        raise UsageError(f"store {path} is not writable: {exc}") from None

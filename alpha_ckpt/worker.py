@@ -44,7 +44,7 @@ from .device import check_devices, current_device
 from .gc import discard_completed_step
 from .restore import PreparedRestore, latest_generation, open_generation
 from .store import RefRecord, Store, write_all
-from .usage import OneLineArgumentParser, UsageError, check_job_args
+from .usage import OneLineArgumentParser, UsageError, check_job_args, check_store_writable
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_RETRY = 0, 2, 3, 75
 KILL_ENV = "ALPHA_CKPT_KILL_OWNER"
@@ -604,6 +604,7 @@ def run_owner(args) -> int:
     try:
         # The checks alpha-run made before starting us; under plain torchrun they are new.
         config = check_job_args(args, args.set)
+        check_store_writable(args.store)
     except UsageError as exc:
         if os.environ.get("LOCAL_RANK", "0") == "0":  # one line per node, not one per owner
             say(f"alpha-run: {exc}")

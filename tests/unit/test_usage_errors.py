@@ -4,6 +4,7 @@ alpha-run's checks run in its one process, so most cases call ``launcher.main``
 in-process with torch's launcher stubbed out: an owner started is a failure.
 The worker runs the same checks (under plain torchrun there is no alpha-run).
 """
+import errno
 import os
 import subprocess
 import sys
@@ -160,3 +161,23 @@ def test_a_worker_process_started_as_torchrun_would_exits_2_with_one_line(tmp_pa
                            "--updates", "3", "--set", "lr=abc"], capture_output=True, text=True, timeout=60, env=env)
     assert_one_line_usage_error(proc.returncode, proc.stderr)
 
+
+def test_alpha_run_refuses_a_read_only_store_before_any_owner_starts(tmp_path, capsys, monkeypatch,
+                                                                      no_owner_may_start):
+    """In-process: the store's file system answers EROFS to every file created (see the e2e test for a real mount)."""
+    from alpha_ckpt import Store, launcher
+    store = tmp_path / "store"
+    Store(store).close()
+    real_open = os.open
+
+    def read_only_open(path, flags, *args, **kwargs):
+        if flags & os.O_CREAT:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only_open)
+    for resume in (["--resume", "latest"], ["--resume-from", "a" * 64], []):
+        code = exit_code_of(launcher.main, ["--store", str(store), "--updates", "3", *resume, CONFIG])
+        err = capsys.readouterr().err
+        assert_one_line_usage_error(code, err)
+        assert str(store) in err
