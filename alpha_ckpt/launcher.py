@@ -11,15 +11,18 @@ MASTER_ADDR, MASTER_PORT, ...) and does the rendezvous. Each owner runs
 
 Every flag, config key and value, run name and the store's writability are
 checked here, in one process, before any owner starts: a usage error is one
-line on stderr and exit 2.
+line on stderr and exit 2. The owners die with this process, however it dies
+(see alpha_ckpt/lifeline.py).
 
 Exit codes: 0 done, 3 checkpoint refused, 75 retryable failure (an owner
 died, a publish failed), 2 usage error, 130 interrupted.
 """
 from __future__ import annotations
 
+import os
 import sys
 
+from .lifeline import LAUNCHER_PID_ENV
 from .usage import OneLineArgumentParser, UsageError, check_job_args, check_store_writable
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_RETRY, EXIT_INTERRUPTED = 0, 2, 3, 75, 130
@@ -153,6 +156,10 @@ def main(argv=None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
+    # Each owner binds its life to this process (alpha_ckpt/lifeline.py); torch copies
+    # this environment into every owner it starts, restarts included.
+    named_before = os.environ.get(LAUNCHER_PID_ENV)
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     try:
         run(get_args_parser().parse_args(torchrun_argv(args)))
     except ChildFailedError as exc:
@@ -168,6 +175,11 @@ def main(argv=None) -> int:
         return EXIT_INTERRUPTED
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    finally:
+        if named_before is None:
+            os.environ.pop(LAUNCHER_PID_ENV, None)
+        else:
+            os.environ[LAUNCHER_PID_ENV] = named_before
     return EXIT_OK
 
 

@@ -45,6 +45,7 @@ from .gc import discard_completed_step
 from .restore import PreparedRestore, latest_generation, open_generation
 from .store import RefRecord, Store, write_all
 from .usage import OneLineArgumentParser, UsageError, check_job_args, check_store_writable
+from . import lifeline
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_RETRY = 0, 2, 3, 75
 KILL_ENV = "ALPHA_CKPT_KILL_OWNER"
@@ -681,6 +682,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    # Under alpha-run the owner bound its life to the launcher on its first import
+    # (alpha_ckpt/lifeline.py); under plain torchrun it binds to the agent now.
+    lifeline.bind_to_parent()
     exit_code = main()
     sys.stdout.flush()
     sys.stderr.flush()
