@@ -498,29 +498,67 @@ class Owner:
         raise Refusal(verdict["code"], verdict["message"])
 
     def publish_output(self) -> str:
-        """Owner 0 publishes the fitted model once, atomically (safetensors), as the step's declared output."""
-        from safetensors.torch import save as safetensors_save
-        data = safetensors_save({n: p.detach().cpu().contiguous() for n, p in self.state.params.items()},
-                                metadata={"run": self.config.run, "step": self.config.step,
-                                          "update": str(self.state.update)})
+        """Owner 0 publishes the fitted model once, atomically (safetensors), as the step's declared output.
+
+        The name is the BLAKE3 of canonical bytes, so the same model always has
+        the same name: one that is there already is not written again.
+        """
+        data = canonical_safetensors({n: p.detach().cpu().contiguous() for n, p in self.state.params.items()},
+                                     {"run": self.config.run, "step": self.config.step,
+                                      "update": str(self.state.update)})
+        name = output_name(data)
         root_fd = os.open(self.store.root, os.O_RDONLY | os.O_DIRECTORY)
         try:
             out_fd = durable.make_dir_durable(root_fd, "outputs")
             run_fd = durable.make_dir_durable(out_fd, self.config.run)
             step_fd = durable.make_dir_durable(run_fd, self.config.step)
             tmp_fd = os.open("tmp", os.O_RDONLY | os.O_DIRECTORY, dir_fd=root_fd)
-            name = f"model-{blake3.blake3(data).hexdigest()[:16]}.safetensors"
             try:
-                durable.durable_commit(tmp_dir=tmp_fd, dest_dir=step_fd, write=lambda fd: write_all(fd, data),
-                                       name=name, kind="output")
+                if not _exists(step_fd, name):
+                    durable.durable_commit(tmp_dir=tmp_fd, dest_dir=step_fd, write=lambda fd: write_all(fd, data),
+                                           name=name, kind="output")
             except FileExistsError:
-                pass  # the same bytes were published before: same name, same content
+                pass  # published meanwhile: same name, same content
             finally:
                 for fd in (tmp_fd, step_fd, run_fd, out_fd):
                     os.close(fd)
         finally:
             os.close(root_fd)
-        return os.path.join(self.store.root, "outputs", self.config.run, self.config.step, name)
+        # Absolute: the line is read by whoever ran the job, maybe from another directory.
+        return os.path.abspath(os.path.join(self.store.root, "outputs", self.config.run, self.config.step, name))
+
+
+def _exists(dir_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def canonical_safetensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """safetensors bytes that depend only on the tensors and the metadata.
+
+    safetensors writes its ``__metadata__`` map in hash-map order, which
+    differs from one call to the next; the header is written again with that
+    map's keys sorted. The rest of the header (tensor entries in safetensors'
+    own order, compact JSON, padded with spaces to 8 bytes) and the data bytes
+    are safetensors' own, so readers see the same file.
+    """
+    from safetensors.torch import save as safetensors_save
+    data = safetensors_save(tensors, metadata=metadata)
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    if "__metadata__" in header:
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + data[8 + size:]
+
+
+def output_name(data: bytes) -> str:
+    """The published output's file name: a BLAKE3 prefix of its canonical bytes."""
+    return f"model-{blake3.blake3(data).hexdigest()[:16]}.safetensors"
 
 
 def say(line: str) -> None:
