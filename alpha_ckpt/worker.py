@@ -639,6 +639,12 @@ class CheckpointSchedule:
             self.next_due = owner.state.update + decision["every"]
 
 
+def generation_epoch(store: Store, root: str) -> int:
+    """The membership epoch a published generation was saved in (its root manifest's prefix)."""
+    with open_generation(store, root, role=0, wanted=[]) as generation:
+        return generation.manifest.prefix.epoch
+
+
 def run_owner(args) -> int:
     try:
         # The checks alpha-run made before starting us; under plain torchrun they are new.
@@ -660,9 +666,15 @@ def run_owner(args) -> int:
     owner = Owner(config, store, device, publisher=args.publisher, fanout=args.fanout,
                   commit_timeout=args.commit_timeout, save=args.save, in_flight=args.in_flight)
     try:
+        reached = None  # the resumed generation, when it is at --updates already: nothing to train or save
         if args.resume_from or args.resume or args.branch_from:
             owner.resume(args.resume_from or args.branch_from, latest=args.resume == "latest",
                          branch=args.branch_from is not None)
+            if owner.state.update >= args.updates:
+                reached = owner.last_generation
+                if owner.rank == 0:
+                    say(f"alpha-run: generation {reached} is at update {owner.state.update} already "
+                        f"(--updates {args.updates}): nothing to train")
         schedule = CheckpointSchedule(args)
         kill_at = os.environ.get(KILL_ENV)  # test hook: "RANK:UPDATE" SIGKILLs that owner after that update
         while owner.state.update < args.updates:
@@ -691,9 +703,11 @@ def run_owner(args) -> int:
             emit_event("checkpoints_discarded", run=config.run, step=config.step, generations=len(plan.refs),
                        objects=len(plan.objects), pinned=plan.pinned)
         if owner.rank == 0:
+            # Nothing ran in a new epoch when the generation was reached already: the line describes that one.
+            epoch = owner.epoch if reached is None else generation_epoch(store, reached)
             print(json.dumps({"state_digest": state_digest(tensors, owner.state.update, owner.state.cursor),
                               "last_generation": owner.last_generation, "update": owner.state.update,
-                              "cursor": owner.state.cursor, "epoch": owner.epoch, "owners": owner.world,
+                              "cursor": owner.state.cursor, "epoch": epoch, "owners": owner.world,
                               "output": output}), flush=True)
         dist.barrier()
         return EXIT_OK
