@@ -17,6 +17,12 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
+# First, before torch (seconds to import): an owner started by alpha-run binds its
+# life to the launcher's, so a launcher killed meanwhile leaves no owner running.
+from .lifeline import bind_to_named_launcher
+
+bind_to_named_launcher()
+
 from .async_save import AsyncSaver, SaveHandle
 from .errors import DurableWriteError, PublishConflict, Refusal, RefusalCode
 from .format import CapturePrefix

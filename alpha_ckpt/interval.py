@@ -71,7 +71,7 @@ def check_schedule_args(args) -> str | None:
     """The usage error in --checkpoint-every / --mtbf / --checkpoint-cost, or None."""
     every = str(args.checkpoint_every)
     if every != "auto":
-        if not every.isdigit():
+        if not (every.isascii() and every.isdigit()):
             return f"--checkpoint-every takes a number of updates or 'auto', not {every!r}"
         if args.mtbf is not None or args.checkpoint_cost is not None:
             return "--mtbf and --checkpoint-cost go with --checkpoint-every auto"

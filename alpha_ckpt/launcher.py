@@ -9,13 +9,21 @@ which sets the same worker environment (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT, ...) and does the rendezvous. Each owner runs
 `python -m alpha_ckpt.worker`, which also runs under plain torchrun.
 
+Every flag, config key and value, run name and the store's writability are
+checked here, in one process, before any owner starts: a usage error is one
+line on stderr and exit 2. The owners die with this process, however it dies
+(see alpha_ckpt/lifeline.py).
+
 Exit codes: 0 done, 3 checkpoint refused, 75 retryable failure (an owner
 died, a publish failed), 2 usage error, 130 interrupted.
 """
 from __future__ import annotations
 
-import argparse
+import os
 import sys
+
+from .lifeline import LAUNCHER_PID_ENV
+from .usage import OneLineArgumentParser, UsageError, check_job_args, check_store_writable
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_RETRY, EXIT_INTERRUPTED = 0, 2, 3, 75, 130
 
@@ -32,14 +40,14 @@ _TORCHRUN_FLAGS = (
 )
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="alpha-run", description="Launch the owners of an alpha_ckpt job (torchrun-compatible).")
+def parser() -> OneLineArgumentParser:
+    p = OneLineArgumentParser(prog="alpha-run", description="Launch the owners of an alpha_ckpt job (torchrun-compatible).")
     p.add_argument("config", help="job config (TOML), e.g. configs/forecast.toml")
     p.add_argument("--nproc-per-node", "--nproc_per_node", "--nproc", dest="nproc", type=int, default=1)
     for flag, kwargs in _TORCHRUN_FLAGS:
         p.add_argument(flag, flag.replace("-", "_").replace("__", "--", 1), **kwargs)
     p.add_argument("--standalone", action="store_true")
-    p.add_argument("--backend", help="gloo or nccl (default: nccl when CUDA is present)")
+    p.add_argument("--backend", choices=["gloo", "nccl"], help="gloo or nccl (default: nccl when CUDA is present)")
     p.add_argument("--store", default="./alpha-store", help="store directory (default ./alpha-store)")
     p.add_argument("--run", help="run name (overrides the config)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
@@ -91,7 +99,7 @@ def torchrun_argv(args) -> list[str]:
     # an ambiguous prefix of torchrun's --run-path when torchrun parses the command.
     if args.discard_checkpoints:
         worker.append("--discard-checkpoints")
-    for item in args.set + ([f"run={args.run}"] if args.run else []):
+    for item in config_overrides(args):
         worker += ["--set", item]
     for flag in ("resume_from", "resume", "branch_from", "backend", "mtbf", "checkpoint_cost"):
         value = getattr(args, flag)
@@ -100,28 +108,58 @@ def torchrun_argv(args) -> list[str]:
     return out + ["-m", "alpha_ckpt.worker"] + worker
 
 
+def config_overrides(args) -> list[str]:
+    # The run name travels as a config override (see torchrun_argv).
+    return args.set + ([f"run={args.run}"] if args.run else [])
+
+
+def check_launch_args(args) -> None:
+    """torchrun's own flags, by torch's own parsers; :class:`UsageError` for the first bad one."""
+    from torch.distributed.elastic.rendezvous import registry
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+    from torch.distributed.run import parse_min_max_nnodes
+    if args.nproc < 1:
+        raise UsageError(f"--nproc-per-node must be at least 1, not {args.nproc}")
+    try:
+        min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
+    except (ValueError, RuntimeError):
+        raise UsageError(f"--nnodes takes N or MIN:MAX, not {args.nnodes!r}") from None
+    if not 0 < min_nodes <= max_nodes:
+        raise UsageError(f"--nnodes {args.nnodes}: need 0 < MIN <= MAX")
+    if not 0 <= args.node_rank < max_nodes:
+        raise UsageError(f"--node-rank must be in [0, {max_nodes}), not {args.node_rank}")
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts must not be negative, not {args.max_restarts}")
+    if args.master_port is not None and not 0 < args.master_port < 65536:
+        raise UsageError(f"--master-port must be in [1, 65535], not {args.master_port}")
+    if args.rdzv_endpoint is not None:
+        try:
+            parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
+        except ValueError as exc:
+            raise UsageError(f"--rdzv-endpoint {args.rdzv_endpoint!r}: {exc}") from None
+    known = getattr(registry.handler_registry, "_registry", None)  # torch's and plugins' backends
+    if args.rdzv_backend is not None and known is not None and args.rdzv_backend not in known:
+        raise UsageError(f"--rdzv-backend must be one of {', '.join(sorted(known))}, not {args.rdzv_backend!r}")
+    if args.branch_from is not None and args.run is None:
+        raise UsageError("--branch-from needs --run NEW_RUN")
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    if args.fanout < 1 or args.commit_timeout <= 0:
-        print("alpha-run: --fanout must be at least 1 and --commit-timeout positive", file=sys.stderr)
-        return EXIT_USAGE
-    from .format import is_digest
-    from .interval import check_schedule_args
-    problem = check_schedule_args(args)
-    if problem:
-        print(f"alpha-run: {problem}", file=sys.stderr)
-        return EXIT_USAGE
-    for flag in ("resume_from", "branch_from"):
-        value = getattr(args, flag)
-        if value is not None and not is_digest(value):
-            print(f"alpha-run: --{flag.replace('_', '-')} needs a full 64-hex root digest, got {value!r}", file=sys.stderr)
-            return EXIT_USAGE
-    if args.branch_from is not None and args.run is None:
-        print("alpha-run: --branch-from needs --run NEW_RUN", file=sys.stderr)
+    try:
+        check_launch_args(args)
+        check_job_args(args, config_overrides(args))
+        check_store_writable(args.store)
+    except UsageError as exc:
+        print(f"alpha-run: {exc}", file=sys.stderr)
         return EXIT_USAGE
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
+    # Each owner binds its life to this process (alpha_ckpt/lifeline.py); torch copies
+    # this environment into every owner it starts, restarts included.
+    named_before = os.environ.get(LAUNCHER_PID_ENV)
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     try:
         run(get_args_parser().parse_args(torchrun_argv(args)))
     except ChildFailedError as exc:
@@ -137,6 +175,11 @@ def main(argv=None) -> int:
         return EXIT_INTERRUPTED
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    finally:
+        if named_before is None:
+            os.environ.pop(LAUNCHER_PID_ENV, None)
+        else:
+            os.environ[LAUNCHER_PID_ENV] = named_before
     return EXIT_OK
 
 

@@ -9,7 +9,6 @@ them trains. Exit codes: 0 done, 3 refused, 75 retryable failure, 2 usage.
 """
 from __future__ import annotations
 
-import argparse
 import io
 import datetime
 import json
@@ -26,10 +25,10 @@ import torch.distributed as dist
 from . import durable
 from .async_save import AsyncSaver, SaveHandle
 from .progress import emit, format_bytes, is_tty
-from .interval import IntervalPlan, check_schedule_args, parse_duration, young_daly
+from .interval import IntervalPlan, parse_duration, young_daly
 from .errors import DurableWriteError, PublishFailed, Refusal, RefusalCode
 from .format import DTYPES, CapturePrefix, canonical_json
-from .learner.config import JobConfig, load_config
+from .learner.config import JobConfig
 from .learner.data import shares
 from .learner.digest import state_digest
 from .learner.model import (
@@ -45,6 +44,8 @@ from .device import check_devices, current_device
 from .gc import discard_completed_step
 from .restore import PreparedRestore, latest_generation, open_generation
 from .store import RefRecord, Store, write_all
+from .usage import OneLineArgumentParser, UsageError, check_job_args, check_store_writable
+from . import lifeline
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_RETRY = 0, 2, 3, 75
 KILL_ENV = "ALPHA_CKPT_KILL_OWNER"
@@ -75,7 +76,7 @@ def compute_device(backend: str) -> torch.device:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="alpha_ckpt.worker", description=__doc__.splitlines()[0])
+    p = OneLineArgumentParser(prog="alpha_ckpt.worker", description=__doc__.splitlines()[0])
     p.add_argument("config")
     p.add_argument("--store", default="./alpha-store")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -94,7 +95,7 @@ def parse_args(argv):
     p.add_argument("--fanout", type=int, default=8, help="tree publisher: children per owner at most")
     p.add_argument("--commit-timeout", type=float, default=60.0,
                    help="tree publisher: seconds a parent waits for its children's commitments")
-    p.add_argument("--backend")
+    p.add_argument("--backend", choices=["gloo", "nccl"])
     p.add_argument("--timeout", type=float, default=120.0, help="process-group timeout, seconds")
     return p.parse_args(argv)
 
@@ -555,29 +556,67 @@ class Owner:
         raise Refusal(verdict["code"], verdict["message"])
 
     def publish_output(self) -> str:
-        """Owner 0 publishes the fitted model once, atomically (safetensors), as the step's declared output."""
-        from safetensors.torch import save as safetensors_save
-        data = safetensors_save({n: p.detach().cpu().contiguous() for n, p in self.state.params.items()},
-                                metadata={"run": self.config.run, "step": self.config.step,
-                                          "update": str(self.state.update)})
+        """Owner 0 publishes the fitted model once, atomically (safetensors), as the step's declared output.
+
+        The name is the BLAKE3 of canonical bytes, so the same model always has
+        the same name: one that is there already is not written again.
+        """
+        data = canonical_safetensors({n: p.detach().cpu().contiguous() for n, p in self.state.params.items()},
+                                     {"run": self.config.run, "step": self.config.step,
+                                      "update": str(self.state.update)})
+        name = output_name(data)
         root_fd = os.open(self.store.root, os.O_RDONLY | os.O_DIRECTORY)
         try:
             out_fd = durable.make_dir_durable(root_fd, "outputs")
             run_fd = durable.make_dir_durable(out_fd, self.config.run)
             step_fd = durable.make_dir_durable(run_fd, self.config.step)
             tmp_fd = os.open("tmp", os.O_RDONLY | os.O_DIRECTORY, dir_fd=root_fd)
-            name = f"model-{blake3.blake3(data).hexdigest()[:16]}.safetensors"
             try:
-                durable.durable_commit(tmp_dir=tmp_fd, dest_dir=step_fd, write=lambda fd: write_all(fd, data),
-                                       name=name, kind="output")
+                if not _exists(step_fd, name):
+                    durable.durable_commit(tmp_dir=tmp_fd, dest_dir=step_fd, write=lambda fd: write_all(fd, data),
+                                           name=name, kind="output")
             except FileExistsError:
-                pass  # the same bytes were published before: same name, same content
+                pass  # published meanwhile: same name, same content
             finally:
                 for fd in (tmp_fd, step_fd, run_fd, out_fd):
                     os.close(fd)
         finally:
             os.close(root_fd)
-        return os.path.join(self.store.root, "outputs", self.config.run, self.config.step, name)
+        # Absolute: the line is read by whoever ran the job, maybe from another directory.
+        return os.path.abspath(os.path.join(self.store.root, "outputs", self.config.run, self.config.step, name))
+
+
+def _exists(dir_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def canonical_safetensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """safetensors bytes that depend only on the tensors and the metadata.
+
+    safetensors writes its ``__metadata__`` map in hash-map order, which
+    differs from one call to the next; the header is written again with that
+    map's keys sorted. The rest of the header (tensor entries in safetensors'
+    own order, compact JSON, padded with spaces to 8 bytes) and the data bytes
+    are safetensors' own, so readers see the same file.
+    """
+    from safetensors.torch import save as safetensors_save
+    data = safetensors_save(tensors, metadata=metadata)
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    if "__metadata__" in header:
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + data[8 + size:]
+
+
+def output_name(data: bytes) -> str:
+    """The published output's file name: a BLAKE3 prefix of its canonical bytes."""
+    return f"model-{blake3.blake3(data).hexdigest()[:16]}.safetensors"
 
 
 def say(line: str) -> None:
@@ -658,14 +697,20 @@ class CheckpointSchedule:
             self.next_due = owner.state.update + decision["every"]
 
 
+def generation_epoch(store: Store, root: str) -> int:
+    """The membership epoch a published generation was saved in (its root manifest's prefix)."""
+    with open_generation(store, root, role=0, wanted=[]) as generation:
+        return generation.manifest.prefix.epoch
+
+
 def run_owner(args) -> int:
-    config = load_config(args.config, args.set)
-    problem = check_schedule_args(args)
-    if problem:
-        say(f"alpha-run: {problem}")
-        return EXIT_USAGE
-    if args.fanout < 1 or args.commit_timeout <= 0:
-        say("alpha-run: --fanout must be at least 1 and --commit-timeout positive")
+    try:
+        # The checks alpha-run made before starting us; under plain torchrun they are new.
+        config = check_job_args(args, args.set)
+        check_store_writable(args.store)
+    except UsageError as exc:
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # one line per node, not one per owner
+            say(f"alpha-run: {exc}")
         return EXIT_USAGE
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     device = compute_device(backend)
@@ -679,9 +724,15 @@ def run_owner(args) -> int:
     owner = Owner(config, store, device, publisher=args.publisher, fanout=args.fanout,
                   commit_timeout=args.commit_timeout, save=args.save, in_flight=args.in_flight)
     try:
+        reached = None  # the resumed generation, when it is at --updates already: nothing to train or save
         if args.resume_from or args.resume or args.branch_from:
             owner.resume(args.resume_from or args.branch_from, latest=args.resume == "latest",
                          branch=args.branch_from is not None)
+            if owner.state.update >= args.updates:
+                reached = owner.last_generation
+                if owner.rank == 0:
+                    say(f"alpha-run: generation {reached} is at update {owner.state.update} already "
+                        f"(--updates {args.updates}): nothing to train")
         else:
             owner.start_fresh()
         schedule = CheckpointSchedule(args)
@@ -712,9 +763,11 @@ def run_owner(args) -> int:
             emit_event("checkpoints_discarded", run=config.run, step=config.step, generations=len(plan.refs),
                        objects=len(plan.objects), pinned=plan.pinned)
         if owner.rank == 0:
+            # Nothing ran in a new epoch when the generation was reached already: the line describes that one.
+            epoch = owner.epoch if reached is None else generation_epoch(store, reached)
             print(json.dumps({"state_digest": state_digest(tensors, owner.state.update, owner.state.cursor),
                               "last_generation": owner.last_generation, "update": owner.state.update,
-                              "cursor": owner.state.cursor, "epoch": owner.epoch, "owners": owner.world,
+                              "cursor": owner.state.cursor, "epoch": epoch, "owners": owner.world,
                               "output": output}), flush=True)
         dist.barrier()
         return EXIT_OK
@@ -741,6 +794,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    # Under alpha-run the owner bound its life to the launcher on its first import
+    # (alpha_ckpt/lifeline.py); under plain torchrun it binds to the agent now.
+    lifeline.bind_to_parent()
     exit_code = main()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass
+
+from ..errors import Refusal
+from ..format import check_name
 
 
 # replicated: every owner holds and updates everything (one copy is checkpointed);
@@ -43,11 +47,27 @@ class JobConfig:
             raise ValueError(f"optimizer must be sgd, momentum or adam, not {self.optimizer!r}")
         if self.parameters not in PARAMETER_MODES:
             raise ValueError(f"parameters must be one of {', '.join(PARAMETER_MODES)}, not {self.parameters!r}")
+        for name in ("run", "step"):  # they name store directories: refused at the first publish otherwise
+            try:
+                check_name(getattr(self, name), name)
+            except Refusal as refusal:
+                raise ValueError(refusal.message) from None
         for name in ("stores", "items", "history_days", "horizon_days", "hidden", "batch"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1")
+                raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
         if self.embedding_rows < 0:
-            raise ValueError("embedding_rows must not be negative")
+            raise ValueError(f"embedding_rows must not be negative, not {self.embedding_rows}")
+        if not 0 <= self.seed < 2 ** 63:
+            raise ValueError(f"seed must be in [0, 2**63), not {self.seed}")
+        # A non-finite rate never reaches a checkpoint: its manifest (canonical JSON) cannot hold it.
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a positive finite number, not {self.lr}")
+        for name in ("momentum", "beta1", "beta2"):  # decay rates, as torch's SGD and Adam require
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in [0, 1), not {getattr(self, name)}")
+        # Adam divides by sqrt(v) + eps, and v is 0 where a gradient was always 0 (a dead unit): 0/0.
+        if not (math.isfinite(self.eps) and self.eps > 0):
+            raise ValueError(f"eps must be a positive finite number, not {self.eps}")
 
     @property
     def samples(self) -> int:
@@ -55,6 +75,9 @@ class JobConfig:
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(JobConfig))
 
 
 def _coerce(name: str, text: str, default):
@@ -78,10 +101,10 @@ def load_config(path: str | None, overrides: list[str] = ()) -> JobConfig:
         key, sep, text = item.partition("=")
         if not sep:
             raise ValueError(f"--set {item!r}: expected KEY=VALUE")
-        if not hasattr(defaults, key):
+        if key not in _FIELDS:  # not hasattr: methods and properties are no config keys
             raise ValueError(f"--set {key}: unknown key")
         values[key] = _coerce(key, text, getattr(defaults, key))
-    unknown = sorted(set(values) - {f.name for f in dataclasses.fields(JobConfig)})
+    unknown = sorted(set(values) - _FIELDS)
     if unknown:
         raise ValueError(f"{path}: unknown keys {unknown}")
     for key, value in values.items():

@@ -1,0 +1,104 @@
+"""A job's usage errors, found before any owner starts: one check shared by alpha-run and every owner.
+
+alpha-run runs :func:`check_job_args` and :func:`check_store_writable` in its
+one process, so a bad flag, config key or value, run name or store is one line
+and exit 2 instead of a traceback from every owner (or a whole interval
+trained before a publish fails). Each owner runs the same checks, so the
+worker under plain torchrun answers the same way.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import secrets
+import tomllib
+
+from .errors import DurableWriteError, Refusal, StoreUsageError
+from .format import is_digest
+from .interval import check_schedule_args
+from .learner.config import JobConfig, load_config
+from .store import Store
+
+EXIT_USAGE = 2
+# Longer waits are no job's intent, and the derived waits (a tree's parent waits one
+# timeout per level) must stay within what timedelta and thread waits accept.
+MAX_TIMEOUT_S = 365 * 86400.0
+
+
+class UsageError(ValueError):
+    """The command must change (exit 2); ``str()`` is one line."""
+
+    def __init__(self, message: object):
+        super().__init__(" ".join(str(message).split()))
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (exit 2), as every other usage error of the job."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
+def _check_seconds(flag: str, value: float) -> None:
+    if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
+        raise UsageError(f"{flag} must be a positive number of seconds, at most {MAX_TIMEOUT_S:.0f}, not {value}")
+
+
+def check_job_args(args, overrides: list[str]) -> JobConfig:
+    """The job's config, or :class:`UsageError` naming the first problem in ``args`` or the config.
+
+    ``args`` carries the flags alpha-run and the worker share; ``overrides``
+    are the ``KEY=VALUE`` config overrides (alpha-run's ``--run`` among them).
+    """
+    if args.updates < 1:
+        raise UsageError(f"--updates must be at least 1 (the committed update count to reach), not {args.updates}")
+    if args.fanout < 1:
+        raise UsageError(f"--fanout must be at least 1, not {args.fanout}")
+    _check_seconds("--commit-timeout", args.commit_timeout)
+    _check_seconds("--timeout", args.timeout)
+    problem = check_schedule_args(args)
+    if problem:
+        raise UsageError(problem)
+    for flag in ("resume_from", "branch_from"):
+        value = getattr(args, flag)
+        if value is not None and not is_digest(value):
+            raise UsageError(f"--{flag.replace('_', '-')} needs a full 64-hex root digest, got {value!r}")
+    if not args.config:
+        raise UsageError("the job config path is empty")
+    try:
+        return load_config(args.config, overrides)
+    except OSError as exc:
+        raise UsageError(f"config {args.config}: {exc.strerror or exc}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"config {args.config} is not TOML: {exc}") from None
+    except (ValueError, TypeError) as exc:
+        raise UsageError(exc) from None
+
+
+def check_store_writable(path: str) -> None:
+    """Create and remove a file in STORE/tmp, where every publish starts; :class:`UsageError` if that fails.
+
+    A real write, not a look at permission bits: root writes through those, a
+    read-only mount refuses even root. The file is named like a live
+    publisher's temporary file (``PID-RANDOM.tmp``), so a gc meanwhile leaves it.
+    """
+    try:
+        with Store(path) as store:  # creates the store's directories, as the owners would
+            tmp_fd = os.open(os.path.join(store.root, "tmp"),
+                             os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                name = f"{os.getpid()}-{secrets.token_hex(8)}.tmp"
+                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444,
+                             dir_fd=tmp_fd)
+                try:
+                    os.write(fd, b"probe")
+                finally:
+                    os.close(fd)
+                    os.unlink(name, dir_fd=tmp_fd)
+            finally:
+                os.close(tmp_fd)
+    except OSError as exc:
+        raise UsageError(f"store {path} is not writable: {exc.strerror or exc}") from None
+    except (DurableWriteError, StoreUsageError, Refusal) as exc:
+        raise UsageError(f"store {path} is not writable: {exc}") from None

@@ -1,0 +1,48 @@
+"""A resume whose generation is at --updates already trains nothing, publishes nothing and exits 0."""
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = str(ROOT / "configs" / "forecast.toml")
+SMALL = ["--set", "batch=24", "--set", "hidden=16"]
+
+
+def alpha_run(cwd, *args):
+    # --store is relative: the output path printed must be absolute all the same.
+    cmd = [sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", "2", "--store", "store", *SMALL, *args, CONFIG]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=cwd, env=env)
+
+
+def final(proc) -> dict:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def tree_hash(path: Path) -> str:
+    h = hashlib.sha256()
+    for d, _, files in sorted(os.walk(path)):
+        for f in sorted(files):
+            p = os.path.join(d, f)
+            h.update(p.encode() + open(p, "rb").read())
+    return h.hexdigest()
+
+
+@pytest.mark.timeout(400)
+def test_a_resume_at_or_past_updates_exits_0_naming_that_generation_without_training_or_publishing(tmp_path):
+    first = final(alpha_run(tmp_path, "--updates", "2", "--checkpoint-every", "2"))
+    assert os.path.isabs(first["output"]) and os.path.isfile(first["output"])
+    store = tmp_path / "store"
+    before = tree_hash(store)
+    for args in (["--updates", "2", "--resume-from", first["last_generation"]], ["--updates", "1", "--resume", "latest"]):
+        again = final(alpha_run(tmp_path, *args))
+        # The same generation and state, reported as they were published: no continuation ran.
+        assert {k: again[k] for k in ("last_generation", "state_digest", "update", "cursor", "epoch", "output")} == \
+            {k: first[k] for k in ("last_generation", "state_digest", "update", "cursor", "epoch", "output")}
+        assert tree_hash(store) == before  # no generation, no output, nothing written

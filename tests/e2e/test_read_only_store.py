@@ -1,0 +1,59 @@
+"""A store that cannot be written is refused before any owner trains: exit 2, one line naming the store."""
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = str(ROOT / "configs" / "forecast.toml")
+SMALL = ["--set", "batch=24", "--set", "hidden=16"]
+
+
+def alpha_run(store, *args, timeout=120):
+    cmd = [sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", "1", "--store", str(store), *SMALL, *args, CONFIG]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def tree_hash(path: Path) -> str:
+    h = hashlib.sha256()
+    for d, _, files in sorted(os.walk(path)):
+        for f in sorted(files):
+            p = os.path.join(d, f)
+            h.update(p.encode() + open(p, "rb").read())
+    return h.hexdigest()
+
+
+@pytest.fixture
+def mount_point(tmp_path):
+    """A tmpfs of our own, to be remounted read-only (root writes through permission bits, not through that)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)], check=True,
+                       capture_output=True, timeout=30)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"cannot mount a tmpfs here: {exc}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
+
+
+@pytest.mark.timeout(300)
+def test_resuming_on_a_read_only_mount_exits_2_before_any_owner_trains(mount_point):
+    store = mount_point / "store"
+    first = alpha_run(store, "--updates", "1", "--checkpoint-every", "1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    root = json.loads(first.stdout.strip().splitlines()[-1])["last_generation"]
+    subprocess.run(["mount", "-o", "remount,ro", str(mount_point)], check=True, capture_output=True, timeout=30)
+    before = tree_hash(store)
+    for resume in (["--resume-from", root], ["--resume", "latest"], []):
+        proc = alpha_run(store, "--updates", "2", *resume, timeout=60)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert len(proc.stderr.splitlines()) == 1 and str(store) in proc.stderr, proc.stderr[-3000:]
+        assert proc.stdout == ""
+    assert tree_hash(store) == before

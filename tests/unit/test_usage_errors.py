@@ -1,0 +1,183 @@
+"""Every usage error of a job is found before any owner starts: exit 2, one line on stderr, no traceback.
+
+alpha-run's checks run in its one process, so most cases call ``launcher.main``
+in-process with torch's launcher stubbed out: an owner started is a failure.
+The worker runs the same checks (under plain torchrun there is no alpha-run).
+"""
+import errno
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = str(ROOT / "configs" / "forecast.toml")
+
+# (id, flags before the config, config path or None for the real one); each flag set must be refused.
+BAD_CONFIG_VALUES = [
+    "bogus=1", "lr=abc", "batch=0", "batch=-3", "stores=0", "items=0", "history_days=0", "horizon_days=0",
+    "hidden=0", "embedding_rows=-1", "lr=0", "lr=-0.1", "lr=nan", "lr=inf", "momentum=1", "momentum=-0.5",
+    "beta1=1", "beta2=1.5", "eps=0", "eps=nan", "seed=-1", "optimizer=rmsprop", "parameters=sharded",
+    "bind_placement=maybe", "run=a/b", "run=..", "step=a/b", "step=", "to_json=1", "samples=4", "noequals",
+]
+CASES = [pytest.param(["--set", item], None, id=f"set-{item}") for item in BAD_CONFIG_VALUES] + [
+    pytest.param(["--run", "a/b"], None, id="run-name-with-slash"),
+    pytest.param(["--run", ".hidden"], None, id="run-name-with-leading-dot"),
+    pytest.param(["--timeout", "-5"], None, id="timeout-negative"),
+    pytest.param(["--timeout", "0"], None, id="timeout-zero"),
+    pytest.param(["--timeout", "inf"], None, id="timeout-inf"),
+    pytest.param(["--timeout", "nan"], None, id="timeout-nan"),
+    pytest.param(["--timeout", "1e300"], None, id="timeout-beyond-timedelta"),
+    pytest.param(["--commit-timeout", "nan"], None, id="commit-timeout-nan"),
+    pytest.param(["--commit-timeout", "inf"], None, id="commit-timeout-inf"),
+    pytest.param(["--commit-timeout", "0"], None, id="commit-timeout-zero"),
+    pytest.param(["--commit-timeout", "-1"], None, id="commit-timeout-negative"),
+    pytest.param(["--updates", "0"], None, id="updates-zero"),
+    pytest.param(["--updates", "-2"], None, id="updates-negative"),
+    pytest.param(["--fanout", "0"], None, id="fanout-zero"),
+    pytest.param(["--checkpoint-every", "-1"], None, id="checkpoint-every-negative"),
+    pytest.param(["--checkpoint-every", "\u00b2"], None, id="checkpoint-every-superscript-digit"),
+    pytest.param(["--checkpoint-every", "auto"], None, id="checkpoint-every-auto-without-mtbf"),
+    pytest.param(["--checkpoint-every", "auto", "--mtbf", "0"], None, id="mtbf-zero"),
+    pytest.param(["--resume-from", "abc"], None, id="resume-from-not-a-digest"),
+    pytest.param(["--backend", "mpi"], None, id="backend-unknown"),
+    pytest.param(["--publisher", "ring"], None, id="publisher-unknown"),
+    pytest.param([], "missing.toml", id="config-missing"),
+    pytest.param([], "not-toml", id="config-not-toml"),
+    pytest.param([], "binary", id="config-binary"),
+    pytest.param([], "directory", id="config-is-a-directory"),
+    pytest.param([], "wrong-type", id="config-value-of-the-wrong-type"),
+    pytest.param([], "table", id="config-unknown-table"),
+]
+LAUNCHER_ONLY_CASES = [
+    pytest.param(["--nproc", "0"], id="nproc-zero"),
+    pytest.param(["--nproc", "-1"], id="nproc-negative"),
+    pytest.param(["--nnodes", "0"], id="nnodes-zero"),
+    pytest.param(["--nnodes", "3:2"], id="nnodes-min-above-max"),
+    pytest.param(["--nnodes", "x"], id="nnodes-not-a-number"),
+    pytest.param(["--node-rank", "-1"], id="node-rank-negative"),
+    pytest.param(["--node-rank", "1"], id="node-rank-beyond-nnodes"),
+    pytest.param(["--max-restarts", "-1"], id="max-restarts-negative"),
+    pytest.param(["--master-port", "70000"], id="master-port-out-of-range"),
+    pytest.param(["--rdzv-endpoint", "host:port"], id="rdzv-endpoint-bad-port"),
+    pytest.param(["--rdzv-backend", "carrier-pigeon"], id="rdzv-backend-unknown"),
+    pytest.param(["--branch-from", "a" * 64], id="branch-from-without-run"),
+]
+
+
+def config_path(tmp_path: Path, kind: str | None) -> str:
+    if kind is None:
+        return CONFIG
+    path = tmp_path / kind
+    if kind == "not-toml":
+        path.write_text("this is = = not toml\n")
+    elif kind == "binary":
+        path.write_bytes(b"\xff\xfe\x00 batch = 1\n")
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "wrong-type":
+        path.write_text('batch = "ninety-six"\n')
+    elif kind == "table":
+        path.write_text("[model]\nhidden = 3\n")
+    return str(path)
+
+
+class OwnerStarted(Exception):
+    pass
+
+
+@pytest.fixture
+def no_owner_may_start(monkeypatch):
+    """torch's launcher and process-group start fail the test: a usage error must stop everything before."""
+    import torch.distributed
+    import torch.distributed.run
+
+    def started(*args, **kwargs):
+        raise OwnerStarted("an owner was started (or alpha-run handed the job to torch)")
+
+    monkeypatch.setattr(torch.distributed.run, "run", started)
+    monkeypatch.setattr(torch.distributed, "init_process_group", started)
+
+
+def exit_code_of(main, argv) -> int:
+    try:
+        return main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        return exc.code
+
+
+def assert_one_line_usage_error(code, err: str) -> None:
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and err.endswith("\n"), err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("flags, config", CASES)
+def test_alpha_run_refuses_a_usage_error_before_any_owner_starts(flags, config, tmp_path, capsys,
+                                                                  no_owner_may_start):
+    from alpha_ckpt import launcher
+    store = tmp_path / "store"
+    argv = ["--nproc", "2", "--store", str(store), "--updates", "3", *flags, config_path(tmp_path, config)]
+    code = exit_code_of(launcher.main, argv)
+    assert_one_line_usage_error(code, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("flags", LAUNCHER_ONLY_CASES)
+def test_alpha_run_refuses_a_bad_torchrun_flag_before_any_owner_starts(flags, tmp_path, capsys, no_owner_may_start):
+    from alpha_ckpt import launcher
+    argv = ["--store", str(tmp_path / "store"), "--updates", "3", *flags, CONFIG]
+    code = exit_code_of(launcher.main, argv)
+    assert_one_line_usage_error(code, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("flags, config", CASES)
+def test_an_owner_under_plain_torchrun_refuses_the_same_usage_errors_with_exit_2(flags, config, tmp_path, capfd,
+                                                                                 monkeypatch, no_owner_may_start):
+    from alpha_ckpt import worker
+    flags = ["--set", f"run={flags[1]}"] if flags[:1] == ["--run"] else flags  # alpha-run passes --run so
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    argv = [config_path(tmp_path, config), "--store", str(tmp_path / "store"), "--updates", "3", *flags]
+    code = exit_code_of(worker.main, argv)  # owners write their lines to fd 2 directly
+    assert_one_line_usage_error(code, capfd.readouterr().err)
+
+
+@pytest.mark.timeout(120)
+def test_the_alpha_run_process_prints_one_line_and_exits_2_without_starting_owners(tmp_path):
+    for flags in (["--set", "bogus=1"], ["--nproc", "0"], ["--run", "a/b"], ["--updates", "0"]):
+        proc = subprocess.run([sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", "2", "--store",
+                               str(tmp_path / "store"), "--updates", "3", *flags, CONFIG],
+                              capture_output=True, text=True, timeout=60)
+        assert_one_line_usage_error(proc.returncode, proc.stderr)
+        assert proc.stdout == ""
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_process_started_as_torchrun_would_exits_2_with_one_line(tmp_path):
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT="1")  # nothing listens there: init would fail as 75
+    proc = subprocess.run([sys.executable, "-m", "alpha_ckpt.worker", CONFIG, "--store", str(tmp_path / "store"),
+                           "--updates", "3", "--set", "lr=abc"], capture_output=True, text=True, timeout=60, env=env)
+    assert_one_line_usage_error(proc.returncode, proc.stderr)
+
+
+def test_alpha_run_refuses_a_read_only_store_before_any_owner_starts(tmp_path, capsys, monkeypatch,
+                                                                      no_owner_may_start):
+    """In-process: the store's file system answers EROFS to every file created (see the e2e test for a real mount)."""
+    from alpha_ckpt import Store, launcher
+    store = tmp_path / "store"
+    Store(store).close()
+    real_open = os.open
+
+    def read_only_open(path, flags, *args, **kwargs):
+        if flags & os.O_CREAT:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only_open)
+    for resume in (["--resume", "latest"], ["--resume-from", "a" * 64], []):
+        code = exit_code_of(launcher.main, ["--store", str(store), "--updates", "3", *resume, CONFIG])
+        err = capsys.readouterr().err
+        assert_one_line_usage_error(code, err)
+        assert str(store) in err
