@@ -24,7 +24,6 @@ longer keeps.
 """
 from __future__ import annotations
 
-import errno
 import os
 import stat
 import time
@@ -50,12 +49,26 @@ def _identity(store: Store, digest: str) -> list[int] | None:
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
-def _read_record(store: Store, root: str) -> dict | None:
-    """The record gc wrote for ``root``, or None (absent, hostile or damaged: validate again)."""
+def _verified_dir(store: Store) -> int | None:
+    """The records' directory, never through a symlink; None where there is none (or something else)."""
     try:
-        fd = os.open(os.path.join(store.root, VERIFIED_DIR, root), _FLAGS)
+        return os.open(os.path.join(store.root, VERIFIED_DIR),
+                       os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None
+
+
+def _read_record(store: Store, root: str) -> dict | None:
+    """The record gc wrote for ``root``, or None (absent, hostile or damaged: validate again)."""
+    dir_fd = _verified_dir(store)
+    if dir_fd is None:
+        return None
+    try:
+        fd = os.open(root, _FLAGS, dir_fd=dir_fd)
+    except OSError:
+        return None
+    finally:
+        os.close(dir_fd)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_RECORD_BYTES:
@@ -90,8 +103,12 @@ def _remember(store: Store, root: str, identities: dict[str, list[int]]) -> None
     try:
         root_fd = os.open(store.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            dir_fd = durable.make_dir_durable(root_fd, VERIFIED_DIR)
             tmp_fd = os.open("tmp", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root_fd)
+            try:
+                dir_fd = durable.make_dir_durable(root_fd, VERIFIED_DIR)
+            except BaseException:
+                os.close(tmp_fd)
+                raise
         finally:
             os.close(root_fd)
         try:
@@ -130,11 +147,11 @@ def remembered_check_complete(store: Store, record: RefRecord) -> tuple[Refusal 
 
 
 def remembered_roots(store: Store) -> list[str]:
-    """The roots gc holds a record for (plain digest names only)."""
+    """The roots gc holds a record for (plain digest names only; no directory, or a hostile one: none)."""
+    dir_fd = _verified_dir(store)
+    if dir_fd is None:
+        return []
     try:
-        names = os.listdir(os.path.join(store.root, VERIFIED_DIR))
-    except OSError as exc:
-        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
-            return []
-        raise
-    return sorted(n for n in names if is_digest(n))
+        return sorted(n for n in os.listdir(dir_fd) if is_digest(n))
+    finally:
+        os.close(dir_fd)

@@ -200,3 +200,20 @@ def _reaches(store, root, digest):
     from alpha_ckpt.restore import open_generation
     with open_generation(store, root, wanted=[]) as g:
         return digest in {s.digest for m in g.manifests for s in m.shards}
+
+
+def test_a_hostile_or_damaged_verified_record_only_costs_a_validation(store_dir, tmp_path):
+    roots = [_save(store_dir, u) for u in (1, 2, 3)]
+    with Store(store_dir) as s:
+        assert plan_gc(s, keep=2, grace=0).validated == 2
+        records = store_dir / "verified"
+        newest = records / roots[2]
+        newest.write_bytes(newest.read_bytes().replace(b'"kind"', b'"kinD"'))  # damaged: its checksum fails
+        os.unlink(records / roots[1])
+        os.mkfifo(records / roots[1])  # a FIFO where a record should be: never opened blocking
+        assert plan_gc(s, keep=2, grace=0).validated == 2
+        os.rename(records, tmp_path / "elsewhere")
+        os.symlink(tmp_path / "elsewhere", records)  # a symlinked directory is not trusted
+        plan = plan_gc(s, keep=2, grace=0)
+        apply_gc(s, plan)
+        assert plan.validated == 2 and [r.root for r in s.list_refs("r", "s")] == roots[1:]
