@@ -38,8 +38,9 @@ def test_a_diverging_job_stops_with_a_refusal_and_its_last_good_generation_survi
     assert gc.returncode == 0, gc.stderr
     latest = cli("latest", "--store", str(store), "--run", "nightly", "--step", "fit", "--json")
     assert latest.returncode == 0 and json.loads(latest.stdout)["latest"]["digest"] == good
-    resumed = final(alpha_run(store, *publisher, *DIVERGE[:4], "--updates", "1", "--resume", "latest", nproc=3))
-    assert resumed["last_generation"] == good
+    if not publisher:  # and the job's own retry finds it (one publisher is enough: resume is shared)
+        resumed = final(alpha_run(store, *DIVERGE[:4], "--updates", "1", "--resume", "latest", nproc=3))
+        assert resumed["last_generation"] == good
 
 
 @pytest.mark.timeout(300)
