@@ -29,7 +29,7 @@ from .format import (
 )
 from .manifest import (
     check_coverage, check_schema_matches, check_shard_against_record, first_non_finite, flatten_state, regions_of,
-    torch_dtype, word_value,
+    word_value,
 )
 from .planner import Hierarchy, PlanError, SavedSlice, WantedSlice, plan_restore
 from .store import ObjectFile, RefRecord, Store

@@ -1,5 +1,4 @@
 """A resume whose generation is at --updates already trains nothing, publishes nothing and exits 0."""
-import hashlib
 import json
 import os
 import subprocess
@@ -7,6 +6,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from test_job import store_hash
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "forecast.toml")
@@ -25,24 +26,15 @@ def final(proc) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def tree_hash(path: Path) -> str:
-    h = hashlib.sha256()
-    for d, _, files in sorted(os.walk(path)):
-        for f in sorted(files):
-            p = os.path.join(d, f)
-            h.update(p.encode() + open(p, "rb").read())
-    return h.hexdigest()
-
-
 @pytest.mark.timeout(400)
 def test_a_resume_at_or_past_updates_exits_0_naming_that_generation_without_training_or_publishing(tmp_path):
     first = final(alpha_run(tmp_path, "--updates", "2", "--checkpoint-every", "2"))
     assert os.path.isabs(first["output"]) and os.path.isfile(first["output"])
     store = tmp_path / "store"
-    before = tree_hash(store)
+    before = store_hash(store)
     for args in (["--updates", "2", "--resume-from", first["last_generation"]], ["--updates", "1", "--resume", "latest"]):
         again = final(alpha_run(tmp_path, *args))
         # The same generation and state, reported as they were published: no continuation ran.
         assert {k: again[k] for k in ("last_generation", "state_digest", "update", "cursor", "epoch", "output")} == \
             {k: first[k] for k in ("last_generation", "state_digest", "update", "cursor", "epoch", "output")}
-        assert tree_hash(store) == before  # no generation, no output, nothing written
+        assert store_hash(store) == before  # no generation, no output, nothing written

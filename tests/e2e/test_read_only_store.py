@@ -1,12 +1,12 @@
 """A store that cannot be written is refused before any owner trains: exit 2, one line naming the store."""
-import hashlib
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from test_job import store_hash
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "forecast.toml")
@@ -16,15 +16,6 @@ SMALL = ["--set", "batch=24", "--set", "hidden=16"]
 def alpha_run(store, *args, timeout=120):
     cmd = [sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", "1", "--store", str(store), *SMALL, *args, CONFIG]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-
-
-def tree_hash(path: Path) -> str:
-    h = hashlib.sha256()
-    for d, _, files in sorted(os.walk(path)):
-        for f in sorted(files):
-            p = os.path.join(d, f)
-            h.update(p.encode() + open(p, "rb").read())
-    return h.hexdigest()
 
 
 @pytest.fixture
@@ -50,10 +41,10 @@ def test_resuming_on_a_read_only_mount_exits_2_before_any_owner_trains(mount_poi
     assert first.returncode == 0, first.stderr[-3000:]
     root = json.loads(first.stdout.strip().splitlines()[-1])["last_generation"]
     subprocess.run(["mount", "-o", "remount,ro", str(mount_point)], check=True, capture_output=True, timeout=30)
-    before = tree_hash(store)
+    before = store_hash(store)
     for resume in (["--resume-from", root], ["--resume", "latest"], []):
         proc = alpha_run(store, "--updates", "2", *resume, timeout=60)
         assert proc.returncode == 2, proc.stderr[-3000:]
         assert len(proc.stderr.splitlines()) == 1 and str(store) in proc.stderr, proc.stderr[-3000:]
         assert proc.stdout == ""
-    assert tree_hash(store) == before
+    assert store_hash(store) == before

@@ -168,7 +168,7 @@ def test_gc_counts_the_same_generations_complete_as_latest(store_dir):
     _save(store_dir, 1)
     second = _save(store_dir, 2)
     third = _save(store_dir, 3)
-    _diverged = save_forged({"model": {"w": torch.full((64,), float("inf"))}, "optim": {"m": torch.ones(8)}},
+    save_forged({"model": {"w": torch.full((64,), float("inf"))}, "optim": {"m": torch.ones(8)}},
                             store_dir, update=4, cursor=4)
     with Store(store_dir) as s:
         plan = plan_gc(s, keep=2, grace=0)
