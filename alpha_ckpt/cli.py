@@ -13,6 +13,10 @@
 Exit codes: 0 done (verify: valid), 3 refused (verify: the refusal code is
 printed), 2 usage error, 1 export could not write its file.
 
+Entries of the store that alpha_ckpt never writes where they are (a FIFO,
+a directory or a symlink where a file is expected, a file where a directory
+is) are skipped with one warning line each on stderr and left as they are.
+
 verify and export draw a progress bar on stderr when it is a terminal;
 otherwise verify, export and gc write one JSON event line to stderr when
 they end (stdout is unchanged).
@@ -185,13 +189,23 @@ def cmd_inspect(store: Store, args, out, err) -> int:
     return EXIT_OK
 
 
+def _warn_skipped(path_and_why: str, err) -> None:
+    print(f"alpha-ckpt: warning: skipped {path_and_why}", file=err)
+
+
 def cmd_gc(store: Store, args, out, err) -> int:
     with _logged("gc", err, dry_run=args.dry_run) as log:
         plan = plan_gc(store, keep=args.keep, grace=args.grace, completed_steps=args.completed_steps)
+        planned = len(plan.skipped)
+        for entry in plan.skipped:
+            _warn_skipped(entry, err)
         if not args.dry_run:
             apply_gc(store, plan)
+        for entry in plan.skipped[planned:]:  # met while removing
+            _warn_skipped(entry, err)
         log.update(generations=len(plan.refs), objects=len(plan.objects), tmp=len(plan.tmp),
-                   kept_generations=plan.kept_generations, unreadable=len(plan.unreadable))
+                   kept_generations=plan.kept_generations, unreadable=len(plan.unreadable),
+                   skipped=len(plan.skipped))
     if args.json:
         print(json.dumps({**plan.to_json(), "dry_run": args.dry_run}), file=out)
     else:
@@ -234,7 +248,7 @@ def cmd_unpin(store: Store, args, out, err=None) -> int:
 
 
 def cmd_pins(store: Store, args, out, err=None) -> int:
-    pins = list_pins(store)
+    pins = list_pins(store, on_hostile=lambda path, why: _warn_skipped(f"{path}: {why}", err or sys.stderr))
     if args.json:
         print(json.dumps({"pins": [p.to_json() for p in pins if isinstance(p, Pin)],
                           "unreadable_pins": [{"root": root, "code": r.code.value, "message": r.message}

@@ -37,6 +37,7 @@ QUARANTINE_DIR = "quarantine"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 REF_DIGITS = 10
 REF_NAME_RE = re.compile(r"\A[0-9]{%d}\Z" % REF_DIGITS)
+FAN_NAME_RE = re.compile(r"\A[0-9a-f]{2}\Z")
 MAX_PUBLISHED_AT = 1e11  # seconds since the epoch: year 5138
 _MADV_POPULATE_READ = 22  # Linux 5.14+; not exported by Python's mmap module
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -402,12 +403,41 @@ class Store:
         self.check_digest(digest)
         return os.path.join(self.root, "objects", digest[:2], digest)
 
-    def iter_objects(self) -> Iterator[str]:
+    def iter_objects(self, on_hostile: Callable[[str, str], None] | None = None) -> Iterator[str]:
+        """Every object's name, in order: regular files named by their digest in their fan directory.
+
+        Anything else under objects/ (a fan that is a symlink or a file, a
+        FIFO, directory or symlink under an object's name, a foreign name) is
+        no object of this store: it is skipped, and ``on_hostile(path, why)``
+        hears of it. Nothing is followed through a symlink.
+        """
+        report = on_hostile or (lambda path, why: None)
         for fan in sorted(os.listdir(self._objects_fd)):
-            if len(fan) == 2:
-                for name in sorted(os.listdir(os.path.join(self.root, "objects", fan))):
-                    if is_digest(name) and name.startswith(fan):
-                        yield name
+            kind = _entry_kind(self._objects_fd, fan)
+            if kind is None:
+                continue  # gone meanwhile
+            if not (kind == "directory" and FAN_NAME_RE.match(fan)):
+                report(f"objects/{fan}", f"a {kind}, not a fan directory of objects")
+                continue
+            try:
+                fan_fd = os.open(fan, _DIR_FLAGS, dir_fd=self._objects_fd)
+            except OSError:
+                continue  # replaced meanwhile
+            try:
+                names = []
+                for name in sorted(os.listdir(fan_fd)):
+                    kind = _entry_kind(fan_fd, name)
+                    if kind is None:
+                        continue
+                    if not (is_digest(name) and name.startswith(fan)):
+                        report(f"objects/{fan}/{name}", f"a {kind} whose name is not an object's")
+                    elif kind != "regular file":
+                        report(f"objects/{fan}/{name}", f"a {kind}, not an object file")
+                    else:
+                        names.append(name)
+            finally:
+                os.close(fan_fd)
+            yield from names
 
     # ------------------------------------------------------------ pending publishes
 
@@ -431,6 +461,8 @@ class Store:
             refs = os.open("refs", _DIR_FLAGS, dir_fd=self._root_fd)
         except FileNotFoundError:
             return None
+        except OSError as exc:
+            raise self._not_a_directory("refs", exc)
         try:
             if create:
                 run_fd = durable.make_dir_durable(refs, run)
@@ -551,6 +583,8 @@ class Store:
             refs = os.open("refs", _DIR_FLAGS, dir_fd=self._root_fd)
         except FileNotFoundError:
             return out
+        except OSError as exc:
+            raise self._not_a_directory("refs", exc)
         try:
             for run in sorted(_plain_subdirs(refs)):
                 run_fd = os.open(run, _DIR_FLAGS, dir_fd=refs)
@@ -634,6 +668,14 @@ class _LeaseBook:
 
 def _file_key(st: os.stat_result) -> tuple[int, int, int]:
     return st.st_dev, st.st_ino, st.st_size
+
+
+def _entry_kind(dir_fd: int, name: str) -> str | None:
+    """What the directory entry ``name`` is (never followed through a symlink), or None if it is gone."""
+    try:
+        return durable.file_kind(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except FileNotFoundError:
+        return None
 
 
 def _log(line: str) -> None:
