@@ -205,13 +205,14 @@ def cmd_gc(store: Store, args, out, err) -> int:
             _warn_skipped(entry, err)
         log.update(generations=len(plan.refs), objects=len(plan.objects), tmp=len(plan.tmp),
                    kept_generations=plan.kept_generations, unreadable=len(plan.unreadable),
-                   skipped=len(plan.skipped))
+                   quarantine=len(plan.quarantine), skipped=len(plan.skipped))
     if args.json:
         print(json.dumps({**plan.to_json(), "dry_run": args.dry_run}), file=out)
     else:
         verb = "would remove" if args.dry_run else "removed"
         print(f"{verb} {len(plan.refs)} generations, {len(plan.objects)} unreachable objects, {len(plan.tmp)} temp "
-              f"files, {len(plan.leases)} stale leases; kept {plan.kept_generations} generations "
+              f"files, {len(plan.leases)} stale leases, {len(plan.quarantine)} quarantined entries; "
+              f"kept {plan.kept_generations} generations "
               f"({plan.pinned} pinned, {plan.reachable} objects reachable); {plan.live_leases} publishes in flight",
               file=out)
         for step in plan.completed:

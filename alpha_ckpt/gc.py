@@ -39,7 +39,9 @@ with) still runs on this host is never removed.
 Entries that alpha_ckpt never writes where they are (a FIFO, directory or
 symlink in pending/, pins/, tmp/ or under an object's name; a fan entry
 under objects/ that is not a directory) are skipped, listed in
-``GcPlan.skipped``, and never removed.
+``GcPlan.skipped``, and never removed. What a save set aside in
+``quarantine/`` (a damaged or hostile entry found under an object's name) is
+removed once older than the grace period, by the time in its name.
 
 Planning (:func:`plan_gc`) only reads; :func:`apply_gc` removes each file
 with unlink and then fsyncs its directory.
@@ -49,7 +51,9 @@ from __future__ import annotations
 import errno
 import math
 import os
+import re
 import secrets
+import shutil
 import stat
 import time
 from dataclasses import dataclass, field
@@ -61,11 +65,12 @@ from .format import is_digest
 from .leases import CLOCK_SLACK_S, PENDING_DIR, STALE_AFTER_S, lease_is_stale, read_leases, writer_alive
 from .pins import pinned_roots
 from .restore import open_generation
-from .store import RefRecord, Store
+from .store import QUARANTINE_DIR, RefRecord, Store
 
 DEFAULT_GRACE_S = 3600.0
 ASIDE_PREFIX = "aside-"  # tmp/aside-<digest>-<pid>-<random>: an object being removed, set aside first
 OUTPUT_SUFFIX = ".safetensors"
+QUARANTINED_RE = re.compile(r"\A[0-9a-f]{64}-([0-9]{1,12})-[0-9a-f]{8}\Z")  # <digest>-<unix time>-<random>
 
 
 @dataclass
@@ -81,6 +86,7 @@ class GcPlan:
     completed: list[str] = field(default_factory=list)        # run/step whose checkpoints completion discards
     unreadable: list[str] = field(default_factory=list)       # kept roots whose manifests could not be read
     protect_before: float = 0.0                               # what was modified at or after this is spared
+    quarantine: list[str] = field(default_factory=list)       # entries of quarantine/ older than the grace period
     skipped: list[str] = field(default_factory=list)          # "path: why" of entries that are not ours, left alone
 
     def to_json(self) -> dict:
@@ -88,7 +94,7 @@ class GcPlan:
                 "tmp": len(self.tmp), "stale_leases": len(self.leases), "kept_generations": self.kept_generations,
                 "reachable": self.reachable, "pinned": self.pinned, "live_leases": self.live_leases,
                 "completed_steps": self.completed, "unreadable": self.unreadable,
-                "skipped": self.skipped}
+                "quarantine": len(self.quarantine), "skipped": self.skipped}
 
     def skip(self, path: str, why: str) -> None:
         self.skipped.append(f"{path}: {why}; left as it is")
@@ -231,6 +237,8 @@ def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRA
         plan.tmp = sorted(n for n in _regular_files(tmp_dir, "tmp", plan)
                           if not n.startswith(ASIDE_PREFIX) and _mtime(os.path.join(tmp_dir, n)) < plan.protect_before
                           and not writer_alive(n))
+    if not dropped_objects_only:
+        plan.quarantine = _quarantined_before(store, now - grace, plan)
     return plan
 
 
@@ -253,6 +261,31 @@ def _regular_files(directory: str, shown_as: str, plan: GcPlan) -> list[str]:
         os.close(fd)
 
 
+def _quarantined_before(store: Store, before: float, plan: GcPlan) -> list[str]:
+    """Entries a save set aside in quarantine/ before ``before`` (by the time in their names)."""
+    try:
+        fd = _open_dir(os.path.join(store.root, QUARANTINE_DIR))
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            plan.skip(QUARANTINE_DIR, "a symlink or not a directory, so not swept")
+            return []
+        raise
+    try:
+        names = sorted(os.listdir(fd))
+    finally:
+        os.close(fd)
+    out = []
+    for name in names:
+        match = QUARANTINED_RE.match(name)
+        if match is None:
+            plan.skip(f"{QUARANTINE_DIR}/{name}", "not a name a save gives to what it sets aside")
+        elif int(match.group(1)) < before:
+            out.append(name)
+    return out
+
+
 def _open_dir(path: str) -> int:
     return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
 
@@ -266,6 +299,25 @@ def _remove(directory: str, names: list[str]) -> None:
             try:
                 os.unlink(name, dir_fd=fd)
             except (FileNotFoundError, IsADirectoryError):  # gone, or replaced by a directory since planning
+                pass
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_quarantined(store: Store, names: list[str]) -> None:
+    """Remove what a save set aside, whatever it is (a directory with its content; a symlink, not its target)."""
+    if not names:
+        return
+    fd = _open_dir(os.path.join(store.root, QUARANTINE_DIR))
+    try:
+        for name in names:
+            try:
+                if stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                    shutil.rmtree(name, dir_fd=fd)  # walks by descriptors: never leaves the directory
+                else:
+                    os.unlink(name, dir_fd=fd)
+            except FileNotFoundError:
                 pass
         os.fsync(fd)
     finally:
@@ -368,6 +420,7 @@ def apply_gc(store: Store, plan: GcPlan) -> None:
         os.close(tmp_fd)
     _remove(os.path.join(store.root, "tmp"), plan.tmp)
     _remove(os.path.join(store.root, PENDING_DIR), plan.leases)
+    _remove_quarantined(store, plan.quarantine)
 
 
 def discard_completed_step(store: Store, run: str, step: str, finished_at: float) -> GcPlan:

@@ -202,3 +202,23 @@ def test_a_store_handle_reads_back_only_objects_it_did_not_write_or_check_itself
     assert checked == []  # it wrote both objects: trusted by (device, inode, size)
     alpha_ckpt.save(state, store=store_dir, **STATE_KW)
     assert sorted(checked) == sorted(_objects(store_dir)) and root in checked
+
+
+def test_gc_sweeps_quarantined_entries_once_older_than_its_grace_period(tmp_path):
+    from alpha_ckpt.gc import apply_gc, plan_gc
+    store_dir, state = tmp_path / "store", {"w": torch.randn(4096)}
+    root = alpha_ckpt.save(state, store=store_dir, **STATE_KW)
+    _, path = _shard_of(store_dir, root)
+    _flip_payload_byte(path)
+    alpha_ckpt.save(state, store=store_dir, **STATE_KW)
+    (entry,) = _quarantine(store_dir)
+    os.mkdir(store_dir / "quarantine" / f"{'ab' * 32}-{int(time.time()) - 7200}-0123abcd")  # a directory set aside
+    with alpha_ckpt.Store(store_dir, create=False) as s:
+        plan = plan_gc(s, grace=3600)
+        assert len(plan.quarantine) == 1 and plan.to_json()["quarantine"] == 1
+        apply_gc(s, plan)
+    assert _quarantine(store_dir) == [entry]  # the young one stays for inspection
+    with alpha_ckpt.Store(store_dir, create=False) as s:
+        apply_gc(s, plan_gc(s, grace=3600, now=time.time() + 7200))
+    assert _quarantine(store_dir) == []
+    alpha_ckpt.verify(store_dir, root)
