@@ -11,7 +11,8 @@
     alpha-ckpt pins    --store DIR [--json]
 
 Exit codes: 0 done (verify: valid), 3 refused (verify: the refusal code is
-printed), 2 usage error, 1 export could not write its file.
+printed), 2 usage error, 1 export could not write its file, or the store
+cannot be written (gc, pin, unpin on a read-only store: one line says so).
 
 Entries of the store that alpha_ckpt never writes where they are (a FIFO,
 a directory or a symlink where a file is expected, a file where a directory
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import errno
 import json
 import os
 import sys
@@ -337,8 +339,18 @@ def main(argv: Sequence[str] | None = None, out=None, err=None) -> int:
     except StoreUsageError as exc:
         print(f"alpha-ckpt: {exc}", file=err)
         return EXIT_USAGE
+    except OSError as exc:
+        if exc.errno not in _NOT_WRITABLE:
+            raise
+        # A read-only file system or missing permission: say so in one line, not a traceback.
+        print(f"alpha-ckpt: {args.command}: the store {store.root} cannot be written here "
+              f"({os.strerror(exc.errno)}); it stopped there", file=err)
+        return EXIT_WRITE_FAILED
     finally:
         store.close()
+
+
+_NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 def _refused(refusal: Refusal, args, out) -> int:
