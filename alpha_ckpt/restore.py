@@ -22,6 +22,7 @@ import blake3
 import torch
 import zstandard
 
+from .destinations import check_destinations, check_tied_saved_alike, destination_layouts
 from .errors import Refusal, RefusalCode
 from .format import (
     DTYPES, PREFIX_LEN, CapturePrefix, ChildRef, ManifestHead, ShardHead, ShardRef, SliceRecord, decode_head, padding_ranges,
@@ -591,12 +592,20 @@ def restore_slices(generation: Generation, wanted: Sequence[WantedSlice], target
 
 
 def load_state(state_dict: Mapping[str, Any], *, store: Store, root: str) -> Counters:
-    """Validate the generation for ``state_dict``'s regions, then copy into its tensors in place."""
+    """Validate the generation for ``state_dict``'s regions, then copy into its tensors in place.
+
+    Destinations that share memory are refused first (tied weights, the very
+    same view under two names, only where the checkpoint holds the same
+    words for both): the copies would otherwise overwrite each other.
+    """
     named = flatten_state(state_dict)
     wanted_regions = regions_of(named)
+    tied = check_destinations(destination_layouts(named))
     with open_generation(store, root) as generation:
         manifest = generation.manifest
         check_schema_matches(manifest.regions, wanted_regions, f"generation {root[:16]}...")
+        if tied:
+            check_tied_saved_alike(tied, [name for name, _ in named], _saved_words(generation))
         wanted = [WantedSlice(r.ordinal, 0, r.words, r.ordinal) for r in manifest.regions]
         staged = [_flat_destination(t) for _, t in named]
         restore_slices(generation, wanted, [flat for flat, _ in staged])
@@ -606,6 +615,15 @@ def load_state(state_dict: Mapping[str, Any], *, store: Store, root: str) -> Cou
                     t.copy_(filled)
         p = manifest.prefix
         return Counters(p.run, p.step, p.update, p.cursor, p.epoch, manifest.metadata, root)
+
+
+def _saved_words(generation: Generation) -> dict[int, list[tuple[int, int, str]]]:
+    """Per region ordinal, the (lo, hi, raw BLAKE3) of the slices holding it, from the shard heads."""
+    out: dict[int, list[tuple[int, int, str]]] = {}
+    for _, head in generation.shards.values():
+        for s in head.slices:
+            out.setdefault(s.ordinal, []).append((s.lo, s.hi, s.blake3))
+    return {ordinal: sorted(slices) for ordinal, slices in out.items()}
 
 
 @torch.no_grad()
