@@ -11,7 +11,12 @@
     alpha-ckpt pins    --store DIR [--json]
 
 Exit codes: 0 done (verify: valid), 3 refused (verify: the refusal code is
-printed), 2 usage error, 1 export could not write its file.
+printed), 2 usage error, 1 export could not write its file, or the store
+cannot be written (gc, pin, unpin on a read-only store: one line says so).
+
+Entries of the store that alpha_ckpt never writes where they are (a FIFO,
+a directory or a symlink where a file is expected, a file where a directory
+is) are skipped with one warning line each on stderr and left as they are.
 
 verify and export draw a progress bar on stderr when it is a terminal;
 otherwise verify, export and gc write one JSON event line to stderr when
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import errno
 import json
 import os
 import sys
@@ -185,19 +191,30 @@ def cmd_inspect(store: Store, args, out, err) -> int:
     return EXIT_OK
 
 
+def _warn_skipped(path_and_why: str, err) -> None:
+    print(f"alpha-ckpt: warning: skipped {path_and_why}", file=err)
+
+
 def cmd_gc(store: Store, args, out, err) -> int:
     with _logged("gc", err, dry_run=args.dry_run) as log:
         plan = plan_gc(store, keep=args.keep, grace=args.grace, completed_steps=args.completed_steps)
+        planned = len(plan.skipped)
+        for entry in plan.skipped:
+            _warn_skipped(entry, err)
         if not args.dry_run:
             apply_gc(store, plan)
+        for entry in plan.skipped[planned:]:  # met while removing
+            _warn_skipped(entry, err)
         log.update(generations=len(plan.refs), objects=len(plan.objects), tmp=len(plan.tmp),
-                   kept_generations=plan.kept_generations, unreadable=len(plan.unreadable))
+                   kept_generations=plan.kept_generations, unreadable=len(plan.unreadable),
+                   quarantine=len(plan.quarantine), skipped=len(plan.skipped))
     if args.json:
         print(json.dumps({**plan.to_json(), "dry_run": args.dry_run}), file=out)
     else:
         verb = "would remove" if args.dry_run else "removed"
         print(f"{verb} {len(plan.refs)} generations, {len(plan.objects)} unreachable objects, {len(plan.tmp)} temp "
-              f"files, {len(plan.leases)} stale leases; kept {plan.kept_generations} generations "
+              f"files, {len(plan.leases)} stale leases, {len(plan.quarantine)} quarantined entries; "
+              f"kept {plan.kept_generations} generations "
               f"({plan.pinned} pinned, {plan.reachable} objects reachable); {plan.live_leases} publishes in flight",
               file=out)
         for step in plan.completed:
@@ -234,7 +251,7 @@ def cmd_unpin(store: Store, args, out, err=None) -> int:
 
 
 def cmd_pins(store: Store, args, out, err=None) -> int:
-    pins = list_pins(store)
+    pins = list_pins(store, on_hostile=lambda path, why: _warn_skipped(f"{path}: {why}", err or sys.stderr))
     if args.json:
         print(json.dumps({"pins": [p.to_json() for p in pins if isinstance(p, Pin)],
                           "unreadable_pins": [{"root": root, "code": r.code.value, "message": r.message}
@@ -322,8 +339,18 @@ def main(argv: Sequence[str] | None = None, out=None, err=None) -> int:
     except StoreUsageError as exc:
         print(f"alpha-ckpt: {exc}", file=err)
         return EXIT_USAGE
+    except OSError as exc:
+        if exc.errno not in _NOT_WRITABLE:
+            raise
+        # A read-only file system or missing permission: say so in one line, not a traceback.
+        print(f"alpha-ckpt: {args.command}: the store {store.root} cannot be written here "
+              f"({os.strerror(exc.errno)}); it stopped there", file=err)
+        return EXIT_WRITE_FAILED
     finally:
         store.close()
+
+
+_NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 def _refused(refusal: Refusal, args, out) -> int:

@@ -25,6 +25,7 @@ import errno
 import os
 import secrets
 import signal
+import stat
 from typing import Callable
 
 from .errors import DurableWriteError
@@ -213,3 +214,12 @@ def make_dir_durable(parent_fd: int, name: str) -> int:
         raise DurableWriteError("dir-fsync", exc.errno or errno.EIO, f"making {name!r} durable: {exc}") from exc
     return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
 
+
+def file_kind(mode: int) -> str:
+    """What a directory entry of this mode is, in words (for messages about entries that are not ours)."""
+    for test, kind in ((stat.S_ISDIR, "directory"), (stat.S_ISLNK, "symlink"), (stat.S_ISFIFO, "FIFO"),
+                       (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+                       (stat.S_ISREG, "regular file")):
+        if test(mode):
+            return kind
+    return "special file"

@@ -41,14 +41,24 @@ killed between the two leaves ``tmp/aside-DIGEST-...``; the next gc puts it
 back before anything else. A temp file whose writer (the pid its name starts
 with) still runs on this host is never removed.
 
+Entries that alpha_ckpt never writes where they are (a FIFO, directory or
+symlink in pending/, pins/, tmp/ or under an object's name; a fan entry
+under objects/ that is not a directory) are skipped, listed in
+``GcPlan.skipped``, and never removed. What a save set aside in
+``quarantine/`` (a damaged or hostile entry found under an object's name) is
+removed once older than the grace period, by the time in its name.
+
 Planning (:func:`plan_gc`) only reads; :func:`apply_gc` removes each file
 with unlink and then fsyncs its directory.
 """
 from __future__ import annotations
 
+import errno
 import math
 import os
+import re
 import secrets
+import shutil
 import stat
 import time
 from dataclasses import dataclass, field
@@ -61,11 +71,12 @@ from .leases import CLOCK_SLACK_S, PENDING_DIR, STALE_AFTER_S, lease_is_stale, r
 from .complete import VERIFIED_DIR, remembered_check_complete, remembered_roots
 from .pins import pinned_roots
 from .restore import open_generation
-from .store import RefRecord, Store
+from .store import QUARANTINE_DIR, RefRecord, Store
 
 DEFAULT_GRACE_S = 3600.0
 ASIDE_PREFIX = "aside-"  # tmp/aside-<digest>-<pid>-<random>: an object being removed, set aside first
 OUTPUT_SUFFIX = ".safetensors"
+QUARANTINED_RE = re.compile(r"\A[0-9a-f]{64}-([0-9]{1,12})-[0-9a-f]{8}\Z")  # <digest>-<unix time>-<random>
 
 
 @dataclass
@@ -83,13 +94,19 @@ class GcPlan:
     validated: int = 0                                        # generations whose bytes this gc hashed
     unreadable: list[str] = field(default_factory=list)       # kept roots whose manifests could not be read
     protect_before: float = 0.0                               # what was modified at or after this is spared
+    quarantine: list[str] = field(default_factory=list)       # entries of quarantine/ older than the grace period
+    skipped: list[str] = field(default_factory=list)          # "path: why" of entries that are not ours, left alone
 
     def to_json(self) -> dict:
         return {"refs": [f"{r.run}/{r.step}/{r.generation}" for r in self.refs], "objects": len(self.objects),
                 "tmp": len(self.tmp), "stale_leases": len(self.leases), "kept_generations": self.kept_generations,
                 "reachable": self.reachable, "pinned": self.pinned, "live_leases": self.live_leases,
                 "completed_steps": self.completed, "unreadable": self.unreadable,
-                "validated": self.validated, "stale_records": len(self.records)}
+                "validated": self.validated, "stale_records": len(self.records),
+                "quarantine": len(self.quarantine), "skipped": self.skipped}
+
+    def skip(self, path: str, why: str) -> None:
+        self.skipped.append(f"{path}: {why}; left as it is")
 
 
 def _mtime(path: str) -> float:
@@ -148,7 +165,7 @@ def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRA
     # Leases first: a publish that takes one after this point writes only objects younger than now.
     starts = [now - max(grace, CLOCK_SLACK_S)]
     busy: set[tuple[str, str]] = set()
-    for name, lease, mtime in read_leases(store.root):
+    for name, lease, mtime in read_leases(store.root, plan.skip):
         if lease is not None:
             if lease_is_stale(lease, now, grace):
                 plan.leases.append(name)
@@ -166,7 +183,7 @@ def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRA
             starts.append(mtime - CLOCK_SLACK_S)
     plan.protect_before = min(starts)
 
-    pins = pinned_roots(store)
+    pins = pinned_roots(store, plan.skip)
     plan.pinned = len(pins)
     reaches: dict[str, tuple[set[str], bool] | Refusal] = {}
 
@@ -219,7 +236,7 @@ def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRA
     plan.reachable = len(reachable)
     if not dropped_objects_only:
         plan.records = [r for r in remembered_roots(store) if r not in kept_roots and r not in pins]
-    candidates: Iterable[str] = store.iter_objects()
+    candidates: Iterable[str] = store.iter_objects(plan.skip)
     if dropped_objects_only:
         plan.leases = []
         dropped_reach: set[str] = set()
@@ -233,10 +250,56 @@ def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRA
                         if d not in reachable and _mtime(store.object_path(d)) < plan.protect_before]
     tmp_dir = os.path.join(store.root, "tmp")
     if os.path.isdir(tmp_dir) and not dropped_objects_only:
-        plan.tmp = sorted(n for n in os.listdir(tmp_dir)
+        plan.tmp = sorted(n for n in _regular_files(tmp_dir, "tmp", plan)
                           if not n.startswith(ASIDE_PREFIX) and _mtime(os.path.join(tmp_dir, n)) < plan.protect_before
                           and not writer_alive(n))
+    if not dropped_objects_only:
+        plan.quarantine = _quarantined_before(store, now - grace, plan)
     return plan
+
+
+def _regular_files(directory: str, shown_as: str, plan: GcPlan) -> list[str]:
+    """The regular files of ``directory``; every other entry is skipped (and listed in ``plan.skipped``)."""
+    fd = _open_dir(directory)
+    try:
+        out = []
+        for name in os.listdir(fd):
+            try:
+                mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(mode):
+                out.append(name)
+            else:
+                plan.skip(f"{shown_as}/{name}", f"a {durable.file_kind(mode)}, not a temporary file")
+        return out
+    finally:
+        os.close(fd)
+
+
+def _quarantined_before(store: Store, before: float, plan: GcPlan) -> list[str]:
+    """Entries a save set aside in quarantine/ before ``before`` (by the time in their names)."""
+    try:
+        fd = _open_dir(os.path.join(store.root, QUARANTINE_DIR))
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            plan.skip(QUARANTINE_DIR, "a symlink or not a directory, so not swept")
+            return []
+        raise
+    try:
+        names = sorted(os.listdir(fd))
+    finally:
+        os.close(fd)
+    out = []
+    for name in names:
+        match = QUARANTINED_RE.match(name)
+        if match is None:
+            plan.skip(f"{QUARANTINE_DIR}/{name}", "not a name a save gives to what it sets aside")
+        elif int(match.group(1)) < before:
+            out.append(name)
+    return out
 
 
 def _open_dir(path: str) -> int:
@@ -251,6 +314,25 @@ def _remove(directory: str, names: list[str]) -> None:
         for name in names:
             try:
                 os.unlink(name, dir_fd=fd)
+            except (FileNotFoundError, IsADirectoryError):  # gone, or replaced by a directory since planning
+                pass
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_quarantined(store: Store, names: list[str]) -> None:
+    """Remove what a save set aside, whatever it is (a directory with its content; a symlink, not its target)."""
+    if not names:
+        return
+    fd = _open_dir(os.path.join(store.root, QUARANTINE_DIR))
+    try:
+        for name in names:
+            try:
+                if stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                    shutil.rmtree(name, dir_fd=fd)  # walks by descriptors: never leaves the directory
+                else:
+                    os.unlink(name, dir_fd=fd)
             except FileNotFoundError:
                 pass
         os.fsync(fd)
@@ -267,12 +349,25 @@ def _put_back(tmp_fd: int, aside: str, fan_fd: int, digest: str) -> None:
         pass  # another gc put it back first
 
 
-def _put_back_set_aside(store: Store, tmp_fd: int, objects_fd: int) -> None:
+def _put_back_set_aside(store: Store, tmp_fd: int, objects_fd: int, plan: GcPlan) -> None:
     """Objects a killed gc had set aside go back first: one may have been renewed by a publish."""
     for name in sorted(os.listdir(tmp_fd)):
         digest = name[len(ASIDE_PREFIX):len(ASIDE_PREFIX) + 64]
         if name.startswith(ASIDE_PREFIX) and is_digest(digest):
-            fan_fd = durable.make_dir_durable(objects_fd, digest[:2])
+            try:
+                mode = os.stat(name, dir_fd=tmp_fd, follow_symlinks=False).st_mode
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISREG(mode):  # gc sets aside only object files
+                plan.skip(f"tmp/{name}", f"a {durable.file_kind(mode)}, not an object set aside")
+                continue
+            try:
+                fan_fd = durable.make_dir_durable(objects_fd, digest[:2])
+            except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                plan.skip(f"objects/{digest[:2]}", "not a plain directory, so an object set aside cannot go back")
+                continue
             try:
                 _put_back(tmp_fd, name, fan_fd, digest)
                 os.fsync(fan_fd)
@@ -289,7 +384,11 @@ def _remove_objects(store: Store, digests: list[str], protect_before: float, tmp
             if fan not in fans:
                 try:
                     fans[fan] = _open_dir(os.path.join(store.root, "objects", fan))
-                except FileNotFoundError:
+                except (FileNotFoundError, NotADirectoryError):
+                    continue
+                except OSError as exc:
+                    if exc.errno != errno.ELOOP:  # replaced by a symlink since planning: not followed
+                        raise
                     continue
             aside = f"{ASIDE_PREFIX}{digest}-{os.getpid()}-{secrets.token_hex(4)}"
             try:
@@ -323,7 +422,7 @@ def apply_gc(store: Store, plan: GcPlan) -> None:
         os.close(root_fd)
     objects_fd = _open_dir(os.path.join(store.root, "objects"))
     try:
-        _put_back_set_aside(store, tmp_fd, objects_fd)
+        _put_back_set_aside(store, tmp_fd, objects_fd, plan)
         by_dir: dict[str, list[str]] = {}
         for r in plan.refs:
             by_dir.setdefault(os.path.join(store.root, "refs", r.run, r.step), []).append(f"{r.generation:010d}")
@@ -339,6 +438,7 @@ def apply_gc(store: Store, plan: GcPlan) -> None:
     if plan.records:
         _remove(os.path.join(store.root, VERIFIED_DIR), plan.records)
     _remove(os.path.join(store.root, PENDING_DIR), plan.leases)
+    _remove_quarantined(store, plan.quarantine)
 
 
 def discard_completed_step(store: Store, run: str, step: str, finished_at: float) -> GcPlan:

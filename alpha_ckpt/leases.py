@@ -18,10 +18,14 @@ from another host is trusted until it is that old.
 """
 from __future__ import annotations
 
+import errno
 import os
 import socket
+import stat
 from dataclasses import dataclass
+from typing import Callable
 
+from .durable import file_kind
 from .errors import Refusal, RefusalCode
 from .format import canonical_json, check_name, parse_canonical_json
 
@@ -29,6 +33,7 @@ PENDING_DIR = "pending"
 STALE_AFTER_S = 6 * 3600.0
 CLOCK_SLACK_S = 2.0  # file times and time.time() may disagree a little (coarse clocks, a file server's clock)
 MAX_LEASE_BYTES = 4096
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 @dataclass(frozen=True)
@@ -107,40 +112,56 @@ def lease_is_stale(lease: Lease, now: float, grace: float) -> bool:
     return process_alive(lease.pid, lease.host, lease.pid_start) is False
 
 
-def read_leases(store_root: str) -> list[tuple[str, Lease | None, float]]:
-    """Every entry of STORE/pending: (name, the lease or None where unreadable or half-written, mtime)."""
-    directory = os.path.join(store_root, PENDING_DIR)
+def read_leases(store_root: str, on_hostile: Callable[[str, str], None] | None = None,
+                ) -> list[tuple[str, Lease | None, float]]:
+    """Every lease file of STORE/pending: (name, the lease or None where unreadable or half-written, mtime).
+
+    Leases are regular files; anything else there (a FIFO, a directory, a
+    symlink) is no lease: it is skipped unopened, and ``on_hostile(path, why)``
+    hears of it. A pending/ that is not a plain directory is refused (gc
+    cannot tell which publishes are in flight).
+    """
     try:
-        names = sorted(os.listdir(directory))
+        dir_fd = os.open(os.path.join(store_root, PENDING_DIR), _DIR_FLAGS)
     except FileNotFoundError:
         return []
-    out = []
-    for name in names:
-        path = os.path.join(directory, name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        except FileNotFoundError:
-            continue  # released meanwhile
-        except OSError:
-            out.append((name, None, _mtime(path)))
-            continue
-        try:
-            st = os.fstat(fd)
-            data = os.pread(fd, MAX_LEASE_BYTES + 1, 0)
-        finally:
-            os.close(fd)
-        lease = None
-        if not name.endswith(".tmp") and len(data) <= MAX_LEASE_BYTES:
-            try:
-                lease = Lease.from_bytes(name, data)
-            except Refusal:
-                pass
-        out.append((name, lease, st.st_mtime))
-    return out
-
-
-def _mtime(path: str) -> float:
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise Refusal(RefusalCode.FORMAT, f"store entry {PENDING_DIR} is a symlink or not a directory") from None
+        raise
     try:
-        return os.stat(path, follow_symlinks=False).st_mtime
+        return [entry for name in sorted(os.listdir(dir_fd))
+                if (entry := _read_lease_entry(dir_fd, name, on_hostile)) is not None]
+    finally:
+        os.close(dir_fd)
+
+
+def _read_lease_entry(dir_fd: int, name: str, on_hostile) -> tuple[str, Lease | None, float] | None:
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
-        return 0.0
+        return None  # released meanwhile
+    if not stat.S_ISREG(st.st_mode):
+        if on_hostile is not None:
+            on_hostile(f"{PENDING_DIR}/{name}", f"a {file_kind(st.st_mode)}, not a lease file")
+        return None
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return name, None, st.st_mtime
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None  # replaced meanwhile by something that is no lease
+        data = os.pread(fd, MAX_LEASE_BYTES + 1, 0)
+    finally:
+        os.close(fd)
+    lease = None
+    if not name.endswith(".tmp") and len(data) <= MAX_LEASE_BYTES:
+        try:
+            lease = Lease.from_bytes(name, data)
+        except Refusal:
+            pass
+    return name, lease, st.st_mtime

@@ -15,17 +15,22 @@ or the verification fails and the pin is withdrawn.
 """
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from . import durable
+from .durable import file_kind
 from .errors import Refusal, RefusalCode
 from .format import canonical_json, check_name, is_digest, parse_canonical_json
 from .restore import open_generation, verify_generation
 from .store import Store, write_all
 
 PINS_DIR = "pins"
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 MAX_PIN_BYTES = 8192
 MAX_NOTE_CHARS = 1000
 
@@ -63,25 +68,68 @@ class Pin:
         return cls(root, obj["run"], obj["step"], obj["generation"], float(obj["pinned_at"]), obj["note"])
 
 
-def pinned_roots(store: Store) -> set[str]:
-    """The roots pinned: every digest-named entry of STORE/pins (its content is not needed)."""
+def _not_a_directory(exc: OSError) -> Exception:
+    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+        return Refusal(RefusalCode.FORMAT, f"store entry {PINS_DIR} is a symlink or not a directory")
+    return exc
+
+
+def _open_pins_dir(store: Store) -> int | None:
+    """The pins directory (never through a symlink), or None where there is none."""
     try:
-        return {name for name in os.listdir(os.path.join(store.root, PINS_DIR)) if is_digest(name)}
+        return os.open(os.path.join(store.root, PINS_DIR), _DIR_FLAGS)
     except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise _not_a_directory(exc) from None
+
+
+def pinned_roots(store: Store, on_hostile: Callable[[str, str], None] | None = None) -> set[str]:
+    """The roots pinned: every digest-named entry of STORE/pins (its content is not needed).
+
+    An entry that is not a regular file is no pin file, but its name still
+    pins (gc errs on keeping); ``on_hostile(path, why)`` hears of it.
+    """
+    dir_fd = _open_pins_dir(store)
+    if dir_fd is None:
         return set()
+    try:
+        roots = set()
+        for name in os.listdir(dir_fd):
+            if not is_digest(name):
+                continue
+            roots.add(name)
+            if on_hostile is not None:
+                try:
+                    mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+                except FileNotFoundError:
+                    continue
+                if not stat.S_ISREG(mode):
+                    on_hostile(f"{PINS_DIR}/{name}", f"a {file_kind(mode)}, not a pin file (its root stays pinned)")
+        return roots
+    finally:
+        os.close(dir_fd)
 
 
 def read_pin(store: Store, root: str) -> Pin | Refusal | None:
     """The pin of ``root``: its record, a refusal where the file is damaged, or None where it is not pinned."""
     store.check_digest(root)
-    path = os.path.join(store.root, PINS_DIR, root)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except FileNotFoundError:
+    dir_fd = _open_pins_dir(store)
+    if dir_fd is None:
         return None
-    except OSError as exc:
-        return Refusal(RefusalCode.FORMAT, f"pin {root}: cannot open ({exc.strerror})")
     try:
+        try:
+            fd = os.open(root, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            return Refusal(RefusalCode.FORMAT, f"pin {root}: cannot open ({exc.strerror})")
+    finally:
+        os.close(dir_fd)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):  # a FIFO or a directory: never read (it could block or fail)
+            return Refusal(RefusalCode.FORMAT, f"pin {root}: a {file_kind(mode)}, not a pin file")
         data = os.pread(fd, MAX_PIN_BYTES + 1, 0)
     finally:
         os.close(fd)
@@ -91,9 +139,9 @@ def read_pin(store: Store, root: str) -> Pin | Refusal | None:
         return refusal
 
 
-def list_pins(store: Store) -> list[Pin | tuple[str, Refusal]]:
+def list_pins(store: Store, on_hostile: Callable[[str, str], None] | None = None) -> list[Pin | tuple[str, Refusal]]:
     out: list[Pin | tuple[str, Refusal]] = []
-    for root in sorted(pinned_roots(store)):
+    for root in sorted(pinned_roots(store, on_hostile)):
         pin = read_pin(store, root)
         if pin is not None:
             out.append(pin if isinstance(pin, Pin) else (root, pin))
@@ -105,9 +153,23 @@ def _pins_dir(store: Store) -> tuple[int, int]:
     root_fd = os.open(store.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         return root_fd, durable.make_dir_durable(root_fd, PINS_DIR)
+    except OSError as exc:
+        os.close(root_fd)
+        raise _not_a_directory(exc) from None
     except BaseException:
         os.close(root_fd)
         raise
+
+
+def _refuse_unless_pin_file(pins_fd: int, root: str, doing: str) -> None:
+    """Only a regular file is a pin file of ours: anything else under a pin's name is left as it is."""
+    try:
+        mode = os.stat(root, dir_fd=pins_fd, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        raise Refusal(RefusalCode.FORMAT, f"{PINS_DIR}/{root} is a {file_kind(mode)}, not a pin file: it is left as "
+                      f"it is, and the generation cannot be {doing} until it is removed by hand")
 
 
 def pin_generation(store: Store, root: str, note: str = "") -> tuple[Pin, bool]:
@@ -128,6 +190,7 @@ def pin_generation(store: Store, root: str, note: str = "") -> tuple[Pin, bool]:
         tmp_fd = os.open("tmp", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root_fd)
         try:
             if isinstance(existing, Refusal):
+                _refuse_unless_pin_file(pins_fd, root, "pinned")
                 _unlink_durably(pins_fd, root)  # a damaged pin file: written anew below
             try:
                 durable.durable_commit(tmp_dir=tmp_fd, dest_dir=pins_fd, write=lambda fd: write_all(fd, body),
@@ -165,6 +228,7 @@ def unpin_generation(store: Store, root: str) -> bool:
     store.check_digest(root)
     root_fd, pins_fd = _pins_dir(store)
     try:
+        _refuse_unless_pin_file(pins_fd, root, "unpinned")
         return _unlink_durably(pins_fd, root)
     finally:
         os.close(pins_fd)

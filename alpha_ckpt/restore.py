@@ -22,6 +22,7 @@ import blake3
 import torch
 import zstandard
 
+from .destinations import check_destinations, check_tied_saved_alike, destination_layouts
 from .errors import Refusal, RefusalCode
 from .format import (
     DTYPES, PREFIX_LEN, CapturePrefix, ChildRef, ManifestHead, ShardHead, ShardRef, SliceRecord, decode_head, padding_ranges,
@@ -246,7 +247,7 @@ def _no_wait(upto: int) -> None:
 
 def decode_slice(rec: SliceRecord, stored: memoryview, what: str,
                  wait: Callable[[int], None] = _no_wait, keep: bool = True,
-                 advance: Callable[[int], None] | None = None) -> memoryview | None:
+                 advance: Callable[[int], None] | None = None, finite: bool = True) -> memoryview | None:
     """Check a slice's stored bytes and return its raw words (a view, or a decompressed copy).
 
     ``wait(n)`` returns once the first n stored bytes are in memory: raw slices
@@ -254,7 +255,8 @@ def decode_slice(rec: SliceRecord, stored: memoryview, what: str,
     only) a zstd slice is checked through one bounded chunk buffer and nothing
     is returned, so no declared size is ever allocated. ``advance(n)`` is told
     the stored bytes checked so far (per chunk of a raw slice, once per zstd
-    slice), for a progress bar; it may be called from several threads.
+    slice), for a progress bar; it may be called from several threads. With
+    ``finite=False`` only the bytes' integrity is checked, not the words' values.
     """
     w = f"{what} slice of region ordinal {rec.ordinal} words [{rec.lo}, {rec.hi})"
     if rec.codec == "raw":
@@ -264,7 +266,7 @@ def decode_slice(rec: SliceRecord, stored: memoryview, what: str,
             end = min(start + _CHUNK, len(stored))
             wait(end)
             hasher.update(stored[start:end])
-            if bad is None:
+            if bad is None and finite:
                 bad = _first_non_finite(rec, stored, start, end)
             if advance is not None:
                 advance(end - start)
@@ -298,7 +300,7 @@ def decode_slice(rec: SliceRecord, stored: memoryview, what: str,
                     pos += filled
                     break
                 hasher.update(target)
-                if bad is None:
+                if bad is None and finite:
                     local = _first_non_finite(rec, target)
                     if local is not None:
                         bad = (pos // size + local, _word_value(rec, target, local))
@@ -447,8 +449,8 @@ class _Prefetcher:
 class _Payloads:
     """Maps each shard once and validates slices in parallel (BLAKE3 and torch release the GIL)."""
 
-    def __init__(self, generation: Generation):
-        self.generation = generation
+    def __init__(self, shards: Mapping[str, tuple[ObjectFile, ShardHead]]):
+        self.shards = shards
         self._views: dict[str, memoryview] = {}
         self._lock = threading.Lock()
 
@@ -456,38 +458,40 @@ class _Payloads:
         with self._lock:
             view = self._views.get(digest)
             if view is None:
-                obj, head = self.generation.shards[digest]
+                obj, head = self.shards[digest]
                 view = obj.view()[head.head_len:]
                 self._views[digest] = view
             return view
 
     def check_padding(self, digest: str) -> None:
-        check_zero_padding(self.generation.shards[digest][1], self.payload(digest), f"shard {digest[:16]}...")
+        check_zero_padding(self.shards[digest][1], self.payload(digest), f"shard {digest[:16]}...")
 
     def decode(self, wanted: Sequence[tuple[str, int]], *, keep: bool = True, workers: int = 2,
-               advance: Callable[[int], None] | None = None) -> dict[tuple[str, int], memoryview | None]:
+               advance: Callable[[int], None] | None = None,
+               finite: bool = True) -> dict[tuple[str, int], memoryview | None]:
         """Validate the wanted slices (all of them, or raise the first refusal in file order)."""
         def one(key: tuple[str, int]) -> memoryview | None:
             digest, index = key
-            rec = self.generation.shards[digest][1].slices[index]
+            rec = self.shards[digest][1].slices[index]
             return decode_slice(rec, self.payload(digest)[rec.offset:rec.offset + rec.stored], f"shard {digest[:16]}...",
-                                prefetcher.waiter(key), keep=keep, advance=advance)
+                                prefetcher.waiter(key), keep=keep, advance=advance, finite=finite)
 
         for digest in dict.fromkeys(d for d, _ in wanted):
             self.check_padding(digest)
-        total = sum(self.generation.shards[d][1].slices[i].stored for d, i in wanted)
+        total = sum(self.shards[d][1].slices[i].stored for d, i in wanted)
         if total <= _SMALL_RESTORE:
             # Small reads: starting threads would cost more than the reading and hashing.
             results = {}
-            for digest, index in sorted(wanted, key=lambda k: (k[0], self.generation.shards[k[0]][1].slices[k[1]].offset)):
-                rec = self.generation.shards[digest][1].slices[index]
+            for digest, index in sorted(wanted, key=lambda k: (k[0], self.shards[k[0]][1].slices[k[1]].offset)):
+                rec = self.shards[digest][1].slices[index]
                 results[(digest, index)] = decode_slice(rec, self.payload(digest)[rec.offset:rec.offset + rec.stored],
-                                                        f"shard {digest[:16]}...", keep=keep, advance=advance)
+                                                        f"shard {digest[:16]}...", keep=keep, advance=advance,
+                                                        finite=finite)
             return results
         # File order, so the prefetchers read sequentially and the verifiers follow them.
         jobs = []
-        for key in sorted(wanted, key=lambda k: (k[0], self.generation.shards[k[0]][1].slices[k[1]].offset)):
-            obj, head = self.generation.shards[key[0]]
+        for key in sorted(wanted, key=lambda k: (k[0], self.shards[k[0]][1].slices[k[1]].offset)):
+            obj, head = self.shards[key[0]]
             rec = head.slices[key[1]]
             jobs.append((key, obj, head.head_len + rec.offset, rec.stored))
         prefetcher = _Prefetcher(jobs)
@@ -517,7 +521,7 @@ def payload_bytes(generation: Generation) -> int:
 
 def check_payloads(generation: Generation, *, advance: Callable[[int], None] | None = None) -> None:
     """Validate every slice (and the padding) of every opened shard; nothing is kept."""
-    payloads = _Payloads(generation)
+    payloads = _Payloads(generation.shards)
     keys = [(d, i) for d, (_, head) in generation.shards.items() for i in range(len(head.slices))]
     payloads.decode(keys, keep=False, advance=advance)
     payloads.release()
@@ -553,7 +557,7 @@ class PreparedRestore:
             self.plan = plan_restore(generation.saved_slices(), wanted)
         except PlanError as exc:
             raise Refusal(RefusalCode.COVERAGE, f"generation {generation.root[:16]}...: {exc}") from None
-        self._payloads = _Payloads(generation)
+        self._payloads = _Payloads(generation.shards)
         self._raws = self._payloads.decode(list(dict.fromkeys((c.source, c.index) for c in self.plan.copies)),
                                            advance=advance)
 
@@ -582,12 +586,20 @@ def restore_slices(generation: Generation, wanted: Sequence[WantedSlice], target
 
 
 def load_state(state_dict: Mapping[str, Any], *, store: Store, root: str) -> Counters:
-    """Validate the generation for ``state_dict``'s regions, then copy into its tensors in place."""
+    """Validate the generation for ``state_dict``'s regions, then copy into its tensors in place.
+
+    Destinations that share memory are refused first (tied weights, the very
+    same view under two names, only where the checkpoint holds the same
+    words for both): the copies would otherwise overwrite each other.
+    """
     named = flatten_state(state_dict)
     wanted_regions = regions_of(named)
+    tied = check_destinations(destination_layouts(named))
     with open_generation(store, root) as generation:
         manifest = generation.manifest
         check_schema_matches(manifest.regions, wanted_regions, f"generation {root[:16]}...")
+        if tied:
+            check_tied_saved_alike(tied, [name for name, _ in named], _saved_words(generation))
         wanted = [WantedSlice(r.ordinal, 0, r.words, r.ordinal) for r in manifest.regions]
         staged = [_flat_destination(t) for _, t in named]
         restore_slices(generation, wanted, [flat for flat, _ in staged])
@@ -597,6 +609,15 @@ def load_state(state_dict: Mapping[str, Any], *, store: Store, root: str) -> Cou
                     t.copy_(filled)
         p = manifest.prefix
         return Counters(p.run, p.step, p.update, p.cursor, p.epoch, manifest.metadata, root)
+
+
+def _saved_words(generation: Generation) -> dict[int, list[tuple[int, int, str]]]:
+    """Per region ordinal, the (lo, hi, raw BLAKE3) of the slices holding it, from the shard heads."""
+    out: dict[int, list[tuple[int, int, str]]] = {}
+    for _, head in generation.shards.values():
+        for s in head.slices:
+            out.setdefault(s.ordinal, []).append((s.lo, s.hi, s.blake3))
+    return {ordinal: sorted(slices) for ordinal, slices in out.items()}
 
 
 @torch.no_grad()
@@ -623,6 +644,26 @@ def validate_object_bytes(data: bytes | memoryview, digest: str, what: str = "ob
     check_zero_padding(head, payload, what)
     for rec in head.slices:
         decode_slice(rec, payload[rec.offset:rec.offset + rec.stored], what, keep=False)
+    return head
+
+
+def validate_object_file(obj: ObjectFile, what: str = "object") -> ShardHead | ManifestHead:
+    """Validate one whole object file as verify does, except its words' values (NaN is not damage).
+
+    The head must hash to the object's name and fit the file's size exactly,
+    every slice's bytes must have the digest the head records, and the
+    padding must be zero: then the file holds exactly the bytes its name
+    commits to. Read through the map, in parallel, like verify.
+    """
+    header, head_len = _read_head(obj, what, size_is_known=True)
+    if header["kind"] == "manifest":
+        return parse_manifest_header(header, obj.digest, head_len, what)
+    head = parse_shard_header(header, obj.digest, head_len, what)
+    payloads = _Payloads({obj.digest: (obj, head)})
+    try:
+        payloads.decode([(obj.digest, i) for i in range(len(head.slices))], keep=False, finite=False)
+    finally:
+        payloads.release()
     return head
 
 

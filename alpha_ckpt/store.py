@@ -4,6 +4,7 @@
     STORE/refs/RUN/STEP/0000000007    one small file per published generation: its root digest
     STORE/tmp/                        in-flight writes
     STORE/pending/<pid>-<random>      leases of publishes in flight (see :mod:`alpha_ckpt.leases`)
+    STORE/quarantine/<digest>-<time>-<random>   damaged or hostile entries found at an object's path, set aside
 
 Every write goes through :func:`alpha_ckpt.durable.durable_commit`. Every read
 opens relative to the store's directory descriptors with O_NOFOLLOW and
@@ -32,9 +33,11 @@ from .errors import DurableWriteError, PublishConflict, Refusal, RefusalCode, St
 from .format import CapturePrefix, canonical_json, check_name, digest_bytes, is_digest, parse_canonical_json
 from .leases import PENDING_DIR, Lease, process_start
 
+QUARANTINE_DIR = "quarantine"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 REF_DIGITS = 10
 REF_NAME_RE = re.compile(r"\A[0-9]{%d}\Z" % REF_DIGITS)
+FAN_NAME_RE = re.compile(r"\A[0-9a-f]{2}\Z")
 MAX_PUBLISHED_AT = 1e11  # seconds since the epoch: year 5138
 _MADV_POPULATE_READ = 22  # Linux 5.14+; not exported by Python's mmap module
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -142,7 +145,11 @@ class Store:
         self._objects_fd = self._open_dir(self._root_fd, "objects")
         self._tmp_fd = self._open_dir(self._root_fd, "tmp") if create or self._exists("tmp") else -1
         self._fan_fds: dict[str, int] = {}
+        self._quarantine_fd = -1
         self._leases = _LeaseBook(self._root_fd)
+        # (st_dev, st_ino, st_size) of objects this handle committed or read back in full: an existing
+        # object that matches is reused without reading it again (its file is read-only since its commit).
+        self._known_intact: set[tuple[int, int, int]] = set()
 
     def _exists(self, name: str) -> bool:
         try:
@@ -163,11 +170,11 @@ class Store:
 
     def close(self) -> None:
         self._leases.close()
-        for fd in [self._root_fd, self._objects_fd, self._tmp_fd, *self._fan_fds.values()]:
+        for fd in [self._root_fd, self._objects_fd, self._tmp_fd, self._quarantine_fd, *self._fan_fds.values()]:
             if fd >= 0:
                 os.close(fd)
         self._fan_fds.clear()
-        self._root_fd = self._objects_fd = self._tmp_fd = -1
+        self._root_fd = self._objects_fd = self._tmp_fd = self._quarantine_fd = -1
 
     def __enter__(self) -> "Store":
         return self
@@ -242,20 +249,21 @@ class Store:
         """Durably write an object; ``write(fd)`` writes it and returns its digest.
 
         Returns (digest, written). An object that already exists is not written
-        again (same name, same content): that is the dedup. A reused object's
-        modification time is renewed, so gc's grace period protects it until
-        the publish reusing it has its ref.
+        again (same name, same content): that is the dedup. It is reused only
+        once it is known intact (see :meth:`_reusable`); anything else found
+        under the name is set aside into ``quarantine/`` and the object
+        committed anew. A reused object's modification time is renewed, so
+        gc's grace period protects it until the publish reusing it has its ref.
         """
-        if digest_hint is not None and self.has_object(digest_hint) and self._renew(digest_hint):
+        if digest_hint is not None and self._reusable(self.check_digest(digest_hint), size=None):
             return digest_hint, False
-        for _ in range(2):  # a second time only if gc removed the existing copy in between
+        for _ in range(3):  # again only if the existing copy was set aside or removed (gc) in between
             names: list[str] = []
-
-            sizes: list[int] = []
+            files: list[os.stat_result] = []
 
             def write_named(fd: int) -> str:
                 names.append(self.check_digest(write(fd)))
-                sizes.append(os.fstat(fd).st_size)
+                files.append(os.fstat(fd))  # the same inode once renamed into place
                 return names[0]
 
             try:
@@ -264,12 +272,95 @@ class Store:
                     tmp_dir=self._tmp_fd, dest_dir=lambda name: self._fan_dir(name, create=True),
                     write=write_named, kind="object",
                 )
-                self.bytes_written += sizes[0]
-                return digest, True
             except FileExistsError:
-                if self._renew(names[0]):
+                if self._reusable(names[0], size=files[0].st_size):
                     return names[0], False
+                continue
+            self.bytes_written += files[0].st_size
+            self._known_intact.add(_file_key(files[0]))
+            return digest, True
         raise DurableWriteError("rename", errno.EEXIST, f"object {names[0]} kept disappearing while being reused")
+
+    def _reusable(self, digest: str, size: int | None) -> bool:
+        """Whether the entry named ``digest`` may stand for the object being written; renews it if so.
+
+        It may when it is a regular file (never followed through a symlink,
+        never opened blocking) of the object's size (``size``, where known)
+        whose content validates against its name: the head hashes to the name
+        and every slice to the digest the head records, so it holds exactly the
+        bytes being written. Anything else is set aside into quarantine/ and
+        False returned (False too when the name is gone), so the caller commits
+        its own copy. An object this handle committed or checked before is
+        trusted on its (device, inode, size).
+        """
+        fan = self._fan_dir(digest, create=True)
+        try:
+            st = os.stat(digest, dir_fd=fan, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        if stat.S_ISREG(st.st_mode) and (size is None or st.st_size == size) and _file_key(st) in self._known_intact:
+            return self._renew(digest)
+        problem = self._damage(fan, digest, st, size)
+        if problem is None:
+            self._known_intact.add(_file_key(st))
+            return self._renew(digest)
+        if problem:
+            self._quarantine(fan, digest, st, problem)
+        return False
+
+    def _damage(self, fan: int, digest: str, st: os.stat_result, size: int | None) -> str | None:
+        """What is wrong with the entry ``st`` found under ``digest``: None if intact, "" if it changed meanwhile."""
+        if not stat.S_ISREG(st.st_mode):
+            return f"a {durable.file_kind(st.st_mode)}, not a regular file"
+        if size is not None and st.st_size != size:
+            return f"{st.st_size} bytes where the object has {size}"
+        try:
+            fd = os.open(digest, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=fan)
+        except FileNotFoundError:
+            return ""
+        except OSError as exc:
+            return f"cannot be opened ({exc.strerror})"
+        try:
+            opened = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino) or not stat.S_ISREG(opened.st_mode):
+            os.close(fd)
+            return ""
+        from .restore import validate_object_file  # restore builds on this module
+        with ObjectFile(fd, opened.st_size, digest) as obj:
+            try:
+                validate_object_file(obj, f"existing object {digest[:16]}...")
+            except Refusal as refusal:
+                return refusal.message
+        return None
+
+    def _quarantine(self, fan: int, digest: str, st: os.stat_result, problem: str) -> None:
+        """Durably rename a damaged or hostile entry aside (never delete it: it is evidence); gc sweeps it later."""
+        try:  # another writer may have set it aside and committed a good copy meanwhile: leave that one
+            now = os.stat(digest, dir_fd=fan, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            return
+        if self._quarantine_fd < 0:
+            self._quarantine_fd = durable.make_dir_durable(self._root_fd, QUARANTINE_DIR)
+        name = f"{digest}-{int(time.time())}-{secrets.token_hex(4)}"
+        try:
+            # A fresh random name: a plain rename cannot replace anything, and it moves a directory too.
+            os.rename(digest, name, src_dir_fd=fan, dst_dir_fd=self._quarantine_fd)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise DurableWriteError("quarantine", exc.errno or errno.EIO, f"setting aside object {digest}: {exc}") from exc
+        try:
+            durable.fsync_dir(self._quarantine_fd)
+            durable.fsync_dir(fan)
+        except OSError as exc:
+            raise DurableWriteError("dir-fsync", exc.errno or errno.EIO, f"setting aside object {digest}: {exc}") from exc
+        _log(f"alpha_ckpt: store {self.root}: object {digest} was not reused: {problem}; "
+             f"set aside as {QUARANTINE_DIR}/{name}, written again\n")
 
     def renew_object(self, digest: str) -> bool:
         """Renew an object's modification time (False if it is gone): gc then counts it as young."""
@@ -312,12 +403,41 @@ class Store:
         self.check_digest(digest)
         return os.path.join(self.root, "objects", digest[:2], digest)
 
-    def iter_objects(self) -> Iterator[str]:
+    def iter_objects(self, on_hostile: Callable[[str, str], None] | None = None) -> Iterator[str]:
+        """Every object's name, in order: regular files named by their digest in their fan directory.
+
+        Anything else under objects/ (a fan that is a symlink or a file, a
+        FIFO, directory or symlink under an object's name, a foreign name) is
+        no object of this store: it is skipped, and ``on_hostile(path, why)``
+        hears of it. Nothing is followed through a symlink.
+        """
+        report = on_hostile or (lambda path, why: None)
         for fan in sorted(os.listdir(self._objects_fd)):
-            if len(fan) == 2:
-                for name in sorted(os.listdir(os.path.join(self.root, "objects", fan))):
-                    if is_digest(name) and name.startswith(fan):
-                        yield name
+            kind = _entry_kind(self._objects_fd, fan)
+            if kind is None:
+                continue  # gone meanwhile
+            if not (kind == "directory" and FAN_NAME_RE.match(fan)):
+                report(f"objects/{fan}", f"a {kind}, not a fan directory of objects")
+                continue
+            try:
+                fan_fd = os.open(fan, _DIR_FLAGS, dir_fd=self._objects_fd)
+            except OSError:
+                continue  # replaced meanwhile
+            try:
+                names = []
+                for name in sorted(os.listdir(fan_fd)):
+                    kind = _entry_kind(fan_fd, name)
+                    if kind is None:
+                        continue
+                    if not (is_digest(name) and name.startswith(fan)):
+                        report(f"objects/{fan}/{name}", f"a {kind} whose name is not an object's")
+                    elif kind != "regular file":
+                        report(f"objects/{fan}/{name}", f"a {kind}, not an object file")
+                    else:
+                        names.append(name)
+            finally:
+                os.close(fan_fd)
+            yield from names
 
     # ------------------------------------------------------------ pending publishes
 
@@ -341,6 +461,8 @@ class Store:
             refs = os.open("refs", _DIR_FLAGS, dir_fd=self._root_fd)
         except FileNotFoundError:
             return None
+        except OSError as exc:
+            raise self._not_a_directory("refs", exc)
         try:
             if create:
                 run_fd = durable.make_dir_durable(refs, run)
@@ -477,6 +599,8 @@ class Store:
             refs = os.open("refs", _DIR_FLAGS, dir_fd=self._root_fd)
         except FileNotFoundError:
             return out
+        except OSError as exc:
+            raise self._not_a_directory("refs", exc)
         try:
             for run in sorted(_plain_subdirs(refs)):
                 run_fd = os.open(run, _DIR_FLAGS, dir_fd=refs)
@@ -586,6 +710,26 @@ class _LeaseBook:
         if self._dir_fd >= 0:
             os.close(self._dir_fd)
             self._dir_fd = -1
+
+
+def _file_key(st: os.stat_result) -> tuple[int, int, int]:
+    return st.st_dev, st.st_ino, st.st_size
+
+
+def _entry_kind(dir_fd: int, name: str) -> str | None:
+    """What the directory entry ``name`` is (never followed through a symlink), or None if it is gone."""
+    try:
+        return durable.file_kind(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except FileNotFoundError:
+        return None
+
+
+def _log(line: str) -> None:
+    """One line on stderr in one write(2), so lines of concurrent writers do not interleave."""
+    try:
+        os.write(2, line.encode("utf-8", "replace"))
+    except OSError:
+        pass
 
 
 def _plain_subdirs(dir_fd: int) -> list[str]:

@@ -1,4 +1,9 @@
 """Dedup: a region whose bytes did not change since the last generation is not written again."""
+import os
+import pathlib
+import stat
+import time
+
 import pytest
 import torch
 
@@ -83,3 +88,137 @@ def test_a_manifest_naming_another_captures_shard_without_declaring_it_carried_i
         wrong = ShardRef(record.digest, record.size, record.slices, (0, 0, 0))
         with pytest.raises(Refusal):
             check_shard_against_record(head, wrong, m.prefix, m.schema_digest, m.regions, "shard")
+
+
+# ---------------------------------------------------------------- an existing object is checked before it is reused
+
+def _flip_payload_byte(path) -> None:
+    os.chmod(path, 0o644)
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)  # the last payload byte: the head (and so the name) stays as it was
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def _objects(store_dir):
+    with alpha_ckpt.Store(store_dir, create=False) as s:
+        return set(s.iter_objects())
+
+
+def _shard_of(store_dir, root):
+    with alpha_ckpt.Store(store_dir, create=False) as s, open_generation(s, root) as generation:
+        (shard,) = generation.shards
+        return shard, pathlib.Path(s.object_path(shard))
+
+
+def _quarantine(store_dir):
+    directory = store_dir / "quarantine"
+    return sorted(os.listdir(directory)) if directory.exists() else []
+
+
+STATE_KW = dict(run="r", step="s", update=1, cursor=0, epoch=0)
+
+
+def test_a_damaged_object_is_set_aside_and_written_again_when_the_same_state_is_saved_again(tmp_path):
+    store_dir, state = tmp_path / "store", {"w": torch.randn(4096)}
+    root = alpha_ckpt.save(state, store=store_dir, **STATE_KW)
+    shard, path = _shard_of(store_dir, root)
+    _flip_payload_byte(path)
+    damaged = open(path, "rb").read()
+    again = alpha_ckpt.save(state, store=store_dir, **STATE_KW)  # a fresh Store handle, as a retry or double launch
+    assert again == root
+    alpha_ckpt.verify(store_dir, root)
+    (entry,) = _quarantine(store_dir)
+    assert entry.startswith(shard + "-")
+    assert open(store_dir / "quarantine" / entry, "rb").read() == damaged  # kept for inspection, never deleted
+    assert _objects(store_dir) == {root, shard}
+
+
+def _put_fifo(path, data, outside):
+    os.mkfifo(path)
+
+
+def _put_directory(path, data, outside):
+    os.mkdir(path)
+    (path / "inside").write_bytes(data)
+
+
+def _put_symlink(path, data, outside):
+    outside.write_bytes(b"a file outside the store")
+    os.symlink(outside, path)
+
+
+def _put_truncated(path, data, outside):
+    path.write_bytes(data[:-7])
+
+
+HOSTILE = {"fifo": (_put_fifo, stat.S_ISFIFO), "directory": (_put_directory, stat.S_ISDIR),
+           "symlink": (_put_symlink, stat.S_ISLNK), "truncated": (_put_truncated, stat.S_ISREG)}
+
+
+@pytest.mark.timeout(60)  # a FIFO opened for reading in blocking mode would hang here
+@pytest.mark.parametrize("which", ["shard", "manifest"])  # a manifest is reused through the digest-hint fast path
+@pytest.mark.parametrize("kind", sorted(HOSTILE))
+def test_a_hostile_entry_at_an_object_path_is_set_aside_and_the_object_written_again(tmp_path, kind, which):
+    store_dir, state = tmp_path / "store", {"w": torch.randn(4096)}
+    root = alpha_ckpt.save(state, store=store_dir, **STATE_KW)
+    shard, shard_path = _shard_of(store_dir, root)
+    digest = shard if which == "shard" else root
+    path = shard_path.parent.parent / digest[:2] / digest
+    data = open(path, "rb").read()
+    os.unlink(path)
+    put, is_kind = HOSTILE[kind]
+    put(path, data, tmp_path / "outside")
+    assert alpha_ckpt.save(state, store=store_dir, **STATE_KW) == root
+    alpha_ckpt.verify(store_dir, root)
+    (entry,) = _quarantine(store_dir)
+    assert entry.startswith(digest + "-") and is_kind(os.lstat(store_dir / "quarantine" / entry).st_mode)
+    if kind == "symlink":
+        assert (tmp_path / "outside").read_bytes() == b"a file outside the store"
+
+
+def test_an_intact_object_holding_nan_is_reused_not_set_aside(tmp_path):
+    store_dir = tmp_path / "store"
+    state = {"w": torch.tensor([1.0, float("nan"), 2.0] * 1000)}
+    root = alpha_ckpt.save(state, store=store_dir, **STATE_KW)
+    with alpha_ckpt.Store(store_dir) as fresh:
+        before = fresh.bytes_written
+        assert alpha_ckpt.save(state, store=fresh, **STATE_KW) == root
+        assert fresh.bytes_written == before  # nothing written: the same bytes were there
+    assert _quarantine(store_dir) == []
+
+
+def test_a_store_handle_reads_back_only_objects_it_did_not_write_or_check_itself(tmp_path, monkeypatch):
+    from alpha_ckpt import restore
+    checked = []
+    real = restore.validate_object_file
+    monkeypatch.setattr(restore, "validate_object_file", lambda obj, what="object": checked.append(obj.digest)
+                        or real(obj, what))
+    store_dir, state = tmp_path / "store", {"w": torch.randn(4096)}
+    with alpha_ckpt.Store(store_dir) as own:
+        root = alpha_ckpt.save(state, store=own, **STATE_KW)
+        alpha_ckpt.save(state, store=own, **STATE_KW)
+    assert checked == []  # it wrote both objects: trusted by (device, inode, size)
+    alpha_ckpt.save(state, store=store_dir, **STATE_KW)
+    assert sorted(checked) == sorted(_objects(store_dir)) and root in checked
+
+
+def test_gc_sweeps_quarantined_entries_once_older_than_its_grace_period(tmp_path):
+    from alpha_ckpt.gc import apply_gc, plan_gc
+    store_dir, state = tmp_path / "store", {"w": torch.randn(4096)}
+    root = alpha_ckpt.save(state, store=store_dir, **STATE_KW)
+    _, path = _shard_of(store_dir, root)
+    _flip_payload_byte(path)
+    alpha_ckpt.save(state, store=store_dir, **STATE_KW)
+    (entry,) = _quarantine(store_dir)
+    os.mkdir(store_dir / "quarantine" / f"{'ab' * 32}-{int(time.time()) - 7200}-0123abcd")  # a directory set aside
+    with alpha_ckpt.Store(store_dir, create=False) as s:
+        plan = plan_gc(s, grace=3600)
+        assert len(plan.quarantine) == 1 and plan.to_json()["quarantine"] == 1
+        apply_gc(s, plan)
+    assert _quarantine(store_dir) == [entry]  # the young one stays for inspection
+    with alpha_ckpt.Store(store_dir, create=False) as s:
+        apply_gc(s, plan_gc(s, grace=3600, now=time.time() + 7200))
+    assert _quarantine(store_dir) == []
+    alpha_ckpt.verify(store_dir, root)

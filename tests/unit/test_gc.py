@@ -1,4 +1,5 @@
 """alpha-ckpt gc: stale temp files, retention, unreachable objects; never what a kept or in-flight publish needs."""
+import errno
 import io
 import json
 import os
@@ -295,3 +296,116 @@ def test_completed_steps_discard_the_checkpoints_of_a_step_whose_output_is_publi
     assert cli.main(["gc", "--store", str(tmp_path / "s"), "--completed-steps", "--grace", "0"],
                     out=io.StringIO()) == 0
     assert [r.root for r in store.list_refs("r", "s")] == [pinned, later]
+
+
+# ---------------------------------------------------------------- a store that cannot be written
+
+def _snapshot(store_dir):
+    return {os.path.relpath(os.path.join(d, n), store_dir): os.lstat(os.path.join(d, n)).st_mtime_ns
+            for d, dirs, files in os.walk(store_dir) for n in dirs + files}
+
+
+def _refuse_writes(monkeypatch, error):
+    """Every call that would change the store fails with ``error``, as on a read-only file system."""
+    from alpha_ckpt import durable
+
+    def refuse(*args, **kwargs):
+        raise OSError(error, os.strerror(error))
+
+    real_open, real_stat = os.open, os.stat
+
+    def open_(path, flags, *args, **kwargs):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            refuse()
+        return real_open(path, flags, *args, **kwargs)
+
+    def mkdir(path, *args, dir_fd=None, **kwargs):
+        try:
+            real_stat(path, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            refuse()
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST))  # EEXIST comes first, as in the kernel
+
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    for name in ("unlink", "rmdir", "rename", "link", "utime"):
+        monkeypatch.setattr(os, name, refuse)
+    monkeypatch.setattr(durable, "rename_noreplace", refuse)
+
+
+@pytest.mark.parametrize("error", [errno.EROFS, errno.EACCES], ids=["EROFS", "EACCES"])
+def test_gc_pin_and_unpin_on_a_store_that_cannot_be_written_exit_1_naming_it_and_change_nothing(
+        tmp_path, monkeypatch, error):
+    store_dir = tmp_path / "s"
+    store = Store(store_dir)
+    roots = [_save(store, u) for u in (1, 2, 3)]
+    assert cli.main(["pin", "--store", str(store_dir), roots[0]], out=io.StringIO()) == 0
+    _stray(store_dir)
+    _age_everything(store_dir)
+    before = _snapshot(store_dir)
+    _refuse_writes(monkeypatch, error)
+    for argv in (["gc", "--grace", "0", "--keep", "2"], ["pin", roots[1]], ["unpin", roots[0]]):
+        out, err = io.StringIO(), io.StringIO()
+        assert cli.main([argv[0], "--store", str(store_dir), *argv[1:]], out=out, err=err) == 1, argv
+        assert str(store_dir) in err.getvalue()
+    for argv in (["gc", "--grace", "0", "--keep", "2", "--dry-run"], ["pins"], ["verify", roots[0]], ["list"]):
+        assert cli.main([argv[0], "--store", str(store_dir), *argv[1:]], out=io.StringIO(),
+                        err=io.StringIO()) == 0, argv
+    monkeypatch.undo()
+    assert _snapshot(store_dir) == before
+
+
+_READ_ONLY_SCRIPT = r"""
+import io, json, os, subprocess, sys, time
+import torch
+import alpha_ckpt
+from alpha_ckpt import cli
+
+mount, store = sys.argv[1], os.path.join(sys.argv[1], "store")
+subprocess.run(["mount", "-t", "tmpfs", "tmpfs", mount], check=True)
+roots = [alpha_ckpt.save({"w": torch.full((8,), float(u))}, store=store, run="r", step="s", update=u, cursor=u,
+                         epoch=0) for u in (1, 2, 3)]
+cli.main(["pin", "--store", store, roots[0]], out=io.StringIO())
+stray = os.path.join(store, "tmp", "99999999-abcd.tmp")
+open(stray, "wb").write(b"half a shard")
+old = time.time() - 7200
+for d, _, files in os.walk(store):
+    for f in files:
+        os.utime(os.path.join(d, f), (old, old))
+subprocess.run(["mount", "-o", "remount,ro", mount], check=True)
+results = {}
+commands = {"gc": ["gc", "--grace", "0", "--keep", "2"], "pin": ["pin", roots[1]], "unpin": ["unpin", roots[0]],
+            "gc --dry-run": ["gc", "--grace", "0", "--keep", "2", "--dry-run"], "pins": ["pins"],
+            "verify": ["verify", roots[2]]}
+for name, argv in commands.items():
+    err = io.StringIO()
+    code = cli.main([argv[0], "--store", store, *argv[1:]], out=io.StringIO(), err=err)
+    results[name] = [code, store in err.getvalue()]
+results["refs"] = sorted(os.listdir(os.path.join(store, "refs", "r", "s")))
+results["stray"] = os.path.exists(stray)
+results["pinned"] = os.path.exists(os.path.join(store, "pins", roots[0]))
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_gc_pin_and_unpin_on_a_really_read_only_file_system_exit_1(tmp_path):
+    import shutil
+    import subprocess
+    import sys
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    unshare = shutil.which("unshare")
+    probe = subprocess.run([unshare, "-m", "sh", "-c", f"mount -t tmpfs tmpfs {mount} && mount -o remount,ro {mount}"],
+                           capture_output=True, timeout=30) if unshare else None
+    if probe is None or probe.returncode != 0:
+        pytest.skip("mounting a read-only file system is not permitted here")
+    # A mount namespace of its own: the mount disappears with the process, whatever happens to it.
+    proc = subprocess.run([unshare, "-m", "--propagation", "private", sys.executable, "-c", _READ_ONLY_SCRIPT,
+                           str(mount)], capture_output=True, text=True, timeout=100,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert results["gc"] == [1, True] and results["pin"] == [1, True] and results["unpin"] == [1, True]
+    assert results["gc --dry-run"][0] == 0 and results["pins"][0] == 0 and results["verify"][0] == 0
+    assert results["refs"] == ["0000000001", "0000000002", "0000000003"] and results["stray"] and results["pinned"]
