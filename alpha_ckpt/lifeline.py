@@ -34,7 +34,7 @@ import time
 
 LAUNCHER_PID_ENV = "ALPHA_CKPT_LAUNCHER_PID"  # set by alpha-run for the owners it starts
 WATCH_PERIOD_S = 0.25
-OUTLIVE_BOUND_S = 2.0  # stated in the README; tests/e2e/test_owner_lifetime.py holds us to it
+OUTLIVE_BOUND_S = 2.0  # stated in the README; gates/history_fencing holds us to it
 _PR_SET_PDEATHSIG = 1
 
 _bound_to: int | None = None

@@ -97,14 +97,15 @@ def test_after_a_continuation_publishes_the_older_generation_is_stale_and_a_bran
     first = final(alpha_run(store, "--updates", "2", "--checkpoint-every", "2"))
     cont = final(alpha_run(store, "--updates", "3", "--resume-from", first["last_generation"]))
     assert cont["epoch"] == 1
-    before = store_hash(store)
-    again = alpha_run(store, "--updates", "3", "--resume-from", first["last_generation"])
-    assert again.returncode == 3 and "stale-epoch" in again.stderr
-    assert store_hash(store) == before
     branch = final(alpha_run(store, "--updates", "3", "--branch-from", first["last_generation"], "--run", "what-if"))
     assert branch["state_digest"] == cont["state_digest"] and branch["epoch"] == 0
     latest = final(alpha_run(store, "--updates", "4", "--resume", "latest"))
     assert latest["update"] == 4 and latest["epoch"] == 2
+    before = store_hash(store)
+    again = alpha_run(store, "--updates", "3", "--resume-from", first["last_generation"])
+    assert again.returncode == 3 and "stale-epoch" in again.stderr
+    assert latest["last_generation"] in again.stderr  # it names the newest continuation, the one to resume
+    assert store_hash(store) == before
 
 
 @pytest.mark.timeout(400)

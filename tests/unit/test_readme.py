@@ -32,10 +32,4 @@ def test_the_main_job_command_of_the_readme_runs_as_written(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["update"] == 5 and result["owners"] == 4 and len(result["last_generation"]) == 64
-    # Run again as written: the same history, nothing trained twice.
-    again = subprocess.run([sys.executable, "-m", "alpha_ckpt.launcher", *args], capture_output=True, text=True,
-                           timeout=280, cwd=tmp_path)
-    assert again.returncode == 0, again.stderr[-3000:]
-    repeated = json.loads(again.stdout.strip().splitlines()[-1])
-    assert (repeated["last_generation"], repeated["state_digest"]) == (result["last_generation"],
-                                                                       result["state_digest"])
+    # Run again as written it exits 0 naming the same generation: tests/e2e/test_already_reached.py.

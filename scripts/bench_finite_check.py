@@ -1,0 +1,55 @@
+#!/usr/bin/env python3
+"""What publication's NaN/inf check costs: the same state published with and without it, alternated.
+
+    python scripts/bench_finite_check.py [--gib 1] [--reps 5] [--dir /work]
+
+Publishes a float32 state of ``--gib`` GiB (8 regions) into a fresh store per
+repetition, once as every save does (each float word checked while it is
+hashed) and once unchecked (the forging path tests use), alternating the
+order; prints the medians and their ratio. Timings on a shared machine are
+noisy: read the ratio, not the seconds.
+"""
+import argparse
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+
+from alpha_ckpt.format import DTYPES, CapturePrefix
+from alpha_ckpt.manifest import flatten_state, regions_of
+from alpha_ckpt.planner import Piece
+from alpha_ckpt.store import Store
+from alpha_ckpt.writer import publish_slices, word_bytes
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gib", type=float, default=1.0)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--dir", default=None, help="where the stores go (default: the system temp dir)")
+    args = p.parse_args()
+    state = {f"t{i}": torch.randn(int(args.gib * (1 << 28)) // 8) for i in range(8)}
+    named = flatten_state(state)
+    regions = regions_of(named)
+    shards = [[(Piece(r.ordinal, 0, r.words, DTYPES[r.dtype][0]), memoryview(word_bytes(t).numpy()), "raw")]
+              for r, (_, t) in zip(regions, named)]
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for rep in range(args.reps):
+        for checked in ((True, False) if rep % 2 == 0 else (False, True)):
+            directory = tempfile.mkdtemp(prefix="alpha-bench-finite-", dir=args.dir)
+            try:
+                with Store(directory) as store:
+                    started = time.perf_counter()
+                    publish_slices(store, CapturePrefix("r", "s", 1, 0, 0), regions, shards, forged=not checked)
+                    times[checked].append(time.perf_counter() - started)
+            finally:
+                shutil.rmtree(directory)
+    checked, unchecked = statistics.median(times[True]), statistics.median(times[False])
+    print(f"{args.gib:g} GiB float32, {args.reps} reps: checked {checked:.3f} s, unchecked {unchecked:.3f} s "
+          f"(medians), ratio {checked / unchecked:.3f}")
+
+
+if __name__ == "__main__":
+    main()
