@@ -37,6 +37,12 @@ def first_non_finite(raw, dtype: str, start: int = 0, end: int | None = None) ->
         return None
     size = DTYPES[dtype][0]
     words = torch.frombuffer(raw, dtype=torch_dtype(dtype), count=(end - start) // size, offset=start)
+    # One cheap pass first: any NaN or inf makes the sum non-finite, so a finite sum proves every
+    # word finite. Half types sum in float32 (their own range overflows at once); a sum that
+    # overflows only from large finite words is found out by the exact pass below.
+    total = words.sum(dtype=torch.float32 if size == 2 else None)
+    if torch.isfinite(total):
+        return None
     low, high = torch.aminmax(words)  # NaN propagates; +-inf shows at the ends
     if torch.isfinite(low) and torch.isfinite(high):
         return None

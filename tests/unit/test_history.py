@@ -217,3 +217,24 @@ def test_a_hostile_or_damaged_verified_record_only_costs_a_validation(store_dir,
         plan = plan_gc(s, keep=2, grace=0)
         apply_gc(s, plan)
         assert plan.validated == 2 and [r.root for r in s.list_refs("r", "s")] == roots[1:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_the_finiteness_rule_finds_exactly_the_first_non_finite_word(dtype):
+    from hypothesis import given, settings, strategies as st
+    from alpha_ckpt.manifest import dtype_name, first_non_finite
+    big = float(torch.finfo(dtype).max)
+    values = st.sampled_from([0.0, 1.0, -2.5, big, -big, float("nan"), float("inf"), float("-inf")])
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.lists(values, min_size=0, max_size=64))
+    def check(words):
+        t = torch.tensor(words, dtype=dtype)
+        expected = next((i for i, ok in enumerate(torch.isfinite(t).tolist()) if not ok), None)
+        raw = memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+        assert first_non_finite(raw, dtype_name(dtype, "test")) == expected
+
+    check()
+    # Large finite words whose sum overflows are still finite.
+    assert first_non_finite(memoryview(torch.full((64,), big, dtype=dtype).view(torch.uint8).numpy()),
+                            dtype_name(dtype, "test")) is None
