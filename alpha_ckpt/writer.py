@@ -37,6 +37,7 @@ DEFAULT_MAX_SHARD_BYTES = 2 << 30
 _PLACEHOLDER = "0" * 64
 _ZSTD_LEVEL = 1
 _SAMPLE_BYTES = 1 << 20
+_SAMPLE_TIMINGS = 3
 
 
 DEDUP_MIN_BYTES = 1 << 20  # a region at least this large gets a shard of its own, so it can be carried
@@ -131,13 +132,18 @@ def choose_codec(data: memoryview, requested: str, disk_bytes_per_s: float = DEF
     sample = data[:_SAMPLE_BYTES]
     if len(sample) < 4096:
         return "raw"
-    started = time.perf_counter()
-    compressed = len(zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(sample))
-    seconds = max(time.perf_counter() - started, 1e-9)
-    ratio = compressed / len(sample)
-    if ratio >= 1.0:
-        return "raw"
-    return "zstd" if len(sample) / seconds > disk_bytes_per_s / (1.0 - ratio) else "raw"
+    compressor = zstandard.ZstdCompressor(level=_ZSTD_LEVEL)
+    seconds = float("inf")
+    for _ in range(_SAMPLE_TIMINGS):  # the fastest of a few: a preempted run says nothing about the codec
+        started = time.perf_counter()
+        compressed = len(compressor.compress(sample))
+        seconds = min(seconds, max(time.perf_counter() - started, 1e-9))
+    return "zstd" if zstd_pays(compressed / len(sample), len(sample) / seconds, disk_bytes_per_s) else "raw"
+
+
+def zstd_pays(ratio: float, compress_bytes_per_s: float, disk_bytes_per_s: float) -> bool:
+    """Whether compressing then writing ``ratio`` of the bytes beats writing them raw."""
+    return ratio < 1.0 and compress_bytes_per_s > disk_bytes_per_s / (1.0 - ratio)
 
 
 _CODEC_CHOICES = ("raw", "zstd", "auto")

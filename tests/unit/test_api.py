@@ -227,3 +227,12 @@ def test_auto_compression_weighs_the_compression_rate_against_the_disk_rate():
     assert choose_codec(bf16, "auto", 1e9) == "raw"            # shrinks ~20 %, but zstd is slower than the disk
     assert choose_codec(bf16, "auto", 20e6) == "zstd"          # a 20 MB/s network file system: it pays
     assert choose_codec(zeros, "auto", 1e9) == "zstd"
+
+
+def test_zstd_pays_only_when_compressing_beats_writing_the_saved_bytes():
+    from alpha_ckpt.writer import zstd_pays
+    assert zstd_pays(0.01, 5e9, 1e9)            # zeros: tiny output, fast codec
+    assert not zstd_pays(0.8, 0.7e9, 1e9)       # float data on a local disk: c < d / (1 - r) = 5e9
+    assert zstd_pays(0.8, 0.7e9, 20e6)          # the same data on a 20 MB/s network file system
+    assert not zstd_pays(1.0, 1e12, 1e6)        # incompressible never pays, however fast
+    assert not zstd_pays(1.02, 1e12, 1e6)
