@@ -48,6 +48,9 @@ DTYPES: dict[str, tuple[int, bool]] = {
     "int8": (1, False),
     "uint8": (1, False),
     "bool": (1, False),
+    "uint16": (2, False),
+    "uint32": (4, False),
+    "uint64": (8, False),
 }
 CODECS = ("raw", "zstd")
 PREFIX_KEYS = ("run", "step", "update", "cursor", "epoch")
@@ -177,13 +180,17 @@ class RegionDecl:
     name: str
     dtype: str
     shape: tuple[int, ...]
+    nonfinite: bool = False  # declared (allow_nonfinite) to hold NaN/inf: restored as saved
 
     @property
     def words(self) -> int:
         return _numel(self.shape)
 
     def to_json(self) -> dict:
-        return {"ordinal": self.ordinal, "name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+        out = {"ordinal": self.ordinal, "name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+        if self.nonfinite:
+            out["nonfinite"] = True
+        return out
 
 
 @dataclass(frozen=True)
@@ -257,6 +264,7 @@ class ManifestHead:
     metadata: Any
     publisher: Publisher = STAR
     children: tuple[ChildRef, ...] = ()
+    state: Any = None  # the decoded typed skeleton (regions as RegionRef), or None: a dict of regions by name
 
     @property
     def size(self) -> int:
@@ -289,14 +297,18 @@ def shard_header(prefix: CapturePrefix, schema_digest: str, slices: Sequence[Sli
 
 def manifest_header(
     prefix: CapturePrefix, schema_digest: str, regions: Sequence[RegionDecl], shards: Sequence[ShardRef],
-    owners: int, metadata: Any, publisher: Publisher = STAR, children: Sequence[ChildRef] = (),
+    owners: int, metadata: Any, publisher: Publisher = STAR, children: Sequence[ChildRef] = (), state: Any = None,
 ) -> dict:
-    return {
+    """``state`` is the typed skeleton (:mod:`alpha_ckpt.state.values`) of what was saved, root manifests only."""
+    header = {
         "kind": "manifest", "prefix": prefix.to_json(), "schema_digest": schema_digest,
         "regions": [r.to_json() for r in regions], "shards": [s.to_json() for s in shards],
         "children": [c.to_json() for c in children], "owners": owners, "metadata": metadata, "payload_bytes": 0,
         "publisher": publisher.to_json(),
     }
+    if state is not None:
+        header["state"] = state
+    return header
 
 
 def schema_digest_of(regions: Sequence[RegionDecl]) -> str:
@@ -465,7 +477,7 @@ def padding_ranges(head: ShardHead) -> list[tuple[int, int]]:
 def parse_manifest_header(header: Any, digest: str, head_len: int, what: str) -> ManifestHead:
     keys = ("kind", "prefix", "schema_digest", "regions", "shards", "children", "owners", "metadata", "payload_bytes",
             "publisher")
-    _require_keys(header, keys, what)
+    _require_keys(header, keys, what, optional=("state",))
     if header["kind"] != "manifest":
         raise _fail(what, f"expected a manifest, found a {header['kind']}")
     if header["payload_bytes"] != 0:
@@ -479,12 +491,14 @@ def parse_manifest_header(header: Any, digest: str, head_len: int, what: str) ->
     regions = []
     for i, r in enumerate(header["regions"]):
         w = f"{what} region {i}"
-        _require_keys(r, ("ordinal", "name", "dtype", "shape"), w)
+        _require_keys(r, ("ordinal", "name", "dtype", "shape"), w, optional=("nonfinite",))
         if type(r["ordinal"]) is not int or r["ordinal"] != i:
             raise _fail(w, f"ordinal {r['ordinal']!r} is not its declaration position {i}")
         if not isinstance(r["name"], str):
             raise _fail(w, "name must be a string")
-        regions.append(RegionDecl(i, r["name"], _dtype(r["dtype"], w), _shape(r["shape"], w)))
+        if r.get("nonfinite", True) is not True:
+            raise _fail(w, "nonfinite is written only as true")
+        regions.append(RegionDecl(i, r["name"], _dtype(r["dtype"], w), _shape(r["shape"], w), "nonfinite" in r))
     if schema_digest_of(regions) != schema:
         raise _fail(what, "schema_digest does not match the declared regions")
     shards = []
@@ -515,8 +529,25 @@ def parse_manifest_header(header: Any, digest: str, head_len: int, what: str) ->
         raise _fail(what, f"owners must be a positive integer, got {owners!r}")
     if publisher.kind == "tree" and publisher.role + publisher.subtree > owners:
         raise _fail(what, f"tree role {publisher.role} with subtree {publisher.subtree} exceeds {owners} owners")
+    state = _state_skeleton(header["state"], regions, what) if "state" in header else None
     return ManifestHead(digest, head_len, prefix, schema, tuple(regions), tuple(shards), owners, header["metadata"],
-                        publisher, children)
+                        publisher, children, state)
+
+
+def _state_skeleton(obj: Any, regions: Sequence[RegionDecl], what: str) -> Any:
+    """Decode a root manifest's typed skeleton; it must name every region once, by its dotted path."""
+    from .state.capture import dotted_leaves
+    from .state.values import decode_value
+    skeleton = decode_value(obj, f"{what} state")
+    if not isinstance(skeleton, dict):
+        raise _fail(what, "state must be a typed dict")
+    named = [(path, ref) for path, ref in dotted_leaves(skeleton)]
+    for path, ref in named:
+        if ref.name != path:
+            raise _fail(what, f"state names region {ref.name!r} at {path!r}")
+    if [path for path, _ in named] != [r.name for r in regions]:
+        raise _fail(what, "state does not name exactly the declared regions, in declaration order")
+    return skeleton
 
 
 def _publisher(obj: Any, what: str) -> Publisher:

@@ -8,7 +8,7 @@ Coverage is checked on word ranges, never by adding up byte counts.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -60,54 +60,56 @@ def dtype_name(dtype: torch.dtype, where: str) -> str:
         raise ValueError(f"{where}: dtype {dtype} is not supported (supported: {', '.join(DTYPES)})") from None
 
 
-def flatten_state(state: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
-    """Nested dicts of tensors -> [(dotted name, tensor)] in declaration (insertion) order.
-
-    Keys may contain dots (module FQNs do); two entries that flatten to the
-    same dotted name are refused, since the name describes the region.
-    """
-    out: list[tuple[str, torch.Tensor]] = []
-    seen: set[str] = set()
-
-    def walk(node: Mapping[str, Any], prefix: str) -> None:
-        for key, value in node.items():
-            if not isinstance(key, str) or not key:
-                raise ValueError(f"state key {prefix}{key!r}: keys must be non-empty strings")
-            name = f"{prefix}{key}"
-            if isinstance(value, Mapping):
-                walk(value, name + ".")
-            elif isinstance(value, torch.Tensor):
-                if name in seen:
-                    raise ValueError(f"state entry {name!r} appears twice after flattening nested keys")
-                seen.add(name)
-                out.append((name, value))
-            else:
-                raise ValueError(f"state entry {name!r} is a {type(value).__name__}; only tensors and dicts of tensors are saved")
-
-    walk(state, "")
-    return out
-
-
-def regions_of(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[RegionDecl, ...]:
+def regions_of(named: Sequence[tuple[str, torch.Tensor]], allow_nonfinite: Sequence[str] = ()) -> tuple[RegionDecl, ...]:
+    """Region declarations of (dotted name, tensor) pairs; names matching an ``allow_nonfinite``
+    pattern (fnmatch) are declared to hold NaN/inf."""
+    from .state.capture import matches_any
     return tuple(
-        RegionDecl(i, name, dtype_name(t.dtype, name), tuple(t.shape)) for i, (name, t) in enumerate(named)
+        RegionDecl(i, name, dtype_name(t.dtype, name), tuple(t.shape), matches_any(name, allow_nonfinite))
+        for i, (name, t) in enumerate(named)
     )
 
 
-def check_schema_matches(saved: Sequence[RegionDecl], wanted: Sequence[RegionDecl], what: str) -> None:
-    """The destination must declare the same regions the checkpoint saved."""
-    saved_names = [r.name for r in saved]
-    wanted_names = [r.name for r in wanted]
-    if saved_names != wanted_names:
-        missing = sorted(set(wanted_names) - set(saved_names))
-        unexpected = sorted(set(saved_names) - set(wanted_names))
-        raise Refusal(RefusalCode.COVERAGE, f"{what}: regions differ from the destination (missing {missing}, "
-                      f"unexpected {unexpected}{', order differs' if not missing and not unexpected else ''})")
-    for s, w in zip(saved, wanted):
-        if s.dtype != w.dtype:
-            raise Refusal(RefusalCode.CONTRACT_MISMATCH, f"{what}: region {s.name!r} was saved as {s.dtype}, destination is {w.dtype}")
-        if s.shape != w.shape:
-            raise Refusal(RefusalCode.COVERAGE, f"{what}: region {s.name!r} was saved with shape {list(s.shape)}, destination has {list(w.shape)}")
+def describe_region(r: RegionDecl) -> str:
+    return f"{r.dtype}{list(r.shape)}"
+
+
+def refuse_mismatch(what: str, missing: Sequence[str], unexpected: Sequence[str], differ: Sequence[str],
+                    dtype_only: bool = False) -> Refusal:
+    """One refusal naming the entries a destination and a checkpoint disagree on (first 10 of each, and counts).
+
+    ``coverage`` when an entry is missing, unexpected or reshaped; ``contract-mismatch``
+    when the only differences are dtypes (another numerical contract).
+    """
+    parts = []
+    for label, names in (("missing from the checkpoint", missing), ("in the checkpoint but not the destination",
+                                                                     unexpected), ("different", differ)):
+        if names:
+            more = f", and {len(names) - 10} more" if len(names) > 10 else ""
+            parts.append(f"{len(names)} {label}: {', '.join(names[:10])}{more}")
+    code = RefusalCode.CONTRACT_MISMATCH if dtype_only and not missing and not unexpected else RefusalCode.COVERAGE
+    return Refusal(code, f"{what}: the destination does not match the checkpoint ({'; '.join(parts)})")
+
+
+def match_regions(saved: Sequence[RegionDecl], wanted: Sequence[RegionDecl], what: str) -> list[int]:
+    """Match destination regions to saved ones by dotted name (never by order): the saved ordinal of each.
+
+    Refuses, naming them, entries missing from the checkpoint, saved entries the
+    destination lacks, and entries whose dtype or shape differ.
+    """
+    by_name = {r.name: r for r in saved}
+    wanted_names = {r.name for r in wanted}
+    missing = [r.name for r in wanted if r.name not in by_name]
+    unexpected = [r.name for r in saved if r.name not in wanted_names]
+    differ, dtype_only = [], True
+    for w in wanted:
+        s = by_name.get(w.name)
+        if s is not None and (s.dtype, s.shape) != (w.dtype, w.shape):
+            differ.append(f"{w.name} (saved {describe_region(s)}, destination {describe_region(w)})")
+            dtype_only = dtype_only and s.shape == w.shape
+    if missing or unexpected or differ:
+        raise refuse_mismatch(what, missing, unexpected, differ, dtype_only)
+    return [by_name[w.name].ordinal for w in wanted]
 
 
 def check_coverage(regions: Sequence[RegionDecl], slices: Iterable[tuple[int, int, int, str]], what: str) -> None:
@@ -158,3 +160,9 @@ def check_shard_against_record(head: ShardHead, record: ShardRef, prefix: Captur
 
 def _describe(p: CapturePrefix) -> str:
     return f"run={p.run} step={p.step} update={p.update} cursor={p.cursor} epoch={p.epoch}"
+
+
+def flatten_state(state) -> list[tuple[str, torch.Tensor]]:
+    """The (dotted name, tensor) regions of ``state``, in declaration order (:func:`alpha_ckpt.state.capture_state`)."""
+    from .state.capture import capture_state
+    return list(capture_state(state).named)

@@ -25,12 +25,12 @@ import zstandard
 from .destinations import check_destinations, check_tied_saved_alike, destination_layouts
 from .errors import Refusal, RefusalCode
 from .format import (
-    DTYPES, PREFIX_LEN, CapturePrefix, ChildRef, ManifestHead, ShardHead, ShardRef, SliceRecord, decode_head, padding_ranges,
+    DTYPES, PREFIX_LEN, CapturePrefix, ChildRef, ManifestHead, RegionDecl, ShardHead, ShardRef, SliceRecord, decode_head,
+    padding_ranges,
     parse_manifest_header, parse_shard_header, split_head,
 )
 from .manifest import (
-    check_coverage, check_schema_matches, check_shard_against_record, first_non_finite, flatten_state, regions_of,
-    word_value,
+    check_coverage, check_shard_against_record, first_non_finite, word_value,
 )
 from .planner import Hierarchy, PlanError, SavedSlice, WantedSlice, plan_restore
 from .store import ObjectFile, RefRecord, Store
@@ -234,7 +234,8 @@ def _word_value(rec: SliceRecord, raw: memoryview, index: int) -> float:
 
 
 def _refuse_non_finite(rec: SliceRecord, index: int, value: float, what: str) -> Refusal:
-    return Refusal(RefusalCode.NON_FINITE, f"{what}: region ordinal {rec.ordinal} word {rec.lo + index} is {value}")
+    return Refusal(RefusalCode.NON_FINITE, f"{what}: word {rec.lo + index} is {value} (a region that may hold "
+                   "NaN/inf is declared so at save: allow_nonfinite)")
 
 
 _CHUNK = 16 << 20  # unit of reading ahead, hashing and finiteness checks
@@ -247,7 +248,8 @@ def _no_wait(upto: int) -> None:
 
 def decode_slice(rec: SliceRecord, stored: memoryview, what: str,
                  wait: Callable[[int], None] = _no_wait, keep: bool = True,
-                 advance: Callable[[int], None] | None = None, finite: bool = True) -> memoryview | None:
+                 advance: Callable[[int], None] | None = None, finite: bool = True,
+                 region: str | None = None) -> memoryview | None:
     """Check a slice's stored bytes and return its raw words (a view, or a decompressed copy).
 
     ``wait(n)`` returns once the first n stored bytes are in memory: raw slices
@@ -257,8 +259,10 @@ def decode_slice(rec: SliceRecord, stored: memoryview, what: str,
     the stored bytes checked so far (per chunk of a raw slice, once per zstd
     slice), for a progress bar; it may be called from several threads. With
     ``finite=False`` only the bytes' integrity is checked, not the words' values.
+    ``region`` is the region's dotted name, for messages (a shard alone knows only its ordinal).
     """
-    w = f"{what} slice of region ordinal {rec.ordinal} words [{rec.lo}, {rec.hi})"
+    named = repr(region) if region is not None else f"ordinal {rec.ordinal}"
+    w = f"{what} slice of region {named} words [{rec.lo}, {rec.hi})"
     if rec.codec == "raw":
         hasher = blake3.blake3()
         bad = None
@@ -449,8 +453,9 @@ class _Prefetcher:
 class _Payloads:
     """Maps each shard once and validates slices in parallel (BLAKE3 and torch release the GIL)."""
 
-    def __init__(self, shards: Mapping[str, tuple[ObjectFile, ShardHead]]):
+    def __init__(self, shards: Mapping[str, tuple[ObjectFile, ShardHead]], regions: Sequence[RegionDecl] = ()):
         self.shards = shards
+        self.regions = regions  # the manifest's: names for messages, and which regions may hold NaN/inf
         self._views: dict[str, memoryview] = {}
         self._lock = threading.Lock()
 
@@ -470,24 +475,21 @@ class _Payloads:
                advance: Callable[[int], None] | None = None,
                finite: bool = True) -> dict[tuple[str, int], memoryview | None]:
         """Validate the wanted slices (all of them, or raise the first refusal in file order)."""
-        def one(key: tuple[str, int]) -> memoryview | None:
+        def one(key: tuple[str, int], wait: Callable[[int], None]) -> memoryview | None:
             digest, index = key
             rec = self.shards[digest][1].slices[index]
+            region = self.regions[rec.ordinal] if rec.ordinal < len(self.regions) else None
             return decode_slice(rec, self.payload(digest)[rec.offset:rec.offset + rec.stored], f"shard {digest[:16]}...",
-                                prefetcher.waiter(key), keep=keep, advance=advance, finite=finite)
+                                wait, keep=keep, advance=advance, finite=finite and not (region and region.nonfinite),
+                                region=region.name if region else None)
 
         for digest in dict.fromkeys(d for d, _ in wanted):
             self.check_padding(digest)
         total = sum(self.shards[d][1].slices[i].stored for d, i in wanted)
         if total <= _SMALL_RESTORE:
             # Small reads: starting threads would cost more than the reading and hashing.
-            results = {}
-            for digest, index in sorted(wanted, key=lambda k: (k[0], self.shards[k[0]][1].slices[k[1]].offset)):
-                rec = self.shards[digest][1].slices[index]
-                results[(digest, index)] = decode_slice(rec, self.payload(digest)[rec.offset:rec.offset + rec.stored],
-                                                        f"shard {digest[:16]}...", keep=keep, advance=advance,
-                                                        finite=finite)
-            return results
+            ordered = sorted(wanted, key=lambda k: (k[0], self.shards[k[0]][1].slices[k[1]].offset))
+            return {key: one(key, _no_wait) for key in ordered}
         # File order, so the prefetchers read sequentially and the verifiers follow them.
         jobs = []
         for key in sorted(wanted, key=lambda k: (k[0], self.shards[k[0]][1].slices[k[1]].offset)):
@@ -501,7 +503,7 @@ class _Payloads:
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="alpha-ckpt-verify")
         prefetcher.start()
         try:
-            futures = [(key, pool.submit(one, key)) for key in order]
+            futures = [(key, pool.submit(one, key, prefetcher.waiter(key))) for key in order]
             for key, future in futures:
                 results[key] = future.result()
         finally:
@@ -521,7 +523,7 @@ def payload_bytes(generation: Generation) -> int:
 
 def check_payloads(generation: Generation, *, advance: Callable[[int], None] | None = None) -> None:
     """Validate every slice (and the padding) of every opened shard; nothing is kept."""
-    payloads = _Payloads(generation.shards)
+    payloads = _Payloads(generation.shards, generation.manifest.regions)
     keys = [(d, i) for d, (_, head) in generation.shards.items() for i in range(len(head.slices))]
     payloads.decode(keys, keep=False, advance=advance)
     payloads.release()
@@ -557,7 +559,7 @@ class PreparedRestore:
             self.plan = plan_restore(generation.saved_slices(), wanted)
         except PlanError as exc:
             raise Refusal(RefusalCode.COVERAGE, f"generation {generation.root[:16]}...: {exc}") from None
-        self._payloads = _Payloads(generation.shards)
+        self._payloads = _Payloads(generation.shards, generation.manifest.regions)
         self._raws = self._payloads.decode(list(dict.fromkeys((c.source, c.index) for c in self.plan.copies)),
                                            advance=advance)
 
@@ -585,28 +587,37 @@ def restore_slices(generation: Generation, wanted: Sequence[WantedSlice], target
     PreparedRestore(generation, wanted).copy_into(targets)
 
 
-def load_state(state_dict: Mapping[str, Any], *, store: Store, root: str) -> Counters:
-    """Validate the generation for ``state_dict``'s regions, then copy into its tensors in place.
+def load_state(state: Mapping[str, Any], *, store: Store, root: str) -> Counters:
+    """Validate the generation for what ``state`` asks, then fill it: tensors in place, values and
+    Stateful objects after every copy (:mod:`alpha_ckpt.state.load`).
 
+    The destination is matched to the checkpoint by dotted name; every entry that
+    is missing, unexpected or of another shape or dtype is named in one refusal.
     Destinations that share memory are refused first (tied weights, the very
     same view under two names, only where the checkpoint holds the same
     words for both): the copies would otherwise overwrite each other.
     """
-    named = flatten_state(state_dict)
-    wanted_regions = regions_of(named)
-    tied = check_destinations(destination_layouts(named))
+    from .state.load import plan_load
     with open_generation(store, root) as generation:
         manifest = generation.manifest
-        check_schema_matches(manifest.regions, wanted_regions, f"generation {root[:16]}...")
+        what = f"generation {root[:16]}..."
+        plan = plan_load(state, manifest.state, manifest.regions)
+        refusal = plan.refusal(what)
+        if refusal is not None:
+            raise refusal
+        names = [manifest.regions[ordinal].name for ordinal, _ in plan.targets]
+        tied = check_destinations(destination_layouts([(n, t) for n, (_, t) in zip(names, plan.targets)]))
         if tied:
-            check_tied_saved_alike(tied, [name for name, _ in named], _saved_words(generation))
-        wanted = [WantedSlice(r.ordinal, 0, r.words, r.ordinal) for r in manifest.regions]
-        staged = [_flat_destination(t) for _, t in named]
+            saved = _saved_words(generation)
+            check_tied_saved_alike(tied, names, {i: saved.get(o, []) for i, (o, _) in enumerate(plan.targets)})
+        wanted = [WantedSlice(o, 0, manifest.regions[o].words, i) for i, (o, _) in enumerate(plan.targets)]
+        staged = [_flat_destination(t) for _, t in plan.targets]
         restore_slices(generation, wanted, [flat for flat, _ in staged])
         with torch.no_grad():
-            for (_, t), (_, filled) in zip(named, staged):
+            for (_, t), (_, filled) in zip(plan.targets, staged):
                 if filled is not t:
                     t.copy_(filled)
+        plan.finish()
         p = manifest.prefix
         return Counters(p.run, p.step, p.update, p.cursor, p.epoch, manifest.metadata, root)
 

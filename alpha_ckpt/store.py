@@ -506,12 +506,16 @@ class Store:
         number after the newest with NOREPLACE, so the check is race-free: a
         publisher that lost the number re-reads the newest ref and is fenced,
         or gets :class:`PublishConflict` (retryable) when the winner was not
-        one to fence it. ``fence=False`` is for forging test generations only.
+        one to fence it. Publishing the root the newest ref already names
+        returns that ref (a retried save is idempotent). ``fence=False`` is
+        for forging test generations only.
         """
         dir_fd = self._refs_dir(prefix.run, prefix.step, create=True)
         try:
             numbers = self._ref_numbers(dir_fd)
             newest = self._read_ref(dir_fd, prefix.run, prefix.step, numbers[-1]) if numbers else None
+            if fence and isinstance(newest, RefRecord) and (newest.root, newest.prefix) == (root, prefix):
+                return newest  # this very state is already the newest generation (a retried save): nothing to add
             if fence:
                 check_fence(newest, prefix, follows)
             generation = (numbers[-1] if numbers else 0) + 1
@@ -619,6 +623,8 @@ def check_fence(newest: "RefRecord | Refusal | None", prefix: CapturePrefix, fol
     - newest is of a newer epoch: a continuation owns the run/step; this publisher is stale (``stale-epoch``).
     - ``follows`` given and newest is of the same epoch but is not generation ``follows`` (0: no generation):
       another publisher of this epoch published meanwhile (``fenced``).
+    - newest is of the same epoch and at this update or a later one (or a later cursor): ``latest``
+      would go backwards (``reset-cursor``).
     - newest cannot be read: the history cannot be checked, so nothing is published after it.
     Pure: the caller reads the ref.
     """
@@ -641,6 +647,11 @@ def check_fence(newest: "RefRecord | Refusal | None", prefix: CapturePrefix, fol
         raise Refusal(RefusalCode.FENCED, f"publish of update {prefix.update} in epoch {prefix.epoch} fenced: "
                       f"{where} generation {newest.generation} (update {p.update}, root {newest.root}) was "
                       f"published by another job of the same epoch; this job continues {expected}")
+    if p.epoch == prefix.epoch and (prefix.update <= p.update or prefix.cursor < p.cursor):
+        raise Refusal(RefusalCode.RESET_CURSOR, f"publish of update {prefix.update} (cursor {prefix.cursor}) in "
+                      f"epoch {prefix.epoch} refused: {where} generation {newest.generation} (root {newest.root}) "
+                      f"is already at update {p.update} (cursor {p.cursor}) of this epoch, and history only moves "
+                      "forward within an epoch (a restart from an older generation continues in a newer epoch)")
 
 
 class PublishLease:

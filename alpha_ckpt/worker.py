@@ -34,7 +34,8 @@ from .learner.digest import state_digest
 from .learner.model import (
     COMBINE_ORDER, LearnerState, apply_update, combine, configure_determinism, share_gradient, sum_in_owner_order,
 )
-from .manifest import check_schema_matches, flatten_state, regions_of
+from .manifest import match_regions
+from .state import capture_state
 from .writer import ShardCarry, word_bytes
 from .planner import Hierarchy, Piece, WantedSlice, owners_holding
 from .publish.star import build_capture, publish_star
@@ -109,8 +110,9 @@ class Owner:
         self.state = LearnerState.initial(config, device)
         self.epoch = 0
         self.last_generation = None
-        self.named = flatten_state(self.state.tensors())
-        self.regions = regions_of(self.named)
+        captured = capture_state(self.state.tensors())  # the same path as alpha_ckpt.save
+        self.named, self.skeleton = list(captured.named), captured.skeleton
+        self.regions = captured.regions()
         self.owned = [self._owned(name, t) for name, t in self.named]
         self.publisher = publisher
         self.segments = [{"owners": self.world, "from": 0, "combine_order": COMBINE_ORDER}]
@@ -236,7 +238,7 @@ class Owner:
         else:
             capture = build_capture(prefix, self.regions, tensors, self.owned)
             root = publish_star(self.store if self.rank == 0 else None, capture, self.regions, metadata, group,
-                                carry=self.carry, follows=self.follows)
+                                carry=self.carry, follows=self.follows, state=self.skeleton)
         seconds = time.monotonic() - t0
         # Bytes every owner wrote (the tree's owners write their own shards).
         written = torch.tensor([self.store.bytes_written - written0], dtype=torch.int64)
@@ -334,7 +336,8 @@ class Owner:
         role = TreeRole(self.store, self.hierarchy, self.rank, transport, timeout=self.commit_timeout, carry=self.carry,
                         fault=fault.partition(":")[2] if fault.partition(":")[0] == str(self.rank) else None)
         completion = role.complete(role.commit(prefix, self.regions, [parts] if parts else [],
-                                               replicated.hexdigest(), metadata, follows=self.follows))
+                                               replicated.hexdigest(), metadata, follows=self.follows,
+                                               state=self.skeleton))
         if not completion["ok"]:
             if completion.get("code"):  # a refusal (a NaN, a fenced history): exit 3 on every owner
                 raise Refusal(completion["code"], str(completion["reason"]))
@@ -480,7 +483,10 @@ class Owner:
         # The bindings live in the root manifest: no shard is opened here.
         with open_generation(self.store, root, role=0, wanted=[]) as generation:
             self._check_binding(generation, branch)
-            check_schema_matches(generation.manifest.regions, self.regions, f"generation {root[:16]}...")
+            if match_regions(generation.manifest.regions, self.regions, f"generation {root[:16]}...") != list(
+                    range(len(self.regions))):
+                raise Refusal(RefusalCode.FOREIGN_LEARNER, f"generation {root[:16]}... declares this learner's "
+                              "regions in another order: another program wrote it")
         return root
 
     def start_fresh(self) -> None:

@@ -29,7 +29,8 @@ from .format import (
     check_name, digest_bytes, encode_head, manifest_header, schema_digest_of, shard_header,
 )
 from .errors import Refusal, RefusalCode
-from .manifest import first_non_finite, flatten_state, regions_of, word_value
+from .manifest import first_non_finite, word_value
+from .state.capture import CapturedState, capture_state
 from .planner import Piece, pack_shards
 from .store import RefRecord, Store
 
@@ -265,7 +266,8 @@ def _hash_and_check(view: memoryview, dtype: str, digest: str | None) -> tuple[s
 def _refuse_non_finite(region: RegionDecl, piece: Piece, raw: memoryview, index: int) -> Refusal:
     value = word_value(raw, region.dtype, index)
     return Refusal(RefusalCode.NON_FINITE, f"region {region.name!r} word {piece.lo + index} is {value}: a restore "
-                   "would refuse it, so it is not published")
+                   "would refuse it, so it is not published (declare regions that may hold NaN/inf with "
+                   "allow_nonfinite)")
 
 
 def write_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regions: Sequence[RegionDecl],
@@ -303,8 +305,8 @@ def write_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regions
 
     def write(fd: int) -> str:
         futures = []
-        for record, stored, (_, raw, _), digest in zip(records, payloads, parts, known):
-            if check_finite:
+        for record, stored, (piece, raw, _), digest in zip(records, payloads, parts, known):
+            if check_finite and not regions[piece.ordinal].nonfinite:
                 raw_f = pool.submit(_hash_and_check, raw, record.dtype, digest)
             else:
                 raw_f = _done((digest, None)) if digest is not None else pool.submit(lambda v: (_hash(v), None), raw)
@@ -412,10 +414,13 @@ def _write_all(store, prefix, schema, regions, shards, pool, carry, check_finite
 
 def write_manifest(store: Store, prefix: CapturePrefix, regions: Sequence[RegionDecl], shards: Sequence[ShardRef],
                    owners: int, metadata: Any, publisher: Publisher = STAR,
-                   children: Sequence[ChildRef] = ()) -> tuple[str, int]:
-    """Durably write a manifest (the star's root, or one tree group manifest); returns (digest, size)."""
+                   children: Sequence[ChildRef] = (), state: Any = None) -> tuple[str, int]:
+    """Durably write a manifest (the star's root, or one tree group manifest); returns (digest, size).
+
+    ``state`` is the typed skeleton of the saved state (root manifests).
+    """
     head = encode_head(manifest_header(prefix, schema_digest_of(regions), regions, shards, owners, metadata,
-                                       publisher, children))
+                                       publisher, children, state))
 
     def write(fd: int) -> str:
         _pwrite_all(fd, memoryview(head), 0)
@@ -428,7 +433,7 @@ def write_manifest(store: Store, prefix: CapturePrefix, regions: Sequence[Region
 def publish_slices(store: Store, prefix: CapturePrefix, regions: Sequence[RegionDecl],
                    shards: Sequence[Sequence[tuple[Piece, memoryview, str]]], *, metadata: Any = None,
                    owners: int = 1, carry: ShardCarry | None = None, follows: int | None = None,
-                   forged: bool = False) -> Published:
+                   forged: bool = False, state: Any = None) -> Published:
     """Write each shard (its (piece, raw bytes, codec) parts in physical order), the manifest, then the ref.
 
     Refuses (nothing published) what a restore would refuse (a NaN or inf word)
@@ -437,22 +442,24 @@ def publish_slices(store: Store, prefix: CapturePrefix, regions: Sequence[Region
     """
     with store.pending_publish(prefix.run, prefix.step):  # gc spares what this publish writes or reuses
         shard_refs = write_shards(store, prefix, regions, shards, carry=carry, check_finite=not forged)
-        root, root_size = write_manifest(store, prefix, regions, shard_refs, owners, metadata)
+        root, root_size = write_manifest(store, prefix, regions, shard_refs, owners, metadata, state=state)
         total = root_size + sum(s.size for s in shard_refs)
         record = store.publish_ref(prefix, root, root_size, total, owners=owners, follows=follows, fence=not forged)
     return Published(root, record, tuple(shard_refs))
 
 
-def save_state(state_dict: Mapping[str, Any], *, store: Store, prefix: CapturePrefix, metadata: Any = None,
-               compression: str | Mapping[str, str] = "raw", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-               carry: ShardCarry | None = None) -> Published:
+def save_state(state: Mapping[str, Any] | CapturedState, *, store: Store, prefix: CapturePrefix,
+               metadata: Any = None, compression: str | Mapping[str, str] = "raw",
+               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, carry: ShardCarry | None = None,
+               allow_nonfinite: Sequence[str] = ()) -> Published:
+    """Publish ``state`` (anything :func:`alpha_ckpt.state.capture_state` takes, or what it returned)."""
     check_name(prefix.run, "run")
     check_name(prefix.step, "step")
     canonical_json(metadata)  # refuse non-JSON metadata before writing anything
-    named = flatten_state(state_dict)
-    regions = regions_of(named)
+    captured = state if isinstance(state, CapturedState) else capture_state(state)
+    regions = captured.regions(allow_nonfinite)
     _check_compression(compression, {r.name for r in regions})
-    data = {r.ordinal: _u8_view(word_bytes(t)) for r, (_, t) in zip(regions, named)}
+    data = {r.ordinal: _u8_view(word_bytes(t)) for r, (_, t) in zip(regions, captured.named)}
     pieces = [Piece(r.ordinal, 0, r.words, DTYPES[r.dtype][0]) for r in regions]
     shards = []
     for group in pack_shards(pieces, max_shard_bytes):
@@ -462,4 +469,4 @@ def save_state(state_dict: Mapping[str, Any], *, store: Store, prefix: CapturePr
             codec = compression if isinstance(compression, str) else compression.get(region.name, "raw")
             parts.append((p, data[p.ordinal][p.lo * p.itemsize:p.hi * p.itemsize], codec))
         shards.append(parts)
-    return publish_slices(store, prefix, regions, shards, metadata=metadata, carry=carry)
+    return publish_slices(store, prefix, regions, shards, metadata=metadata, carry=carry, state=captured.skeleton)

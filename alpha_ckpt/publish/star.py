@@ -53,11 +53,13 @@ def build_capture(prefix: CapturePrefix, regions: Sequence[RegionDecl], tensors:
 
 
 def publish_star(store: Store | None, capture: Capture, regions: Sequence[RegionDecl], metadata: Any,
-                 group: Any = None, carry: ShardCarry | None = None, follows: int | None = None) -> str:
+                 group: Any = None, carry: ShardCarry | None = None, follows: int | None = None,
+                 state: Any = None) -> str:
     """Collective over ``group`` (default: the default group). Returns the root digest once owner 0
     reports it durable. Every owner raises owner 0's :class:`Refusal` when the capture is refused
     (a NaN, diverged replicas, a fenced history: exit 3), and PublishFailed for any other failure
-    (an I/O error, a lost ref race: retryable). ``follows``: see :func:`alpha_ckpt.store.check_fence`."""
+    (an I/O error, a lost ref race: retryable). ``follows``: see :func:`alpha_ckpt.store.check_fence`.
+    ``state``: the typed skeleton the root manifest records (owner 0's)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank != 0:
         send_bytes(capture.descriptor(), 0, group)
@@ -72,7 +74,7 @@ def publish_star(store: Store | None, capture: Capture, regions: Sequence[Region
             captures.append(Capture(CapturePrefix.from_json(descriptor["prefix"], f"owner {r} capture"),
                                     tuple(tuple(p) for p in descriptor["pieces"]), data))
         try:
-            root = _check_and_write(store, captures, regions, metadata, carry, follows)
+            root = _check_and_write(store, captures, regions, metadata, carry, follows, state)
             ack = {"ok": True, "root": root}
         except Refusal as refusal:
             ack = {"ok": False, "code": refusal.code.value, "reason": refusal.message}
@@ -96,7 +98,7 @@ def _views(capture: Capture, regions: Sequence[RegionDecl]):
 
 
 def _check_and_write(store: Store, captures: list[Capture], regions: Sequence[RegionDecl], metadata: Any,
-                     carry: ShardCarry | None = None, follows: int | None = None) -> str:
+                     carry: ShardCarry | None = None, follows: int | None = None, state: Any = None) -> str:
     mine = captures[0]
     replicas = {(o, lo, hi): view for (o, lo, hi, rep), view in _views(mine, regions) if rep}
     shards = []
@@ -115,4 +117,4 @@ def _check_and_write(store: Store, captures: list[Capture], regions: Sequence[Re
         if parts:
             shards.append(parts)
     return publish_slices(store, mine.prefix, regions, shards, metadata=metadata, owners=len(captures),
-                          carry=carry, follows=follows).root
+                          carry=carry, follows=follows, state=state).root

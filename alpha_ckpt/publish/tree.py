@@ -244,24 +244,25 @@ class TreeRole:
 
     def commit(self, prefix: CapturePrefix, regions: Sequence[RegionDecl],
                own_shards: Sequence[Sequence[tuple[Piece, memoryview, str]]], replicas: str,
-               metadata: Any, follows: int | None = None) -> dict | None:
+               metadata: Any, follows: int | None = None, state: Any = None) -> dict | None:
         """Steps 1-3 (and the ref, at the root). Returns the completion to release at the root, else None.
 
         Holds a pending-publish lease from before the first own object until :meth:`complete`: until
         the root's ref names them, gc must spare them. A refusal anywhere (a NaN in a role's words, a
         fenced history at the root) travels with its code, so every owner raises that refusal.
-        ``follows`` (the root's): see :func:`alpha_ckpt.store.check_fence`.
+        ``follows`` (the root's): see :func:`alpha_ckpt.store.check_fence`. ``state``: the typed
+        skeleton, recorded by the root manifest only.
         """
         self._lease = self.store.pending_publish(prefix.run, prefix.step)
         try:
-            return self._commit(prefix, regions, own_shards, replicas, metadata, follows)
+            return self._commit(prefix, regions, own_shards, replicas, metadata, follows, state)
         except BaseException:
             self._lease.release()
             raise
 
     def _commit(self, prefix: CapturePrefix, regions: Sequence[RegionDecl],
                 own_shards: Sequence[Sequence[tuple[Piece, memoryview, str]]], replicas: str,
-                metadata: Any, follows: int | None) -> dict | None:
+                metadata: Any, follows: int | None, state: Any = None) -> dict | None:
         failure, code = None, None  # the first failure, and its refusal code when it is a refusal
         shard_refs = []
         try:
@@ -298,7 +299,8 @@ class TreeRole:
             try:
                 digest, nbytes = write_manifest(
                     self.store, prefix, regions, shard_refs, self.hierarchy.owners, metadata,
-                    Publisher("tree", self.hierarchy.fanout, self.role, self.size), records)
+                    Publisher("tree", self.hierarchy.fanout, self.role, self.size), records,
+                    state if self.parent is None else None)
                 self.stats.bytes_held += nbytes
                 subtree_bytes += nbytes
             except (OSError, DurableWriteError, ValueError) as exc:

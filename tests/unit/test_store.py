@@ -31,7 +31,7 @@ def test_a_racing_publisher_cannot_overwrite_a_generation(store_dir, monkeypatch
         # Pretend this publisher did not see generation 1 (it raced the other one).
         monkeypatch.setattr(Store, "_ref_numbers", staticmethod(lambda fd: []))
         with pytest.raises(PublishConflict):
-            s.publish_ref(first.prefix, "cd" * 32, 10, 10, 1)
+            s.publish_ref(CapturePrefix("r", "fit", 2, 0, 0), "cd" * 32, 10, 10, 1)
         monkeypatch.undo()
         assert s.list_refs("r", "fit") == [first]
 

@@ -1,0 +1,107 @@
+"""What a state may hold, and how it becomes regions plus one typed skeleton.
+
+A state is a dict whose values may be tensors, NumPy arrays, Stateful objects
+(anything with ``state_dict()`` and ``load_state_dict()``: modules, optimizers,
+LR schedulers, data loaders, :class:`~alpha_ckpt.state.rng.RNGState`), plain
+values (None, bool, int, float, str, bytes) and lists, tuples and dicts of all
+of these. Capturing it (pure, no I/O):
+
+- every tensor (and array) becomes a region named by its dotted path
+  (``optim.state.0.exp_avg``: dict keys, int keys and list indices joined by
+  dots), in the order met;
+- everything else becomes the skeleton: the typed JSON of
+  :mod:`alpha_ckpt.state.values`, with ``{"tensor": name}`` where a tensor was.
+  A Stateful object is recorded as what its ``state_dict()`` returned.
+"""
+from __future__ import annotations
+
+import fnmatch
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from ..format import RegionDecl
+from .values import RegionRef, encode_value
+
+
+def is_stateful(obj: Any) -> bool:
+    """The Stateful protocol of torch.distributed.checkpoint: ``state_dict()`` and ``load_state_dict()``."""
+    return (not isinstance(obj, (torch.Tensor, Mapping, list, tuple, np.ndarray))
+            and callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)))
+
+
+@dataclass(frozen=True)
+class CapturedState:
+    """A state as regions (``named``: dotted name and tensor, in declaration order) and a typed skeleton."""
+
+    named: tuple[tuple[str, torch.Tensor], ...]
+    skeleton: Any
+
+    def regions(self, allow_nonfinite: Sequence[str] = ()) -> tuple[RegionDecl, ...]:
+        from ..manifest import regions_of
+        return regions_of(self.named, allow_nonfinite)
+
+
+def capture_state(state: Mapping[str, Any]) -> CapturedState:
+    """Call every Stateful's ``state_dict()`` and split ``state`` into regions and skeleton.
+
+    Raises ValueError naming the entry for what a state cannot hold, and for two
+    entries whose dotted names coincide (``{"a.b": x}`` beside ``{"a": {"b": y}}``,
+    or keys ``0`` and ``"0"`` of one dict).
+    """
+    if not isinstance(state, Mapping):
+        raise ValueError(f"a state is a dict, not a {type(state).__name__}")
+    named: list[tuple[str, torch.Tensor]] = []
+    seen: set[str] = set()
+
+    def leaf(obj: Any, name: str) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return {"tensor": add(name, obj)}
+        if isinstance(obj, np.ndarray):
+            if not obj.dtype.isnative or obj.dtype.kind not in "biuf":
+                raise ValueError(f"state entry {name!r}: NumPy dtype {obj.dtype} is not saved (numbers in native "
+                                 "byte order only)")
+            return {"ndarray": add(name, torch.from_numpy(np.ascontiguousarray(obj)))}
+        if is_stateful(obj):
+            inner = obj.state_dict()
+            if not isinstance(inner, Mapping):
+                raise ValueError(f"state entry {name!r}: state_dict() returned a {type(inner).__name__}, not a dict")
+            return encode_value(inner if type(inner) in (dict, OrderedDict) else dict(inner), name, leaf)
+        return NotImplemented
+
+    def add(name: str, tensor: torch.Tensor) -> str:
+        if name in seen:
+            raise ValueError(f"state entry {name!r} appears twice after joining nested keys with dots")
+        seen.add(name)
+        named.append((name, tensor))
+        return name
+
+    skeleton = {"dict": [[key, encode_value(value, str(key), leaf)] for key, value in _top_items(state)]}
+    return CapturedState(tuple(named), skeleton)
+
+
+def _top_items(state: Mapping[str, Any]) -> Iterable[tuple[Any, Any]]:
+    for key, value in state.items():
+        if type(key) not in (str, int) or key == "":
+            raise ValueError(f"state key {key!r}: top-level keys are non-empty strings or ints")
+        yield key, value
+
+
+def matches_any(name: str, patterns: Sequence[str]) -> bool:
+    """fnmatch on dotted names: ``*.mask`` matches ``model.blocks.0.mask``."""
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def dotted_leaves(node: Any, prefix: str = "") -> Iterable[tuple[str, RegionRef]]:
+    """The (dotted name, reference) of every region a decoded skeleton names, in order."""
+    if isinstance(node, RegionRef):
+        yield prefix, node
+    elif isinstance(node, Mapping):
+        for key, value in node.items():
+            yield from dotted_leaves(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(node, (list, tuple)):
+        for i, value in enumerate(node):
+            yield from dotted_leaves(value, f"{prefix}.{i}" if prefix else str(i))

@@ -1,0 +1,269 @@
+"""Matching a destination state to a checkpoint's skeleton, by dotted name (pure: nothing is copied here).
+
+The destination decides what is wanted, the checkpoint what it holds:
+
+- a tensor (or NumPy array) is filled in place from the region of the same
+  dotted name, which must have its dtype and shape;
+- a value (any subtree that holds no tensor) is replaced by the saved value,
+  with its saved types;
+- a Stateful object's destination is its own ``state_dict()``; once every
+  region is copied, ``load_state_dict()`` receives it filled, in state order;
+- Stateful objects other than modules create state lazily (an optimizer's
+  per-parameter ``state`` after its first step, a data loader's iterator
+  state after its first batch), so inside them what the checkpoint holds and
+  the fresh object does not yet is created from the checkpoint (new tensors),
+  never refused as unexpected; an optimizer's ``state`` is then exactly the
+  saved one. Modules and plain dicts match exactly, except that an empty
+  dict (``optimizer.state_dict()["state"]`` of a fresh optimizer, taken as a
+  plain dict) receives what the checkpoint holds under it.
+
+Every disagreement is collected first, so one refusal names them all
+(:func:`alpha_ckpt.manifest.refuse_mismatch`) before a byte is copied.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+
+from ..format import RegionDecl
+from ..manifest import describe_region, dtype_name, refuse_mismatch, torch_dtype
+from .capture import capture_state, is_stateful
+from .values import RegionRef, decode_value
+
+_ABSENT = object()
+
+
+@dataclass
+class LoadPlan:
+    """What a load fills (``targets``: saved region ordinal -> destination tensor) and what it does after."""
+
+    targets: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    differ: list[str] = field(default_factory=list)
+    dtype_only: bool = True
+    finish: Callable[[], Any] | None = None
+
+    def refusal(self, what: str):
+        if self.missing or self.unexpected or self.differ:
+            return refuse_mismatch(what, self.missing, self.unexpected, self.differ, self.dtype_only)
+        return None
+
+
+def plan_load(state: Mapping, saved: Mapping | None, regions: tuple[RegionDecl, ...]) -> LoadPlan:
+    """Match ``state`` (the caller's, mutated only by ``plan.finish()``) against the decoded skeleton ``saved``.
+
+    ``saved`` is None for a manifest written before skeletons were recorded (tensors
+    only): the destination's own structure stands in for it, matched by dotted name.
+    """
+    by_name = {r.name: r for r in regions}
+    plan = LoadPlan()
+    matcher = _Matcher(plan, by_name)
+    stand_in = saved is None
+    if stand_in:
+        saved = decode_value(capture_state(state).skeleton)
+    plan.finish = matcher.container(state, saved, "", lazy=False)
+    if stand_in:
+        plan.unexpected.extend(name for name in by_name if name not in matcher.named)
+    return plan
+
+
+def _has_region(node: Any) -> bool:
+    if isinstance(node, (torch.Tensor, np.ndarray, RegionRef)) or is_stateful(node):
+        return True
+    if isinstance(node, Mapping):
+        return any(_has_region(v) for v in node.values())
+    if isinstance(node, (list, tuple)):
+        return any(_has_region(v) for v in node)
+    return False
+
+
+def _join(prefix: str, key: Any) -> str:
+    return f"{prefix}.{key}" if prefix else str(key)
+
+
+class _Matcher:
+    def __init__(self, plan: LoadPlan, regions: dict[str, RegionDecl]):
+        self.plan, self.regions = plan, regions
+        self.named: set[str] = set()  # regions the destination asked for
+        self.creating = False         # inside a Stateful that creates its state lazily
+
+    def node(self, dest: Any, saved: Any, name: str) -> Callable[[], Any]:
+        """A thunk giving the value for this position once the copies are done."""
+        if is_stateful(dest):
+            return self.stateful(dest, saved, name)
+        if isinstance(saved, RegionRef):
+            return self.region(dest, saved, name)
+        if not _has_region(dest):
+            if not _has_region(saved):
+                return lambda: saved
+            if self.creating or (isinstance(dest, Mapping) and not dest):
+                return self.fresh(_ABSENT, saved, name)
+        if isinstance(dest, Mapping) and isinstance(saved, Mapping):
+            return self.container(dest, saved, name, lazy=False)
+        if isinstance(dest, (list, tuple)) and isinstance(saved, (list, tuple)) and type(dest) is type(saved):
+            return self.sequence(dest, saved, name)
+        self.kind_differs(name, saved, dest)
+        return lambda: dest
+
+    def kind_differs(self, name: str, saved: Any, dest: Any) -> None:
+        self.plan.dtype_only = False
+        self.plan.differ.append(f"{name} (saved {_kind(saved, self.regions)}, destination {_kind(dest, self.regions)})")
+
+    def region(self, dest: Any, ref: RegionRef, name: str) -> Callable[[], Any]:
+        region = self.regions.get(ref.name)
+        if region is None:  # only where the destination stands in for the skeleton
+            self.plan.missing.append(name)
+            return lambda: dest
+        self.named.add(ref.name)
+        if dest is _ABSENT:  # created: an optimizer's lazily made state
+            dest = _empty_like_region(region, ref.kind)
+        if isinstance(dest, np.ndarray) and ref.kind == "ndarray":
+            if not dest.flags.writeable:
+                self.kind_differs(name, ref, dest)
+                return lambda: dest
+            tensor = torch.from_numpy(dest)
+        elif isinstance(dest, torch.Tensor) and ref.kind == "tensor":
+            tensor = dest
+        else:
+            self.kind_differs(name, ref, dest)
+            return lambda: dest
+        try:
+            dtype = dtype_name(tensor.dtype, name)
+        except ValueError:
+            dtype = str(tensor.dtype).removeprefix("torch.")
+        if (dtype, tuple(tensor.shape)) != (region.dtype, region.shape):
+            self.plan.differ.append(f"{name} (saved {describe_region(region)}, destination {dtype}{list(tensor.shape)})")
+            self.plan.dtype_only = self.plan.dtype_only and tuple(tensor.shape) == region.shape
+            return lambda: dest
+        self.plan.targets.append((region.ordinal, tensor))
+        return lambda: dest
+
+    def stateful(self, obj: Any, saved: Any, name: str) -> Callable[[], Any]:
+        destination = obj.state_dict()
+        if not isinstance(saved, Mapping) or not isinstance(destination, Mapping):
+            self.kind_differs(name, saved, obj)
+            return lambda: obj
+        lazy = isinstance(obj, torch.optim.Optimizer)
+        if lazy:
+            self.check_param_groups(destination, saved, name)
+        outer, self.creating = self.creating, not isinstance(obj, torch.nn.Module)
+        try:
+            fill = self.container(destination, saved, name, lazy=lazy)
+        finally:
+            self.creating = outer
+
+        def finish() -> Any:
+            obj.load_state_dict(fill())
+            return obj
+        return finish
+
+    def check_param_groups(self, destination: Mapping, saved: Mapping, name: str) -> None:
+        """What torch's Optimizer.load_state_dict would refuse after the copies, refused before them."""
+        def shape(groups: Any) -> Any:
+            if not isinstance(groups, list):
+                return None
+            return [len(g["params"]) if isinstance(g, Mapping) and isinstance(g.get("params"), list) else None
+                    for g in groups]
+        mine, theirs = shape(destination.get("param_groups")), shape(saved.get("param_groups"))
+        if mine != theirs:
+            self.plan.dtype_only = False
+            self.plan.differ.append(f"{_join(name, 'param_groups')} (saved parameters per group {theirs}, "
+                                    f"destination {mine})")
+
+    def container(self, dest: Mapping, saved: Mapping, name: str, lazy: bool) -> Callable[[], Any]:
+        """Dicts: keys match exactly (int keys stay int), or, ``lazy``, the saved ones are created."""
+        children: list[tuple[Any, Callable[[], Any]]] = []
+        lazy_keys = {"state"} if lazy else set()
+        for key, value in saved.items():
+            child = _join(name, key)
+            if key in dest:
+                if key in lazy_keys and isinstance(dest[key], Mapping) and isinstance(value, Mapping):
+                    children.append((key, self.created(dest[key], value, child)))
+                else:
+                    children.append((key, self.node(dest[key], value, child)))
+            elif self.creating:
+                children.append((key, self.fresh(_ABSENT, value, child)))
+            else:
+                self.plan.unexpected.append(child)
+        for key in dest:
+            if key not in saved:
+                self.plan.missing.append(_join(name, key))
+
+        def finish() -> Any:
+            values = [(key, thunk()) for key, thunk in children]
+            if isinstance(dest, dict):
+                for key, value in values:
+                    dest[key] = value
+                return dest
+            return _mapping(type(dest), values)
+        return finish
+
+    def created(self, dest: Mapping, saved: Mapping, name: str) -> Callable[[], Any]:
+        """An optimizer's ``state``: the saved entries, filling the destination's tensors where it has them."""
+        children = []
+        for key, value in saved.items():
+            children.append((key, self.fresh(dest.get(key, _ABSENT), value, _join(name, key))))
+
+        def finish() -> Any:
+            values = [(key, thunk()) for key, thunk in children]
+            out = dest if isinstance(dest, dict) else {}
+            out.clear()
+            out.update(values)
+            return out
+        return finish
+
+    def fresh(self, dest: Any, saved: Any, name: str) -> Callable[[], Any]:
+        if isinstance(saved, RegionRef):
+            return self.region(dest, saved, name)
+        if isinstance(saved, Mapping):
+            mine = dest if isinstance(dest, Mapping) else {}
+            children = [(k, self.fresh(mine.get(k, _ABSENT), v, _join(name, k))) for k, v in saved.items()]
+            return lambda: _mapping(type(saved), [(k, thunk()) for k, thunk in children])
+        if isinstance(saved, (list, tuple)):
+            mine = dest if isinstance(dest, (list, tuple)) and len(dest) == len(saved) else [_ABSENT] * len(saved)
+            children = [self.fresh(d, v, _join(name, i)) for i, (d, v) in enumerate(zip(mine, saved))]
+            return lambda: type(saved)(thunk() for thunk in children)
+        return lambda: saved
+
+    def sequence(self, dest: list | tuple, saved: list | tuple, name: str) -> Callable[[], Any]:
+        children = [self.node(d, s, _join(name, i)) for i, (d, s) in enumerate(zip(dest, saved))]
+        self.plan.unexpected.extend(_join(name, i) for i in range(len(dest), len(saved)))
+        self.plan.missing.extend(_join(name, i) for i in range(len(saved), len(dest)))
+
+        def finish() -> Any:
+            values = [thunk() for thunk in children]
+            if isinstance(dest, list):
+                dest[:len(values)] = values
+                return dest
+            return tuple(values)
+        return finish
+
+
+def _mapping(kind: type, pairs: list) -> Any:
+    """A mapping of type ``kind`` holding ``pairs`` (a Counter built from pairs would count them)."""
+    try:
+        return kind(dict(pairs))
+    except TypeError:
+        return dict(pairs)
+
+
+def _empty_like_region(region: RegionDecl, kind: str) -> Any:
+    tensor = torch.empty(region.shape, dtype=torch_dtype(region.dtype))
+    return tensor.numpy() if kind == "ndarray" else tensor
+
+
+def _kind(node: Any, regions: dict[str, RegionDecl]) -> str:
+    if isinstance(node, RegionRef):
+        region = regions[node.name]
+        return f"a {'NumPy array' if node.kind == 'ndarray' else 'tensor'} {describe_region(region)}"
+    if isinstance(node, torch.Tensor):
+        return "a tensor"
+    if isinstance(node, np.ndarray):
+        return "a NumPy array" + ("" if node.flags.writeable else " (read-only)")
+    if is_stateful(node):
+        return f"a {type(node).__name__} (Stateful)"
+    return f"a {type(node).__name__}"
