@@ -106,6 +106,10 @@ class RestorePlan:
 class PlanError(ValueError):
     """A wanted word is not saved anywhere (coverage was not checked first)."""
 
+    def __init__(self, ordinal: int, word: int):
+        super().__init__(f"region ordinal {ordinal} word {word} is not saved")
+        self.ordinal, self.word = ordinal, word
+
 
 def plan_restore(saved: Sequence[SavedSlice], wanted: Sequence[WantedSlice]) -> RestorePlan:
     """Map every wanted word to exactly one saved word. Saved slices must not overlap."""
@@ -125,7 +129,7 @@ def plan_restore(saved: Sequence[SavedSlice], wanted: Sequence[WantedSlice]) -> 
         i = bisect.bisect_right(starts.get(w.ordinal, []), pos) - 1
         while pos < w.hi:
             if i < 0 or i >= len(slices) or not slices[i].lo <= pos < slices[i].hi:
-                raise PlanError(f"region ordinal {w.ordinal} word {pos} is not saved")
+                raise PlanError(w.ordinal, pos)
             s = slices[i]
             end = min(w.hi, s.hi)
             copies.append(Copy(s.source, s.index, pos - s.lo, w.dest, pos - w.lo, end - pos))

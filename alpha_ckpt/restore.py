@@ -558,7 +558,10 @@ class PreparedRestore:
         try:
             self.plan = plan_restore(generation.saved_slices(), wanted)
         except PlanError as exc:
-            raise Refusal(RefusalCode.COVERAGE, f"generation {generation.root[:16]}...: {exc}") from None
+            regions = generation.manifest.regions
+            named = repr(regions[exc.ordinal].name) if exc.ordinal < len(regions) else f"ordinal {exc.ordinal}"
+            raise Refusal(RefusalCode.COVERAGE, f"generation {generation.root[:16]}...: region {named} word "
+                          f"{exc.word} is not saved") from None
         self._payloads = _Payloads(generation.shards, generation.manifest.regions)
         self._raws = self._payloads.decode(list(dict.fromkeys((c.source, c.index) for c in self.plan.copies)),
                                            advance=advance)

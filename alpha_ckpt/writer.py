@@ -32,7 +32,7 @@ from .errors import Refusal, RefusalCode
 from .manifest import first_non_finite, word_value
 from .state.capture import CapturedState, capture_state
 from .planner import Piece, pack_shards
-from .store import RefRecord, Store
+from .store import RefRecord, Store, check_fence
 
 DEFAULT_MAX_SHARD_BYTES = 2 << 30
 _PLACEHOLDER = "0" * 64
@@ -456,6 +456,9 @@ def save_state(state: Mapping[str, Any] | CapturedState, *, store: Store, prefix
     check_name(prefix.run, "run")
     check_name(prefix.step, "step")
     canonical_json(metadata)  # refuse non-JSON metadata before writing anything
+    newest = store.newest_ref(prefix.run, prefix.step)
+    if not (isinstance(newest, RefRecord) and newest.prefix == prefix):  # that one is decided by its root, at publish
+        check_fence(newest, prefix, None)  # a save the history refuses writes nothing (publish checks again)
     captured = state if isinstance(state, CapturedState) else capture_state(state)
     regions = captured.regions(allow_nonfinite)
     _check_compression(compression, {r.name for r in regions})

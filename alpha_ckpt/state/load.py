@@ -119,7 +119,7 @@ class _Matcher:
             self.plan.missing.append(name)
             return lambda: dest
         self.named.add(ref.name)
-        if dest is _ABSENT:  # created: an optimizer's lazily made state
+        if dest is _ABSENT:  # created: state the object makes lazily, not there yet
             dest = _empty_like_region(region, ref.kind)
         if isinstance(dest, np.ndarray) and ref.kind == "ndarray":
             if not dest.flags.writeable:

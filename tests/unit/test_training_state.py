@@ -221,14 +221,19 @@ def test_an_update_not_after_the_newest_of_its_epoch_is_refused_and_the_store_is
     for update in (3, 6):
         alpha_ckpt.save({"w": torch.full((2,), float(update))}, store=store_dir, run="r", step="s", update=update,
                         cursor=update, epoch=0)
-    listing = sorted(p.relative_to(store_dir).as_posix() for p in store_dir.rglob("refs/**/*"))
+    def listing(under: str) -> list:
+        return sorted((p.relative_to(store_dir).as_posix(), p.stat().st_size) for p in store_dir.glob(f"{under}/**/*"))
+    before = listing("*")
     newest = alpha_ckpt.latest(store_dir, "r", "s")
-    for update in (3, 6):
-        with pytest.raises(Refusal) as info:
-            alpha_ckpt.save({"w": torch.zeros(2)}, store=store_dir, run="r", step="s", update=update, cursor=update,
-                            epoch=0)
-        assert info.value.code == RefusalCode.RESET_CURSOR
-    assert sorted(p.relative_to(store_dir).as_posix() for p in store_dir.rglob("refs/**/*")) == listing
+    with pytest.raises(Refusal) as info:  # update 3 after 6: refused before anything is written
+        alpha_ckpt.save({"w": torch.zeros(2)}, store=store_dir, run="r", step="s", update=3, cursor=3, epoch=0)
+    assert info.value.code == RefusalCode.RESET_CURSOR
+    assert listing("*") == before
+    refs = listing("refs")
+    with pytest.raises(Refusal) as info:  # other content at update 6: refused at publish, once its root is known
+        alpha_ckpt.save({"w": torch.zeros(2)}, store=store_dir, run="r", step="s", update=6, cursor=6, epoch=0)
+    assert info.value.code == RefusalCode.RESET_CURSOR
+    assert listing("refs") == refs
     assert alpha_ckpt.latest(store_dir, "r", "s") == newest
     # A continuation (a newer epoch) may restart from an older update.
     alpha_ckpt.save({"w": torch.zeros(2)}, store=store_dir, run="r", step="s", update=3, cursor=3, epoch=1)
@@ -273,3 +278,15 @@ def test_async_save_captures_values_at_the_call(store_dir):
     destination = {"w": torch.zeros(3), "meta": {}}
     alpha_ckpt.load(destination, store=store_dir, digest=root)
     assert destination["meta"] == {"step": 1} and torch.equal(destination["w"], torch.ones(3))
+
+
+def test_a_manifest_without_a_skeleton_loads_by_dotted_name(store_dir):
+    from conftest import save_forged  # publishes regions only, as manifests were written before skeletons
+    state = {"model": {"w": torch.arange(4.0), "b": torch.ones(2)}, "n": torch.tensor(3)}
+    root = save_forged(state, store_dir)
+    destination = {"n": torch.tensor(0), "model": {"b": torch.zeros(2), "w": torch.zeros(4)}}
+    alpha_ckpt.load(destination, store=store_dir, digest=root)
+    assert_identical(destination, {"n": torch.tensor(3), "model": {"b": torch.ones(2), "w": torch.arange(4.0)}})
+    with pytest.raises(Refusal) as info:
+        alpha_ckpt.load({"model": {"w": torch.zeros(4)}, "n": torch.tensor(0)}, store=store_dir, digest=root)
+    assert info.value.code == RefusalCode.COVERAGE and "model.b" in info.value.message
