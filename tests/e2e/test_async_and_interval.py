@@ -109,7 +109,7 @@ def test_bad_schedule_flags_are_usage_errors_before_any_owner_starts(tmp_path, a
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("publisher, save", [("star", "sync"), ("tree", "async")])
+@pytest.mark.parametrize("publisher, save", [pytest.param("star", "sync", marks=pytest.mark.full), ("tree", "async")])
 def test_a_frozen_embedding_table_costs_zero_bytes_written_after_the_first_generation(tmp_path, publisher, save):
     table = ["--set", "embedding_rows=4096"]          # 4096 x 90 float32: 1.47 MB, never trained
     table_bytes = 4096 * 90 * 4

@@ -242,7 +242,7 @@ def _bytes_read(stderr: str) -> dict[int, int]:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("publisher", ["star", "tree"])
+@pytest.mark.parametrize("publisher", [pytest.param("star", marks=pytest.mark.full), "tree"])
 def test_each_of_four_owners_reads_about_a_quarter_and_three_owners_resume_to_the_oracle(tmp_path, publisher):
     store = tmp_path / "store"
     args = ["--publisher", publisher, "--fanout", "2", "--set", "parameters=partitioned", "--set", "optimizer=momentum"]

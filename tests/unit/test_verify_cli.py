@@ -28,6 +28,7 @@ def test_intact_store_verifies_with_exit_0(saved):
     assert rc == 0 and text.startswith("valid ")
 
 
+@pytest.mark.full  # CI flips bytes of every object kind through gates/store_integrity
 def test_every_single_byte_flip_in_every_object_is_corrupt_shard(saved):
     store_dir, root, _ = saved
     objects = _objects(store_dir)
