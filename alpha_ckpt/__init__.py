@@ -35,13 +35,21 @@ from .errors import DurableWriteError, PublishConflict, Refusal, RefusalCode
 from .format import CapturePrefix
 from .restore import Counters, latest_generation, load_state, verify_generation
 from .state import CapturedState, RNGState, capture_state
+from .state.placement import Partitioned, PerRank
 from .writer import DEFAULT_MAX_SHARD_BYTES, Published, ShardCarry, save_state
 from .store import Store
 
 __all__ = ["save", "save_async", "AsyncSaver", "SaveHandle", "ShardCarry", "load", "verify", "latest", "Latest",
-           "Skipped", "RNGState", "Store", "Refusal", "RefusalCode", "Counters", "DurableWriteError",
+           "Skipped", "RNGState", "Checkpointer", "PerRank", "Partitioned", "Store", "Refusal", "RefusalCode", "Counters", "DurableWriteError",
            "PublishConflict"]
 _log = logging.getLogger("alpha_ckpt")
+
+
+def __getattr__(name: str):
+    if name == "Checkpointer":  # the collective layer loads torch.distributed's machinery only when used
+        from .collective import Checkpointer
+        return Checkpointer
+    raise AttributeError(f"module 'alpha_ckpt' has no attribute {name!r}")
 __version__ = "0.1.0"
 
 

@@ -3,6 +3,12 @@
     alpha-run --nproc 4 --store S --updates 5 configs/forecast.toml
     alpha-run --nproc 4 --store S --updates 5 --resume-from ROOT_DIGEST configs/forecast.toml
     alpha-run --nnodes 2 --node-rank 0 --nproc 2 --rdzv-endpoint HOST:PORT ... configs/forecast.toml
+    alpha-run --nproc 2 --store S [--run R] [--resume latest | --resume-from D] train.py --its --own --args
+
+A training script runs on every rank as ``python train.py ARGS`` would under
+torchrun; its Checkpointer finds the store, the run (default: the script's
+name) and the resume choice in ALPHA_CKPT_STORE, ALPHA_CKPT_RUN and
+ALPHA_CKPT_RESUME. A Refusal escaping the script exits 3.
 
 torchrun's launcher flags are accepted and handed to torch.distributed.run,
 which sets the same worker environment (RANK, WORLD_SIZE, LOCAL_RANK,
@@ -19,6 +25,7 @@ died, a publish failed), 2 usage error, 130 interrupted.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -42,7 +49,10 @@ _TORCHRUN_FLAGS = (
 
 def parser() -> OneLineArgumentParser:
     p = OneLineArgumentParser(prog="alpha-run", description="Launch the owners of an alpha_ckpt job (torchrun-compatible).")
-    p.add_argument("config", help="job config (TOML), e.g. configs/forecast.toml")
+    p.add_argument("config", metavar="TARGET", help="a training script (train.py; its own arguments follow it), "
+                   "-m MODULE, or the built-in job's config (TOML), e.g. configs/forecast.toml")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.add_argument("-m", dest="module", action="store_true", help="TARGET is a module (python -m), as torchrun -m")
     p.add_argument("--nproc-per-node", "--nproc_per_node", "--nproc", dest="nproc", type=int, default=1)
     for flag, kwargs in _TORCHRUN_FLAGS:
         p.add_argument(flag, flag.replace("-", "_").replace("__", "--", 1), **kwargs)
@@ -51,7 +61,7 @@ def parser() -> OneLineArgumentParser:
     p.add_argument("--store", default="./alpha-store", help="store directory (default ./alpha-store)")
     p.add_argument("--run", help="run name (overrides the config)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-    p.add_argument("--updates", type=int, required=True, help="committed update count to reach (absolute)")
+    p.add_argument("--updates", type=int, help="the job: committed update count to reach (absolute; required)")
     p.add_argument("--checkpoint-every", default="0", metavar="K|auto",
                    help="publish a generation every K updates, or 'auto': Young/Daly's interval from the measured "
                         "checkpoint cost and --mtbf (always at the end too)")
@@ -144,11 +154,57 @@ def check_launch_args(args) -> None:
         raise UsageError("--branch-from needs --run NEW_RUN")
 
 
-def main(argv=None) -> int:
+def is_job(args) -> bool:
+    """The built-in forecasting job (a TOML config), or a training script of the user's own."""
+    return not args.module and args.config.endswith(".toml")
+
+
+def script_argv(args) -> list[str]:
+    """torchrun's arguments that start ``python -m alpha_ckpt.script_runner`` per rank."""
+    target = ["-m", args.config] if args.module else [os.path.abspath(args.config)]
+    return torchrun_argv(args)[:torchrun_argv(args).index("-m")] + ["-m", "alpha_ckpt.script_runner", *target,
+                                                                     *args.script_args]
+
+
+def script_environment(args) -> dict[str, str]:
+    """What a script's Checkpointer reads: the store, the run, and the resume choice."""
+    run = args.run or os.path.splitext(os.path.basename(args.config))[0].replace("_", "-")
+    resume = args.resume_from or args.resume or ""
+    return {"ALPHA_CKPT_STORE": os.path.abspath(args.store), "ALPHA_CKPT_RUN": run, "ALPHA_CKPT_RESUME": resume}
+
+
+def check_script_args(args) -> None:
+    if args.module:
+        return
+    if not os.path.isfile(args.config):
+        raise UsageError(f"script {args.config}: no such file")
+    if args.updates is not None or args.set or args.branch_from:
+        raise UsageError("--updates, --set and --branch-from belong to the built-in job; a script takes its own "
+                         "arguments after its path")
+
+
+def parse(argv: list[str]):
+    """alpha-run's arguments. A script's own arguments follow its path; the job's config may
+    come anywhere among alpha-run's flags, as before scripts were launched."""
     args = parser().parse_args(argv)
+    if is_job(args) and args.script_args:
+        position = len(argv) - len(args.script_args) - 1
+        args = parser().parse_args(argv[:position] + argv[position + 1:] + [args.config])
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(list(sys.argv[1:] if argv is None else argv))
     try:
         check_launch_args(args)
-        check_job_args(args, config_overrides(args))
+        if is_job(args):
+            if args.script_args:
+                raise UsageError(f"unrecognized arguments after the job config: {' '.join(args.script_args)}")
+            if args.updates is None:
+                raise UsageError("the job needs --updates (the committed update count to reach)")
+            check_job_args(args, config_overrides(args))
+        else:
+            check_script_args(args)
         check_store_writable(args.store)
     except UsageError as exc:
         print(f"alpha-run: {exc}", file=sys.stderr)
@@ -161,14 +217,20 @@ def main(argv=None) -> int:
     named_before = os.environ.get(LAUNCHER_PID_ENV)
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     try:
-        run(get_args_parser().parse_args(torchrun_argv(args)))
+        if is_job(args):
+            run(get_args_parser().parse_args(torchrun_argv(args)))
+        else:
+            os.environ.update(script_environment(args))
+            run(get_args_parser().parse_args(script_argv(args)))
     except ChildFailedError as exc:
         codes = {failure.exitcode for failure in exc.failures.values()}
         # A refusal is a collective verdict: every owner exits 3, and the agent may
         # stop the slower ones with a signal first. Any other failure is retryable.
         if EXIT_REFUSED in codes:
             return EXIT_REFUSED
-        if EXIT_USAGE in codes and len(codes) == 1:
+        # A usage error (a script's argparse) stops the first rank; the agent then
+        # signals the rest, so only the first failure tells the cause.
+        if EXIT_USAGE in codes and exc.get_first_failure()[1].exitcode == EXIT_USAGE:
             return EXIT_USAGE
         return EXIT_RETRY
     except SignalException:

@@ -605,24 +605,41 @@ def load_state(state: Mapping[str, Any], *, store: Store, root: str) -> Counters
         manifest = generation.manifest
         what = f"generation {root[:16]}..."
         plan = plan_load(state, manifest.state, manifest.regions)
-        refusal = plan.refusal(what)
-        if refusal is not None:
-            raise refusal
-        names = [manifest.regions[ordinal].name for ordinal, _ in plan.targets]
-        tied = check_destinations(destination_layouts([(n, t) for n, (_, t) in zip(names, plan.targets)]))
-        if tied:
-            saved = _saved_words(generation)
-            check_tied_saved_alike(tied, names, {i: saved.get(o, []) for i, (o, _) in enumerate(plan.targets)})
-        wanted = [WantedSlice(o, 0, manifest.regions[o].words, i) for i, (o, _) in enumerate(plan.targets)]
-        staged = [_flat_destination(t) for _, t in plan.targets]
-        restore_slices(generation, wanted, [flat for flat, _ in staged])
+        fill = prepare_fill(generation, plan, what)
+        fill()
+        p = manifest.prefix
+        return Counters(p.run, p.step, p.update, p.cursor, p.epoch, manifest.metadata, root)
+
+
+def prepare_fill(generation: Generation, plan, what: str) -> Callable[[], None]:
+    """Validate every slice ``plan`` (:class:`alpha_ckpt.state.load.LoadPlan`) reads; return what fills it.
+
+    Refuses before any copy: a plan that names mismatched entries, destinations that
+    share memory, a damaged slice. The returned call copies every target, then runs
+    the plan's ``finish`` (values, ``load_state_dict``). Collective restores prepare on
+    every rank, agree, and only then fill.
+    """
+    refusal = plan.refusal(what)
+    if refusal is not None:
+        raise refusal
+    regions = generation.manifest.regions
+    names = [regions[o].name for o, *_ in plan.targets]
+    tied = check_destinations(destination_layouts([(n, t) for n, (_, t, _, _) in zip(names, plan.targets)]))
+    if tied:
+        saved = _saved_words(generation)
+        check_tied_saved_alike(tied, names, {i: saved.get(o, []) for i, (o, *_) in enumerate(plan.targets)})
+    wanted = [WantedSlice(o, lo, hi, i) for i, (o, _, lo, hi) in enumerate(plan.targets)]
+    prepared = PreparedRestore(generation, wanted)
+
+    def fill() -> None:
+        staged = [_flat_destination(t) for _, t, _, _ in plan.targets]
+        prepared.copy_into([flat for flat, _ in staged])
         with torch.no_grad():
-            for (_, t), (_, filled) in zip(plan.targets, staged):
+            for (_, t, _, _), (_, filled) in zip(plan.targets, staged):
                 if filled is not t:
                     t.copy_(filled)
         plan.finish()
-        p = manifest.prefix
-        return Counters(p.run, p.step, p.update, p.cursor, p.epoch, manifest.metadata, root)
+    return fill
 
 
 def _saved_words(generation: Generation) -> dict[int, list[tuple[int, int, str]]]:

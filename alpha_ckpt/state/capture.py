@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..format import RegionDecl
-from .values import RegionRef, encode_value
+from .values import PerRankSaved, RegionRef, encode_value
 
 
 def is_stateful(obj: Any) -> bool:
@@ -35,29 +35,55 @@ def is_stateful(obj: Any) -> bool:
 
 @dataclass(frozen=True)
 class CapturedState:
-    """A state as regions (``named``: dotted name and tensor, in declaration order) and a typed skeleton."""
+    """A state as regions (``named``: dotted name and tensor, in declaration order) and a typed skeleton.
+
+    ``placement[i]`` says where region i lives: "replicated" (every rank holds it
+    whole), "per-rank" (this rank's own, inside a :class:`PerRank`), or
+    (lo, hi, shape): this rank's words of a :class:`Partitioned` region.
+    """
 
     named: tuple[tuple[str, torch.Tensor], ...]
     skeleton: Any
+    placement: tuple[Any, ...] = ()
 
     def regions(self, allow_nonfinite: Sequence[str] = ()) -> tuple[RegionDecl, ...]:
         from ..manifest import regions_of
-        return regions_of(self.named, allow_nonfinite)
+        decls = regions_of(self.named, allow_nonfinite)
+        return tuple(RegionDecl(r.ordinal, r.name, r.dtype, p[2], r.nonfinite) if isinstance(p, tuple) else r
+                     for r, p in zip(decls, self.placement or ("replicated",) * len(decls)))
 
 
-def capture_state(state: Mapping[str, Any]) -> CapturedState:
+def capture_state(state: Mapping[str, Any], rank: int = 0, world: int = 1) -> CapturedState:
     """Call every Stateful's ``state_dict()`` and split ``state`` into regions and skeleton.
 
-    Raises ValueError naming the entry for what a state cannot hold, and for two
-    entries whose dotted names coincide (``{"a.b": x}`` beside ``{"a": {"b": y}}``,
-    or keys ``0`` and ``"0"`` of one dict).
+    ``rank`` of ``world``: a :class:`PerRank` entry at PATH becomes
+    ``{"per_rank": [...]}`` with this rank's part at index ``rank`` (None at the
+    others') and regions named ``PATH.RANK...``. Raises ValueError naming the
+    entry for what a state cannot hold, and for two entries whose dotted names
+    coincide (``{"a.b": x}`` beside ``{"a": {"b": y}}``, or keys ``0`` and ``"0"``).
     """
+    from .placement import Partitioned, PerRank
     if not isinstance(state, Mapping):
         raise ValueError(f"a state is a dict, not a {type(state).__name__}")
     named: list[tuple[str, torch.Tensor]] = []
+    placement: list[Any] = []
     seen: set[str] = set()
+    per_rank_depth = [0]
 
     def leaf(obj: Any, name: str) -> Any:
+        if isinstance(obj, PerRank):
+            if per_rank_depth[0]:
+                raise ValueError(f"state entry {name!r}: PerRank inside PerRank")
+            per_rank_depth[0] += 1
+            try:
+                mine = encode_value(obj.value, f"{name}.{rank}", leaf)
+            finally:
+                per_rank_depth[0] -= 1
+            return {"per_rank": [mine if r == rank else None for r in range(world)]}
+        if isinstance(obj, Partitioned):
+            if per_rank_depth[0]:
+                raise ValueError(f"state entry {name!r}: Partitioned inside PerRank")
+            return {"tensor": add(name, obj.tensor, (obj.lo, obj.hi, obj.shape))}
         if isinstance(obj, torch.Tensor):
             return {"tensor": add(name, obj)}
         if isinstance(obj, np.ndarray):
@@ -72,15 +98,16 @@ def capture_state(state: Mapping[str, Any]) -> CapturedState:
             return encode_value(inner if type(inner) in (dict, OrderedDict) else dict(inner), name, leaf)
         return NotImplemented
 
-    def add(name: str, tensor: torch.Tensor) -> str:
+    def add(name: str, tensor: torch.Tensor, where: Any = None) -> str:
         if name in seen:
             raise ValueError(f"state entry {name!r} appears twice after joining nested keys with dots")
         seen.add(name)
         named.append((name, tensor))
+        placement.append(where if where is not None else ("per-rank" if per_rank_depth[0] else "replicated"))
         return name
 
     skeleton = {"dict": [[key, encode_value(value, str(key), leaf)] for key, value in _top_items(state)]}
-    return CapturedState(tuple(named), skeleton)
+    return CapturedState(tuple(named), skeleton, tuple(placement))
 
 
 def _top_items(state: Mapping[str, Any]) -> Iterable[tuple[Any, Any]]:
@@ -99,6 +126,10 @@ def dotted_leaves(node: Any, prefix: str = "") -> Iterable[tuple[str, RegionRef]
     """The (dotted name, reference) of every region a decoded skeleton names, in order."""
     if isinstance(node, RegionRef):
         yield prefix, node
+    elif isinstance(node, PerRankSaved):
+        for i, value in enumerate(node.parts):
+            if value is not None:
+                yield from dotted_leaves(value, f"{prefix}.{i}" if prefix else str(i))
     elif isinstance(node, Mapping):
         for key, value in node.items():
             yield from dotted_leaves(value, f"{prefix}.{key}" if prefix else str(key))

@@ -5,7 +5,8 @@ The destination decides what is wanted, the checkpoint what it holds:
 - a tensor (or NumPy array) is filled in place from the region of the same
   dotted name, which must have its dtype and shape;
 - a value (any subtree that holds no tensor) is replaced by the saved value,
-  with its saved types;
+  with its saved types (written into the destination's own dict or list when
+  both are one, so references a script holds see the restored value);
 - a Stateful object's destination is its own ``state_dict()``; once every
   region is copied, ``load_state_dict()`` receives it filled, in state order;
 - Stateful objects other than modules create state lazily (an optimizer's
@@ -30,49 +31,66 @@ import torch
 
 from ..format import RegionDecl
 from ..manifest import describe_region, dtype_name, refuse_mismatch, torch_dtype
-from .capture import capture_state, is_stateful
-from .values import RegionRef, decode_value
+from .capture import capture_state, dotted_leaves as _refs, is_stateful
+from .placement import Partitioned, PerRank
+from .values import PerRankSaved, RegionRef, decode_value
 
 _ABSENT = object()
 
 
 @dataclass
 class LoadPlan:
-    """What a load fills (``targets``: saved region ordinal -> destination tensor) and what it does after."""
+    """What a load fills and what it does after.
 
-    targets: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    ``targets``: (saved region ordinal, destination tensor, lo, hi): the destination
+    holds exactly words [lo, hi) of the region (all of it, or a Partitioned range).
+    """
+
+    targets: list[tuple[int, torch.Tensor, int, int]] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     differ: list[str] = field(default_factory=list)
     dtype_only: bool = True
     finish: Callable[[], Any] | None = None
 
+    placement_bound: list[str] = field(default_factory=list)
+
     def refusal(self, what: str):
+        from ..errors import Refusal, RefusalCode
+        if self.placement_bound:
+            return Refusal(RefusalCode.PLACEMENT_BOUND, f"{what}: per-rank entries were saved by another rank count: "
+                           f"{', '.join(self.placement_bound[:10])} (restore with per_rank=\"drop\" to start "
+                           "them afresh)")
         if self.missing or self.unexpected or self.differ:
             return refuse_mismatch(what, self.missing, self.unexpected, self.differ, self.dtype_only)
         return None
 
 
-def plan_load(state: Mapping, saved: Mapping | None, regions: tuple[RegionDecl, ...]) -> LoadPlan:
+def plan_load(state: Mapping, saved: Mapping | None, regions: tuple[RegionDecl, ...], *, rank: int = 0,
+              world: int = 1, per_rank: str = "keep") -> LoadPlan:
     """Match ``state`` (the caller's, mutated only by ``plan.finish()``) against the decoded skeleton ``saved``.
 
     ``saved`` is None for a manifest written before skeletons were recorded (tensors
     only): the destination's own structure stands in for it, matched by dotted name.
+    A :class:`PerRank` entry restores rank ``rank``'s part when the checkpoint was
+    saved by ``world`` ranks; on another count it is refused (``placement-bound``),
+    or left as it is with ``per_rank="drop"``.
     """
     by_name = {r.name: r for r in regions}
     plan = LoadPlan()
-    matcher = _Matcher(plan, by_name)
+    matcher = _Matcher(plan, by_name, rank, world, per_rank)
     stand_in = saved is None
     if stand_in:
         saved = decode_value(capture_state(state).skeleton)
     plan.finish = matcher.container(state, saved, "", lazy=False)
+    plan.placement_bound = matcher.placement_bound
     if stand_in:
         plan.unexpected.extend(name for name in by_name if name not in matcher.named)
     return plan
 
 
 def _has_region(node: Any) -> bool:
-    if isinstance(node, (torch.Tensor, np.ndarray, RegionRef)) or is_stateful(node):
+    if isinstance(node, (torch.Tensor, np.ndarray, RegionRef, PerRank, PerRankSaved, Partitioned)) or is_stateful(node):
         return True
     if isinstance(node, Mapping):
         return any(_has_region(v) for v in node.values())
@@ -86,20 +104,27 @@ def _join(prefix: str, key: Any) -> str:
 
 
 class _Matcher:
-    def __init__(self, plan: LoadPlan, regions: dict[str, RegionDecl]):
+    def __init__(self, plan: LoadPlan, regions: dict[str, RegionDecl], rank: int = 0, world: int = 1,
+                 per_rank: str = "keep"):
         self.plan, self.regions = plan, regions
+        self.rank, self.world, self.per_rank = rank, world, per_rank
+        self.placement_bound: list[str] = []  # PerRank entries saved by another rank count
         self.named: set[str] = set()  # regions the destination asked for
         self.creating = False         # inside a Stateful that creates its state lazily
 
     def node(self, dest: Any, saved: Any, name: str) -> Callable[[], Any]:
         """A thunk giving the value for this position once the copies are done."""
+        if isinstance(dest, PerRank) or isinstance(saved, PerRankSaved):
+            return self.per_rank_entry(dest, saved, name)
+        if isinstance(dest, Partitioned) and isinstance(saved, RegionRef):
+            return self.region(dest.tensor, saved, name, (dest.lo, dest.hi, dest.shape))
         if is_stateful(dest):
             return self.stateful(dest, saved, name)
         if isinstance(saved, RegionRef):
             return self.region(dest, saved, name)
         if not _has_region(dest):
             if not _has_region(saved):
-                return lambda: saved
+                return lambda: _in_place(dest, saved)
             if self.creating or (isinstance(dest, Mapping) and not dest):
                 return self.fresh(_ABSENT, saved, name)
         if isinstance(dest, Mapping) and isinstance(saved, Mapping):
@@ -113,7 +138,24 @@ class _Matcher:
         self.plan.dtype_only = False
         self.plan.differ.append(f"{name} (saved {_kind(saved, self.regions)}, destination {_kind(dest, self.regions)})")
 
-    def region(self, dest: Any, ref: RegionRef, name: str) -> Callable[[], Any]:
+    def per_rank_entry(self, dest: Any, saved: Any, name: str) -> Callable[[], Any]:
+        if not (isinstance(dest, PerRank) and isinstance(saved, PerRankSaved)):
+            self.kind_differs(name, saved, dest)
+            return lambda: dest
+        if len(saved.parts) != self.world:
+            if self.per_rank != "drop":
+                self.placement_bound.append(f"{name} (saved by {len(saved.parts)} ranks, restoring on {self.world})")
+            return lambda: dest  # dropped: left as the destination holds it
+        mine = saved.parts[self.rank]
+        fill = self.node(dest.value, mine, _join(name, self.rank))
+        self.named.update(ref.name for _, ref in _refs(saved))  # the other ranks' parts are theirs to restore
+
+        def finish() -> Any:
+            dest.value = fill()
+            return dest
+        return finish
+
+    def region(self, dest: Any, ref: RegionRef, name: str, part: tuple | None = None) -> Callable[[], Any]:
         region = self.regions.get(ref.name)
         if region is None:  # only where the destination stands in for the skeleton
             self.plan.missing.append(name)
@@ -135,11 +177,13 @@ class _Matcher:
             dtype = dtype_name(tensor.dtype, name)
         except ValueError:
             dtype = str(tensor.dtype).removeprefix("torch.")
-        if (dtype, tuple(tensor.shape)) != (region.dtype, region.shape):
-            self.plan.differ.append(f"{name} (saved {describe_region(region)}, destination {dtype}{list(tensor.shape)})")
-            self.plan.dtype_only = self.plan.dtype_only and tuple(tensor.shape) == region.shape
+        shape = part[2] if part is not None else tuple(tensor.shape)
+        if (dtype, shape) != (region.dtype, region.shape):
+            self.plan.differ.append(f"{name} (saved {describe_region(region)}, destination {dtype}{list(shape)})")
+            self.plan.dtype_only = self.plan.dtype_only and shape == region.shape
             return lambda: dest
-        self.plan.targets.append((region.ordinal, tensor))
+        lo, hi = (part[0], part[1]) if part is not None else (0, region.words)
+        self.plan.targets.append((region.ordinal, tensor, lo, hi))
         return lambda: dest
 
     def stateful(self, obj: Any, saved: Any, name: str) -> Callable[[], Any]:
@@ -241,6 +285,19 @@ class _Matcher:
                 return dest
             return tuple(values)
         return finish
+
+
+def _in_place(dest: Any, saved: Any) -> Any:
+    """The saved value, written into the destination's own dict or list when both are one (a script keeps
+    references to its containers: ``progress = {...}`` in the state must be the restored one)."""
+    if type(dest) is type(saved) and isinstance(dest, (dict, list)):
+        if isinstance(dest, dict):
+            dest.clear()
+            dest.update(saved)
+        else:
+            dest[:] = saved
+        return dest
+    return saved
 
 
 def _mapping(kind: type, pairs: list) -> Any:

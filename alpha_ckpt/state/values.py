@@ -22,6 +22,7 @@ any other ``int``                 ``{"bigint": "-1f..."}`` (hexadecimal)
                                   insertion order; keys are ``str`` or ``int``
 a tensor / NumPy array            ``{"tensor": "dotted.name"}`` /
                                   ``{"ndarray": "dotted.name"}``: a region
+a PerRank entry of N ranks        ``{"per_rank": [rank 0's, ..., rank N-1's]}``
 ================================  =============================================
 
 Every JSON object has exactly one key, the type tag. The decoder takes
@@ -44,6 +45,13 @@ MAX_BIGINT_HEX = 1 << 16  # 262,144-bit integers: far past any counter, bounded 
 _SMALL_INT = 1 << 63
 _DICT_TAGS = {"dict": dict, "odict": collections.OrderedDict, "counter": collections.Counter}
 _REF_TAGS = ("tensor", "ndarray")
+
+
+@dataclass(frozen=True)
+class PerRankSaved:
+    """A decoded ``{"per_rank": [...]}``: what each rank saved of a PerRank entry (None: not this capture's)."""
+
+    parts: tuple
 
 
 @dataclass(frozen=True)
@@ -145,6 +153,10 @@ def decode_value(obj: Any, what: str = "value", _depth: int = 0) -> Any:
                 raise _bad(what, f"a {tag} names key {_short(key)} twice")
             out[key] = decode_value(pair[1], what, _depth + 1)
         return out
+    if tag == "per_rank":
+        if type(body) is not list or not body:
+            raise _bad(what, "a per_rank entry holds one value per rank")
+        return PerRankSaved(tuple(decode_value(v, what, _depth + 1) for v in body))
     if tag in _REF_TAGS:
         if type(body) is not str or not body:
             raise _bad(what, f"a {tag} reference names its region")

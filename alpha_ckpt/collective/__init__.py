@@ -1,0 +1,5 @@
+"""The collective layer: checkpoints of any torch.distributed group's state (never imports the learner)."""
+from ..state.placement import Partitioned, PerRank
+from .checkpointer import Checkpointer
+
+__all__ = ["Checkpointer", "PerRank", "Partitioned"]

@@ -1,0 +1,321 @@
+"""Checkpointer: collective save and restore of a training script's own state, on any torch.distributed group.
+
+Call order (every rank of the group, the same calls in the same order)::
+
+    ckpt = Checkpointer()                      # store/run/resume from alpha-run's environment, or arguments
+    counters = ckpt.restore(state)             # None: nothing to resume (a fresh start)
+    for step in ...:
+        ...
+        ckpt.save(state, update=step, cursor=samples_seen)   # the same root digest on every rank
+    ckpt.close()
+
+Placement of a state's entries: a plain tensor or value is replicated (rank 0
+writes it once; every other rank sends only the BLAKE3 of its replica, and a
+replica that differs refuses the publish on every rank); ``PerRank(value)`` is
+stored per rank and restored to the same rank; ``Partitioned(tensor, lo, hi,
+shape)`` is this rank's word range of one region.
+
+Save (star): every rank captures (Stateful ``state_dict()``, typed values,
+tensors), sends rank 0 a descriptor (its skeleton, region declarations,
+replica digests) and only the bytes that are its own (per-rank and
+partitioned words). Rank 0 checks that every capture agrees, writes the
+shards, the root manifest and the ref durably, then broadcasts the
+acknowledgment; every rank returns the root, or raises the same Refusal
+(exit 3 under alpha-run) or PublishFailed.
+
+Restore: rank 0 picks the generation (``"latest"``, a digest, or None for a
+fresh start) and checks its bindings (run/step, ``identity``, stale epoch);
+every rank then validates exactly the slices it restores; the ranks agree
+on one verdict before any rank copies a byte. Under ``"latest"``, a
+generation that any rank finds damaged makes every rank fall back to the
+next older one together.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping, Sequence
+
+import blake3
+import torch
+import torch.distributed as dist
+
+from ..device import check_devices, current_device
+from ..errors import PublishConflict, PublishFailed, Refusal, RefusalCode
+from ..format import CapturePrefix, DTYPES, RegionDecl, canonical_json, check_name
+from ..planner import Piece, WantedSlice
+from ..publish.wire import broadcast_json, recv_bytes, send_bytes
+from ..restore import Counters, open_generation, prepare_fill
+from ..state.capture import capture_state, dotted_leaves
+from ..state.load import plan_load
+from ..state.values import decode_value
+from ..store import RefRecord, Store
+from ..writer import publish_slices, word_bytes
+from .verdict import agree
+
+STORE_ENV, RUN_ENV, RESUME_ENV = "ALPHA_CKPT_STORE", "ALPHA_CKPT_RUN", "ALPHA_CKPT_RESUME"
+_FROM_ENV = object()
+
+
+class Checkpointer:
+    """Collective checkpoints of one run/step of a training script (see the module docstring)."""
+
+    def __init__(self, store: str | os.PathLike | None = None, *, run: str | None = None, step: str = "train",
+                 group: Any = None, identity: Any = None, allow_nonfinite: Sequence[str] = ()):
+        store = store if store is not None else os.environ.get(STORE_ENV)
+        run = run if run is not None else os.environ.get(RUN_ENV)
+        if store is None or run is None:
+            raise ValueError("Checkpointer needs store= and run= (alpha-run passes them as ALPHA_CKPT_STORE and "
+                             "ALPHA_CKPT_RUN)")
+        self.run, self.step = check_name(run, "run"), check_name(step, "step")
+        canonical_json(identity)  # any JSON: refused here, not at the first save
+        self.identity, self.allow_nonfinite = identity, tuple(allow_nonfinite)
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        # Rank 0 creates the store; the others open it once it exists.
+        self.store = Store(store, create=True) if self.rank == 0 else None
+        dist.barrier(group=group)
+        if self.store is None:
+            self.store = Store(store, create=False)
+        self.epoch = 0
+        self.follows: int | None = None  # rank 0: the generation this history continues (store.check_fence)
+        self.device = current_device(torch.device("cuda", torch.cuda.current_device())
+                                     if dist.get_backend(group) == "nccl" else torch.device("cpu"))
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, state: Mapping[str, Any], *, update: int, cursor: int = 0) -> str:
+        """Collective: publish ``state`` as ``update`` of this run/step; the root digest on every rank."""
+        prefix = CapturePrefix(self.run, self.step, update, cursor, self.epoch)
+        try:
+            captured = capture_state(state, self.rank, self.world)
+            regions = captured.regions(self.allow_nonfinite)
+        except ValueError as exc:  # every rank raises its own; nothing is sent half-way
+            raise Refusal(RefusalCode.FORMAT, f"rank {self.rank}: {exc}") from None
+        views = [memoryview(word_bytes(t).numpy()) if t.numel() else memoryview(b"") for _, t in captured.named]
+        own, replicas = [], {}
+        for region, view, where in zip(regions, views, captured.placement):
+            size = DTYPES[region.dtype][0]
+            if where == "replicated":
+                replicas[region.name] = blake3.blake3(view).hexdigest()
+                if self.rank == 0:
+                    own.append((region.name, 0, region.words, view))
+            else:
+                lo, hi = (where[0], where[1]) if isinstance(where, tuple) else (0, region.words)
+                own.append((region.name, lo, hi, view[:(hi - lo) * size]))
+        descriptor = {"prefix": prefix.to_json(), "skeleton": captured.skeleton, "replicas": replicas,
+                      "regions": [r.to_json() for r in regions], "pieces": [[n, lo, hi] for n, lo, hi, _ in own],
+                      "device": self.device}
+        if self.rank != 0:
+            send_bytes(canonical_json(descriptor), self._global(0), self.group)
+            send_bytes(b"".join(bytes(v) for *_, v in own), self._global(0), self.group)
+            ack = broadcast_json(None, self._global(0), self.group)
+        else:
+            descriptors, data = [descriptor], [own]
+            for r in range(1, self.world):
+                descriptors.append(json.loads(recv_bytes(self._global(r), self.group).decode("ascii")))
+                data.append(_split(recv_bytes(self._global(r), self.group), descriptors[-1]))
+            try:
+                ack = {"ok": True, "root": self._publish(descriptors, data)}
+            except Refusal as refusal:
+                ack = {"ok": False, "code": refusal.code.value, "reason": refusal.message}
+            except (OSError, ValueError, PublishConflict) as exc:
+                ack = {"ok": False, "reason": str(exc)}
+            broadcast_json(ack, self._global(0), self.group)
+        if not ack["ok"]:
+            if ack.get("code"):
+                raise Refusal(ack["code"], ack["reason"])
+            raise PublishFailed(ack["reason"])
+        return ack["root"]
+
+    def _publish(self, descriptors: list[dict], data: list[list]) -> str:
+        """Rank 0: check that every capture agrees, then write shards, root manifest and ref."""
+        prefix = CapturePrefix.from_json(descriptors[0]["prefix"], "rank 0 capture")
+        for r, d in enumerate(descriptors):
+            if d["prefix"] != descriptors[0]["prefix"]:
+                raise Refusal(RefusalCode.MIXED_CAPTURE, f"rank {r} captured {d['prefix']}, rank 0 {descriptors[0]['prefix']}")
+            for name, digest in d["replicas"].items():
+                if descriptors[0]["replicas"].get(name) != digest:
+                    raise Refusal(RefusalCode.MIXED_CAPTURE, f"rank {r}'s replica of {name!r} differs from rank 0's "
+                                  "(a replicated entry diverged; wrap what differs per rank in PerRank)")
+        skeleton = merge_skeletons([d["skeleton"] for d in descriptors])
+        declared: dict[str, dict] = {}
+        for d in descriptors:
+            for r in d["regions"]:
+                declared.setdefault(r["name"], r)
+        names = [name for name, _ in dotted_leaves(decode_value(skeleton, "merged skeleton"))]
+        regions = tuple(RegionDecl(i, n, declared[n]["dtype"], tuple(declared[n]["shape"]),
+                                   bool(declared[n].get("nonfinite"))) for i, n in enumerate(names))
+        by_name = {r.name: r for r in regions}
+        shards = []
+        for pieces in data:
+            parts = [(Piece(by_name[n].ordinal, lo, hi, DTYPES[by_name[n].dtype][0]), view, "raw")
+                     for n, lo, hi, view in pieces]
+            if parts:
+                shards.append(parts)
+        metadata = {"identity": self.identity, "owners": self.world, "devices": [d["device"] for d in descriptors]}
+        published = publish_slices(self.store, prefix, regions, shards, metadata=metadata, owners=self.world,
+                                   follows=self.follows, state=skeleton)
+        self.follows = published.ref.generation
+        return published.root
+
+    # ------------------------------------------------------------------ restore
+
+    def restore(self, state: Mapping[str, Any], root: Any = _FROM_ENV, *, per_rank: str = "keep") -> Counters | None:
+        """Collective: restore ``state`` from ``root`` ("latest", a digest, or None: start fresh).
+
+        The default is alpha-run's choice (``--resume latest`` / ``--resume-from D``;
+        none given: a fresh start), or "latest" outside alpha-run. Returns the
+        generation's counters, or None when there was nothing to resume. Every rank
+        raises the same Refusal, before any rank copies a byte, when anything is wrong.
+        """
+        if root is _FROM_ENV:
+            root = os.environ.get(RESUME_ENV, "latest") or None
+        if per_rank not in ("keep", "drop"):
+            raise ValueError(f"per_rank is 'keep' or 'drop', not {per_rank!r}")
+        candidates = self._candidates(root)
+        for i, candidate in enumerate(candidates):
+            refusal, fill, counters = None, None, None
+            try:
+                if candidate.get("refusal"):
+                    raise Refusal(candidate["refusal"]["code"], candidate["refusal"]["message"])
+                fill, counters = self._prepare(state, candidate["root"], per_rank)
+            except Refusal as exc:
+                refusal = exc
+            try:
+                agree(refusal, self.group)
+            except Refusal:
+                if root == "latest" and not candidate.get("binding") and i + 1 < len(candidates):
+                    continue  # damaged: every rank falls back to the next older generation together
+                raise
+            fill()
+            self.epoch = counters.epoch + 1
+            return counters
+        return None
+
+    def _candidates(self, root: Any) -> list[dict]:
+        """Rank 0 decides what to try, in order; every rank gets the same list."""
+        out = None
+        if self.rank == 0:
+            try:
+                out = self._choose(root)
+            except Refusal as refusal:
+                out = [{"refusal": {"code": refusal.code.value, "message": refusal.message}, "binding": True}]
+        return broadcast_json(out, self._global(0), self.group)
+
+    def _choose(self, root: Any) -> list[dict]:
+        refs = self.store.list_refs(self.run, self.step)
+        newest = refs[-1] if refs else None
+        if root is None:
+            if refs:
+                raise Refusal(RefusalCode.FENCED, f"a fresh start of {self.run}/{self.step} would fork its history: it "
+                              f"already has {len(refs)} generations; restore 'latest', or use another run")
+            self.follows = 0
+            return []
+        self.follows = newest.generation if isinstance(newest, RefRecord) else None
+        newest_epoch = max((r.prefix.epoch for r in refs if isinstance(r, RefRecord)), default=0)
+        if root != "latest":
+            record = self.store.find_ref(self.store.check_digest(root))
+            if record is None or (record.run, record.step) != (self.run, self.step):
+                raise Refusal(RefusalCode.FOREIGN_LEARNER, f"generation {root[:16]}... is not one of {self.run}/{self.step}")
+            if record.prefix.epoch < newest_epoch:
+                later = [r for r in refs if isinstance(r, RefRecord) and r.prefix.epoch == newest_epoch][-1]
+                raise Refusal(RefusalCode.STALE_EPOCH, f"generation {root[:16]}... is of epoch {record.prefix.epoch}, "
+                              f"but a continuation published generation {later.generation} ({later.root}, update "
+                              f"{later.prefix.update}) in epoch {newest_epoch}; restore that one ('latest')")
+            return [self._bound(record)]
+        usable = [r for r in reversed(refs) if isinstance(r, RefRecord) and r.prefix.epoch == newest_epoch]
+        if refs and not usable:
+            raise Refusal(RefusalCode.MISSING_SHARD, f"no readable generation of {self.run}/{self.step} to resume")
+        return [self._bound(r) for r in usable]
+
+    def _bound(self, record: RefRecord) -> dict:
+        """A candidate, or the binding refusal that stops the restore (no fallback past it)."""
+        try:
+            with open_generation(self.store, record.root, record, wanted=[]) as generation:
+                meta = generation.manifest.metadata if isinstance(generation.manifest.metadata, dict) else {}
+            if meta.get("identity") != self.identity:
+                raise Refusal(RefusalCode.FOREIGN_LEARNER, f"generation {record.root[:16]}... was saved with identity "
+                              f"{_short(meta.get('identity'))}; this script binds {_short(self.identity)}")
+            check_devices(meta.get("devices") or [None], [self.device] * len(meta.get("devices") or [None]), False)
+        except Refusal as refusal:
+            if refusal.code in (RefusalCode.FOREIGN_LEARNER, RefusalCode.DEVICE_MISMATCH):
+                return {"refusal": {"code": refusal.code.value, "message": refusal.message}, "binding": True}
+            return {"refusal": {"code": refusal.code.value, "message": refusal.message}}
+        return {"root": record.root}
+
+    def _prepare(self, state: Mapping[str, Any], root: str, per_rank: str):
+        """This rank's part: match, open only the shards it reads, validate them. Returns (fill, counters)."""
+        what = f"generation {root[:16]}..."
+        with open_generation(self.store, root, wanted=[]) as head:
+            manifest = head.manifest
+        if manifest.state is None:
+            raise Refusal(RefusalCode.FORMAT, f"{what} records no state skeleton (it was not written by save)")
+        plan = plan_load(state, manifest.state, manifest.regions, rank=self.rank, world=self.world,
+                         per_rank=per_rank)
+        wanted = [WantedSlice(o, lo, hi, i) for i, (o, _, lo, hi) in enumerate(plan.targets)]
+        generation = open_generation(self.store, root, wanted=wanted)
+        try:
+            fill = prepare_fill(generation, plan, what)
+        except BaseException:
+            generation.close()
+            raise
+        p = manifest.prefix
+
+        def fill_and_close() -> None:
+            try:
+                fill()
+            finally:
+                generation.close()
+        return fill_and_close, Counters(p.run, p.step, p.update, p.cursor, p.epoch, manifest.metadata, root)
+
+    def close(self) -> None:
+        self.store.close()
+
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+
+def merge_skeletons(skeletons: list[Any], path: str = "state") -> Any:
+    """One skeleton from every rank's: PerRank parts from their own ranks, everything else equal on all."""
+    first = skeletons[0]
+    if isinstance(first, dict) and set(first) == {"per_rank"}:
+        parts = []
+        for r, s in enumerate(skeletons):
+            if not (isinstance(s, dict) and set(s) == {"per_rank"} and len(s["per_rank"]) == len(skeletons)):
+                raise Refusal(RefusalCode.MIXED_CAPTURE, f"{path}: rank {r} does not hold it per rank as rank 0 does")
+            parts.append(s["per_rank"][r])
+        return {"per_rank": parts}
+    if isinstance(first, dict):
+        for r, s in enumerate(skeletons):
+            if not isinstance(s, dict) or set(s) != set(first):
+                raise Refusal(RefusalCode.MIXED_CAPTURE, f"{path}: rank {r}'s state differs from rank 0's")
+        return {k: merge_skeletons([s[k] for s in skeletons], f"{path}.{k}" if k != "dict" else path) for k in first}
+    if isinstance(first, list):
+        for r, s in enumerate(skeletons):
+            if not isinstance(s, list) or len(s) != len(first):
+                raise Refusal(RefusalCode.MIXED_CAPTURE, f"{path}: rank {r}'s state differs from rank 0's")
+        return [merge_skeletons([s[i] for s in skeletons], path) for i in range(len(first))]
+    for r, s in enumerate(skeletons):
+        if s != first or type(s) is not type(first):
+            raise Refusal(RefusalCode.MIXED_CAPTURE, f"{path}: rank {r} holds {_short(s)}, rank 0 {_short(first)} "
+                          "(a replicated value diverged; wrap what differs per rank in PerRank)")
+    return first
+
+
+def _split(data: bytes, descriptor: dict) -> list:
+    """A rank's own bytes, cut into its pieces by the declared dtypes."""
+    sizes = {r["name"]: DTYPES[r["dtype"]][0] for r in descriptor["regions"]}
+    out, offset, view = [], 0, memoryview(data)
+    for name, lo, hi in descriptor["pieces"]:
+        n = (hi - lo) * sizes[name]
+        out.append((name, lo, hi, view[offset:offset + n]))
+        offset += n
+    if offset != len(data):
+        raise ValueError(f"a capture of {len(data)} bytes does not hold the {offset} its pieces declare")
+    return out
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True)[:80]
+    return text

@@ -1,0 +1,31 @@
+"""Every rank observes every rank's refusal: one verdict, raised on every rank, before anyone copies a byte."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..errors import Refusal
+from ..publish.wire import broadcast_json
+
+
+def agree(refusal: Refusal | None, group=None) -> None:
+    """Collective: if any rank refused, every rank raises the lowest-ranked refusing rank's refusal.
+
+    Ranks are of ``group`` (default: the default group); its messages use gloo or the
+    group's backend as the wire module does.
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    first = torch.tensor([rank if refusal is not None else world], dtype=torch.int64)
+    if dist.get_backend(group) == "nccl":
+        first = first.cuda()
+    dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
+    src = int(first.item())
+    if src == world:
+        return
+    mine = {"code": refusal.code.value, "message": f"rank {rank}: {refusal.message}"} if rank == src else None
+    verdict = broadcast_json(mine, _global(src, group), group)
+    raise Refusal(verdict["code"], verdict["message"])
+
+
+def _global(rank: int, group) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)

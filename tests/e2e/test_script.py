@@ -1,0 +1,52 @@
+"""alpha-run launching a user's own training script (examples/train_gpt_ddp.py) and resuming it."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "train_gpt_ddp.py"
+
+
+def alpha_run(*args, cwd, timeout=240, **kwargs):
+    return subprocess.run([sys.executable, "-m", "alpha_ckpt.launcher", *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def _last_json(out: str) -> dict:
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(400)
+def test_a_killed_script_resumed_latest_ends_equal_to_one_that_never_stopped(tmp_path):
+    straight = alpha_run("--nproc", 2, "--store", tmp_path / "a", EXAMPLE, "--steps", 12, cwd=tmp_path)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    store = tmp_path / "b"
+    job = subprocess.Popen([sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", "2", "--store", str(store),
+                            str(EXAMPLE), "--steps", "12"], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, start_new_session=True)
+    refs = store / "refs" / "train-gpt-ddp" / "train"
+    deadline = time.monotonic() + 200
+    while time.monotonic() < deadline and len(list(refs.glob("*")) if refs.exists() else []) < 3:
+        time.sleep(0.05)  # generation 3 is update 6's checkpoint
+    os.killpg(job.pid, signal.SIGKILL)  # the whole job, as a node agent does
+    job.wait(30)
+    assert job.returncode == -signal.SIGKILL
+    resumed = alpha_run("--nproc", 2, "--store", store, "--resume", "latest", EXAMPLE, "--steps", 12, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert _last_json(resumed.stdout) == _last_json(straight.stdout)
+
+
+@pytest.mark.timeout(300)
+def test_script_exit_codes_refused_3_usage_2(tmp_path):
+    ok = alpha_run("--nproc", 2, "--store", tmp_path / "s", EXAMPLE, "--steps", 2, cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    fresh_again = alpha_run("--nproc", 2, "--store", tmp_path / "s", EXAMPLE, "--steps", 2, cwd=tmp_path)
+    assert fresh_again.returncode == 3  # a fresh start over existing history would fork it (fenced)
+    assert alpha_run("--nproc", 2, "--store", tmp_path / "s", tmp_path / "missing.py", cwd=tmp_path).returncode == 2
+    assert alpha_run("--nproc", 2, "--store", tmp_path / "s", EXAMPLE, "--steps", "x", cwd=tmp_path).returncode == 2

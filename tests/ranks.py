@@ -1,0 +1,60 @@
+"""Run a function on N gloo ranks (forked processes, 127.0.0.1, a free port); collect each rank's JSON result.
+
+A rank's result is what the function returns (JSON), or ``{"refusal": code, "message": ...}``
+when it raises a Refusal; any other exception fails the run with its traceback.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import socket
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn, args, rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    from alpha_ckpt import Refusal
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=60))
+        try:
+            result = fn(rank, world, *args)
+        except Refusal as refusal:
+            result = {"refusal": refusal.code.value, "message": refusal.message}
+        dist.barrier()
+        dist.destroy_process_group()
+        Path(out).write_text(json.dumps(result))
+        os._exit(0)
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        Path(out).write_text(json.dumps({"crash": traceback.format_exc()}))
+        os._exit(1)
+
+
+def run_ranks(world: int, fn, *args, tmp: Path, timeout: float = 120.0) -> list:
+    """Every rank's result, in rank order."""
+    ctx = multiprocessing.get_context("fork")
+    port = free_port()
+    outs = [str(tmp / f"rank{r}-{port}.json") for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(fn, args, r, world, port, outs[r])) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, f"{len(alive)} ranks still running after {timeout} s"
+    results = [json.loads(Path(o).read_text()) for o in outs]
+    crashes = [r["crash"] for r in results if isinstance(r, dict) and "crash" in r]
+    assert not crashes, crashes[0]
+    return results

@@ -1,0 +1,183 @@
+"""The collective Checkpointer on gloo ranks, with a DDP GPT-style training script as its client."""
+import hashlib
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data.distributed import DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import alpha_ckpt
+from alpha_ckpt import Checkpointer, PerRank, RefusalCode
+from alpha_ckpt.store import Store
+import gpt_training
+from gpt_training import GPT, Batches, Tokens, VOCAB
+from ranks import run_ranks
+
+IDENTITY = {"model": "gpt-tiny", "lr": 3e-3}
+MASKS = ("*.causal_mask",)
+
+
+class Script:
+    """A DDP training script: model, AdamW (two groups), warmup LambdaLR, DistributedSampler, per-rank RNG."""
+
+    def __init__(self, rank: int, world: int):
+        torch.manual_seed(0)  # the same initial model on every rank
+        self.model = DistributedDataParallel(GPT())
+        params = list(self.model.named_parameters())
+        self.optim = torch.optim.AdamW([{"params": [p for n, p in params if p.dim() >= 2], "weight_decay": 0.1},
+                                        {"params": [p for n, p in params if p.dim() < 2], "weight_decay": 0.0}],
+                                       lr=3e-3)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, lambda s: min(1.0, (s + 1) / 4))
+        data = Tokens(32)
+        self.data = Batches(StatefulDataLoader(data, batch_size=4, sampler=DistributedSampler(data, world, rank, seed=0)))
+        torch.manual_seed(100 + rank)  # each rank's own dropout and augmentation draws
+        random.seed(100 + rank)
+        np.random.seed(100 + rank)
+        self.step, self.losses = 0, []
+
+    def state(self) -> dict:
+        # The data position before the generators: restoring it makes its iterator, which draws.
+        return {"model": self.model, "optim": self.optim, "sched": self.sched,
+                "data": PerRank(self.data), "rng": PerRank(alpha_ckpt.RNGState()), "progress": {"step": self.step}}
+
+    def train(self, n: int) -> None:
+        for _ in range(n):
+            seq = next(self.data)
+            logits = self.model(seq[:, :-1])
+            loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), seq[:, 1:].reshape(-1))
+            self.optim.zero_grad()
+            loss.backward()
+            self.optim.step()
+            self.sched.step()
+            self.step += 1
+            self.losses.append(loss.item())
+
+    def digest(self) -> str:
+        h = hashlib.sha256()
+        for t in list(self.model.state_dict().values()) + [v for s in self.optim.state_dict()["state"].values()
+                                                           for v in s.values()]:
+            h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(json.dumps(self.sched.state_dict(), default=str).encode())
+        return h.hexdigest()
+
+
+def train_and_save(rank, world, store, steps, save_at):
+    script = Script(rank, world)
+    ckpt = Checkpointer(store, run="r", identity=IDENTITY, allow_nonfinite=MASKS)
+    assert ckpt.restore(script.state(), root=None) is None
+    roots = []
+    for _ in range(steps):
+        script.train(1)
+        if script.step in save_at:
+            roots.append(ckpt.save(script.state(), update=script.step, cursor=script.step * 4 * world))
+    return {"roots": roots, "digest": script.digest(), "losses": script.losses}
+
+
+def resume_and_train(rank, world, store, steps, root, identity=IDENTITY, per_rank="keep"):
+    script = Script(rank, world)
+    ckpt = Checkpointer(store, run="r", identity=identity, allow_nonfinite=MASKS)
+    state = script.state()
+    counters = ckpt.restore(state, root=root, per_rank=per_rank)
+    script.step = state["progress"]["step"]
+    script.train(steps - script.step)
+    ckpt.save(script.state(), update=script.step, cursor=script.step * 4 * world)  # published in the new epoch
+    return {"update": counters.update, "digest": script.digest(), "losses": script.losses, "epoch": ckpt.epoch}
+
+
+@pytest.mark.timeout(180)
+def test_a_ddp_script_resumed_from_its_checkpoint_ends_bit_identical_to_one_that_never_stopped(tmp_path):
+    straight = run_ranks(2, train_and_save, str(tmp_path / "a"), 6, (), tmp=tmp_path)
+    saved = run_ranks(2, train_and_save, str(tmp_path / "b"), 3, (2, 3), tmp=tmp_path)
+    assert saved[0]["roots"] == saved[1]["roots"] and len(saved[0]["roots"]) == 2
+    resumed = run_ranks(2, resume_and_train, str(tmp_path / "b"), 6, "latest", tmp=tmp_path)
+    for r in range(2):
+        assert resumed[r]["update"] == 3 and resumed[r]["epoch"] == 1
+        assert saved[r]["losses"] + resumed[r]["losses"] == straight[r]["losses"]
+        assert resumed[r]["digest"] == straight[r]["digest"]
+
+
+def diverge_then_save(rank, world, store):
+    script = Script(rank, world)
+    ckpt = Checkpointer(store, run="r", identity=IDENTITY, allow_nonfinite=MASKS)
+    ckpt.restore(script.state(), root=None)
+    script.train(1)
+    ckpt.save(script.state(), update=1)
+    if rank == 1:
+        with torch.no_grad():
+            script.model.module.head.weight[0, 0] += 1.0  # this rank's replica no longer equals rank 0's
+    ckpt.save(script.state(), update=2)
+    return {"saved": True}
+
+
+@pytest.mark.timeout(120)
+def test_a_diverged_replica_is_refused_on_every_rank_and_nothing_is_published(tmp_path):
+    results = run_ranks(2, diverge_then_save, str(tmp_path), tmp=tmp_path)
+    assert [r.get("refusal") for r in results] == [RefusalCode.MIXED_CAPTURE.value] * 2
+    assert "model.module.head.weight" in results[0]["message"]
+    with Store(tmp_path, create=False) as s:
+        assert [r.prefix.update for r in s.list_refs("r", "train")] == [1]
+
+
+def _tree(path):
+    return sorted((p.relative_to(path).as_posix(), p.stat().st_size, p.stat().st_mtime_ns)
+                  for p in path.rglob("*") if "pending" not in p.parts)
+
+
+@pytest.mark.timeout(240)
+def test_another_identity_an_older_epoch_and_a_flipped_byte_are_refused_on_every_rank_with_the_store_unchanged(tmp_path):
+    store = tmp_path / "s"
+    first = run_ranks(2, train_and_save, str(store), 2, (1, 2), tmp=tmp_path)[0]["roots"]
+    before = _tree(store)
+    foreign = run_ranks(2, resume_and_train, str(store), 3, "latest", {"model": "another"}, tmp=tmp_path)
+    assert [r["refusal"] for r in foreign] == [RefusalCode.FOREIGN_LEARNER.value] * 2
+    assert _tree(store) == before
+    run_ranks(2, resume_and_train, str(store), 3, "latest", tmp=tmp_path)  # a continuation: epoch 1 publishes
+    with Store(store, create=False) as s:
+        after_continuation = [r.root for r in s.list_refs("r", "train")]
+    older = run_ranks(2, resume_and_train, str(store), 3, first[0], tmp=tmp_path)  # epoch 0's generation: stale
+    assert [r["refusal"] for r in older] == [RefusalCode.STALE_EPOCH.value] * 2
+    with Store(store, create=False) as s:
+        assert [r.root for r in s.list_refs("r", "train")] == after_continuation
+        victim = s.object_path(after_continuation[-1])
+    os.chmod(victim, 0o644)
+    data = bytearray(open(victim, "rb").read())
+    data[30] ^= 1
+    open(victim, "wb").write(bytes(data))
+    snapshot = _tree(store)
+    flipped = run_ranks(2, resume_and_train, str(store), 4, after_continuation[-1], tmp=tmp_path)
+    assert [r["refusal"] for r in flipped] == [RefusalCode.CORRUPT_SHARD.value] * 2
+    assert _tree(store) == snapshot
+
+
+@pytest.mark.timeout(180)
+def test_a_newest_generation_damaged_where_only_rank_1_reads_makes_every_rank_fall_back_together(tmp_path):
+    store = tmp_path / "s"
+    roots = run_ranks(2, train_and_save, str(store), 2, (1, 2), tmp=tmp_path)[0]["roots"]
+    from alpha_ckpt.restore import open_generation
+    with Store(store, create=False) as s, open_generation(s, roots[1]) as g:
+        rank1_shard = s.object_path(g.manifest.shards[1].digest)  # rank 1's own words: only rank 1 reads them
+    os.chmod(rank1_shard, 0o644)
+    data = bytearray(open(rank1_shard, "rb").read())
+    data[-1] ^= 1
+    open(rank1_shard, "wb").write(bytes(data))
+    resumed = run_ranks(2, resume_and_train, str(store), 3, "latest", tmp=tmp_path)
+    assert [r["update"] for r in resumed] == [1, 1]
+
+
+@pytest.mark.timeout(180)
+def test_a_two_rank_checkpoint_resumes_on_three_ranks_only_when_per_rank_entries_may_be_dropped(tmp_path):
+    store = str(tmp_path / "s")
+    run_ranks(2, train_and_save, store, 2, (2,), tmp=tmp_path)
+    refused = run_ranks(3, resume_and_train, store, 3, "latest", tmp=tmp_path)
+    assert [r["refusal"] for r in refused] == [RefusalCode.PLACEMENT_BOUND.value] * 3
+    assert "rng" in refused[0]["message"] and "data" in refused[0]["message"]
+    dropped = run_ranks(3, resume_and_train, store, 3, "latest", IDENTITY, "drop", tmp=tmp_path)
+    assert [r["update"] for r in dropped] == [2, 2, 2]
+    assert len({r["digest"] for r in dropped}) == 1  # the replicated model and optimizer agree on every rank
