@@ -147,6 +147,7 @@ def test_two_nodes_on_one_machine_train_the_job_of_four_owners(tmp_path):
     assert result["owners"] == 4 and result["state_digest"] == json.loads(oracle.stdout)["state_digest"]
 
 
+@pytest.mark.full  # CI: gates/tree_publication and resume_equivalence run 7 owners on this machine
 @pytest.mark.timeout(300)
 def test_eight_owners_run_on_a_two_core_machine_and_match_the_oracle(tmp_path):
     result = final(alpha_run(tmp_path / "store", "--updates", "2", nproc=8))

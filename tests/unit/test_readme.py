@@ -33,3 +33,20 @@ def test_the_main_job_command_of_the_readme_runs_as_written(tmp_path):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["update"] == 5 and result["owners"] == 4 and len(result["last_generation"]) == 64
     # Run again as written it exits 0 naming the same generation: tests/e2e/test_already_reached.py.
+
+
+def _checkpoint_lines(path: Path, imports: tuple[str, ...]) -> int:
+    """Imports, the lines between the "# --- checkpointing" and "# ---" markers, and the save line."""
+    src = path.read_text().splitlines()
+    start = next(i for i, line in enumerate(src) if line.strip().startswith("# --- checkpointing"))
+    end = next(i for i in range(start + 1, len(src)) if src[i].strip() == "# ---")
+    block = [line for line in src[start + 1:end] if line.strip()]
+    return len(block) + sum("# --- and this one" in line for line in src) + sum(line.startswith(imports) for line in src)
+
+
+def test_the_readme_counts_the_checkpoint_lines_of_both_example_scripts():
+    ours = _checkpoint_lines(ROOT / "examples" / "train_gpt_ddp.py", ("import alpha_ckpt",))
+    theirs = _checkpoint_lines(ROOT / "examples" / "train_gpt_ddp_dcp.py",
+                               ("import torch.distributed.checkpoint", "from torch.distributed.checkpoint", "import os"))
+    assert ours <= theirs
+    assert f"Its checkpoint\ncode is {ours} lines" in README and f"needs {theirs}\n" in README

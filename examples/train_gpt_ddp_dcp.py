@@ -1,0 +1,183 @@
+"""examples/train_gpt_ddp.py with torch.distributed.checkpoint instead of alpha_ckpt, for comparison.
+
+    CKPT_DIR=./dcp-ckpt torchrun --nproc-per-node 2 examples/train_gpt_ddp_dcp.py --steps 12
+
+The checkpoint code between the "---" markers and the save line is what DCP
+needs for the same state: a Stateful wrapper, per-rank keys for what differs
+per rank, and a scan for the newest step directory with a .metadata file
+(DCP has no notion of "latest" and no atomic commit).
+
+Dropout, AdamW with two param groups, a warmup LambdaLR, a DataLoader over a
+DistributedSampler, and augmentation that draws from each rank's Python,
+NumPy and torch generators. Resumed, it ends bit-identical to a run that never
+stopped. Rank 0 prints one JSON line at the end: the state's SHA-256 and the losses.
+"""
+import argparse
+import hashlib
+import json
+import math
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+import os
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+VOCAB, CONTEXT, WIDTH = 32, 16, 32
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
+        self.attn = nn.MultiheadAttention(WIDTH, 4, dropout=0.1, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH), nn.Dropout(0.1))
+        self.register_buffer("mask", torch.triu(torch.full((CONTEXT, CONTEXT), -math.inf), diagonal=1))
+
+    def forward(self, x):
+        t = x.shape[1]
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=self.mask[:t, :t], need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(VOCAB, WIDTH), nn.Parameter(torch.zeros(CONTEXT, WIDTH))
+        self.blocks, self.ln = nn.Sequential(Block(), Block()), nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+
+    def forward(self, idx):
+        return self.head(self.ln(self.blocks(self.tok(idx) + self.pos[: idx.shape[1]])))
+
+
+class Tokens(Dataset):
+    def __init__(self, n=64):
+        self.data = torch.randint(0, VOCAB, (n, CONTEXT + 1), generator=torch.Generator().manual_seed(1234))
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        seq = self.data[i].clone()
+        seq[random.randrange(CONTEXT)] = int(np.random.randint(VOCAB))  # augmentation: this rank's generators
+        return seq
+
+
+class DataPosition:
+    """This rank's place in its share of the data (epoch, batches taken): a Stateful for the checkpoint.
+
+    Making a DataLoader iterator draws a seed from torch's generator, so a load makes
+    it at once: placed before the RNG state, the restored generators are not drawn from.
+    """
+
+    def __init__(self, dataset, rank, world, batch):
+        self.dataset, self.batch = dataset, batch
+        self.sampler = DistributedSampler(dataset, world, rank, shuffle=True, seed=0)
+        self.epoch, self.index, self._it = 0, 0, None
+
+    def _start(self):
+        self.sampler.set_epoch(self.epoch)
+        order = list(self.sampler)[self.index * self.batch:]
+        self._it = iter(DataLoader(self.dataset, batch_size=self.batch, sampler=order))
+
+    def __next__(self):
+        if self._it is None:
+            self._start()
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            self.epoch, self.index = self.epoch + 1, 0
+            self._start()
+            batch = next(self._it)
+        self.index += 1
+        return batch
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state):
+        self.epoch, self.index = state["epoch"], state["index"]
+        self._start()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--save-every", type=int, default=2)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(GPT())
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optim = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                              lr=3e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / 4))
+    data = DataPosition(Tokens(), rank, world, batch=4)
+    torch.manual_seed(100 + rank), random.seed(100 + rank), np.random.seed(100 + rank)
+    progress = {"step": 0, "losses": []}
+
+    # --- checkpointing with torch.distributed.checkpoint
+    ckpt_dir = os.path.join(os.environ.get("CKPT_DIR", "./dcp-ckpt"), "step_{}")
+    rng_key, data_key, progress_key = f"rng_{rank}", f"data_{rank}", f"progress_{rank}"
+
+    class AppState(Stateful):
+        def state_dict(self):
+            model_sd, optim_sd = get_state_dict(model, optim)
+            rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+            return {"model": model_sd, "optim": optim_sd, "sched": sched.state_dict(), data_key: data.state_dict(),
+                    rng_key: rng, progress_key: dict(progress)}
+
+        def load_state_dict(self, sd):
+            set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+            sched.load_state_dict(sd["sched"])
+            data.load_state_dict(sd[data_key])
+            progress.update(sd[progress_key])
+            random.setstate(sd[rng_key]["python"])
+            np.random.set_state(sd[rng_key]["numpy"])
+            torch.set_rng_state(sd[rng_key]["torch"])
+
+    state = {"app": AppState()}
+    steps = sorted(int(d[5:]) for d in os.listdir(os.path.dirname(ckpt_dir)) if d.startswith("step_")
+                   and os.path.exists(os.path.join(os.path.dirname(ckpt_dir), d, ".metadata"))) \
+        if os.path.isdir(os.path.dirname(ckpt_dir)) else []
+    if steps:
+        dcp.load(state, checkpoint_id=ckpt_dir.format(steps[-1]))
+    # ---
+
+    while progress["step"] < args.steps:
+        seq = next(data)
+        loss = nn.functional.cross_entropy(model(seq[:, :-1]).reshape(-1, VOCAB), seq[:, 1:].reshape(-1))
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        sched.step()
+        progress["step"] += 1
+        progress["losses"].append(loss.item())
+        if progress["step"] % args.save_every == 0 or progress["step"] == args.steps:
+            dcp.save(state, checkpoint_id=ckpt_dir.format(progress["step"]))  # --- and this one
+
+    digest = hashlib.sha256()
+    for t in list(model.state_dict().values()) + [v for s in optim.state_dict()["state"].values() for v in s.values()]:
+        digest.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    digest.update(json.dumps(sched.state_dict(), sort_keys=True, default=str).encode())
+    if rank == 0:
+        print(json.dumps({"state_sha256": digest.hexdigest(), "step": progress["step"],
+                          "losses": progress["losses"]}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
