@@ -40,6 +40,7 @@ import blake3
 import torch
 import torch.distributed as dist
 
+from ..async_save import AsyncSaver
 from ..device import check_devices, current_device
 from ..errors import PublishConflict, PublishFailed, Refusal, RefusalCode
 from ..format import CapturePrefix, DTYPES, RegionDecl, canonical_json, check_name
@@ -61,7 +62,7 @@ class Checkpointer:
     """Collective checkpoints of one run/step of a training script (see the module docstring)."""
 
     def __init__(self, store: str | os.PathLike | None = None, *, run: str | None = None, step: str = "train",
-                 group: Any = None, identity: Any = None, allow_nonfinite: Sequence[str] = ()):
+                 group: Any = None, identity: Any = None, allow_nonfinite: Sequence[str] = (), save: str = "sync"):
         store = store if store is not None else os.environ.get(STORE_ENV)
         run = run if run is not None else os.environ.get(RUN_ENV)
         if store is None or run is None:
@@ -79,20 +80,46 @@ class Checkpointer:
             self.store = Store(store, create=False)
         self.epoch = 0
         self.follows: int | None = None  # rank 0: the generation this history continues (store.check_fence)
+        if save not in ("sync", "async"):
+            raise ValueError(f"save is 'sync' or 'async', not {save!r}")
+        # An asynchronous save publishes on its own thread over its own gloo group, so its
+        # messages never interleave with the training collectives of the main thread.
+        self._saver = AsyncSaver(in_flight="wait") if save == "async" else None
+        self._save_group = dist.new_group(ranks=None if group is None else dist.get_process_group_ranks(group),
+                                          backend="gloo") if save == "async" else None
         self.device = current_device(torch.device("cuda", torch.cuda.current_device())
                                      if dist.get_backend(group) == "nccl" else torch.device("cpu"))
 
     # ------------------------------------------------------------------ save
 
-    def save(self, state: Mapping[str, Any], *, update: int, cursor: int = 0) -> str:
-        """Collective: publish ``state`` as ``update`` of this run/step; the root digest on every rank."""
+    def save(self, state: Mapping[str, Any], *, update: int, cursor: int = 0):
+        """Collective: publish ``state`` as ``update`` of this run/step.
+
+        Sync: returns the root digest on every rank once it is durable. Async: captures
+        values and snapshots tensors now, publishes in the background, and returns a
+        :class:`~alpha_ckpt.SaveHandle` (``.result()`` is the root); the next ``save`` or
+        :meth:`wait` raises a background failure, on every rank.
+        """
         prefix = CapturePrefix(self.run, self.step, update, cursor, self.epoch)
         try:
             captured = capture_state(state, self.rank, self.world)
             regions = captured.regions(self.allow_nonfinite)
         except ValueError as exc:  # every rank raises its own; nothing is sent half-way
             raise Refusal(RefusalCode.FORMAT, f"rank {self.rank}: {exc}") from None
-        views = [memoryview(word_bytes(t).numpy()) if t.numel() else memoryview(b"") for _, t in captured.named]
+        tensors = [t for _, t in captured.named]
+        if self._saver is None:
+            return self._exchange(prefix, captured, regions, tensors, self.group)
+        return self._saver.submit(tensors, lambda snapshot: self._exchange(prefix, captured, regions, snapshot,
+                                                                            self._save_group))
+
+    def wait(self) -> None:
+        """Collective in effect: drain the asynchronous save in flight; raise its failure (every rank does)."""
+        if self._saver is not None:
+            self._saver.drain()
+
+    def _exchange(self, prefix: CapturePrefix, captured, regions, tensors, group) -> str:
+        """The star: every rank's descriptor and own bytes to rank 0, which publishes; its ack to all."""
+        views = [memoryview(word_bytes(t).numpy()) if t.numel() else memoryview(b"") for t in tensors]
         own, replicas = [], {}
         for region, view, where in zip(regions, views, captured.placement):
             size = DTYPES[region.dtype][0]
@@ -106,22 +133,23 @@ class Checkpointer:
         descriptor = {"prefix": prefix.to_json(), "skeleton": captured.skeleton, "replicas": replicas,
                       "regions": [r.to_json() for r in regions], "pieces": [[n, lo, hi] for n, lo, hi, _ in own],
                       "device": self.device}
+        root0 = self._global(0)
         if self.rank != 0:
-            send_bytes(canonical_json(descriptor), self._global(0), self.group)
-            send_bytes(b"".join(bytes(v) for *_, v in own), self._global(0), self.group)
-            ack = broadcast_json(None, self._global(0), self.group)
+            send_bytes(canonical_json(descriptor), root0, group)
+            send_bytes(b"".join(bytes(v) for *_, v in own), root0, group)
+            ack = broadcast_json(None, root0, group)
         else:
             descriptors, data = [descriptor], [own]
             for r in range(1, self.world):
-                descriptors.append(json.loads(recv_bytes(self._global(r), self.group).decode("ascii")))
-                data.append(_split(recv_bytes(self._global(r), self.group), descriptors[-1]))
+                descriptors.append(json.loads(recv_bytes(self._global(r), group).decode("ascii")))
+                data.append(_split(recv_bytes(self._global(r), group), descriptors[-1]))
             try:
                 ack = {"ok": True, "root": self._publish(descriptors, data)}
             except Refusal as refusal:
                 ack = {"ok": False, "code": refusal.code.value, "reason": refusal.message}
             except (OSError, ValueError, PublishConflict) as exc:
                 ack = {"ok": False, "reason": str(exc)}
-            broadcast_json(ack, self._global(0), self.group)
+            broadcast_json(ack, root0, group)
         if not ack["ok"]:
             if ack.get("code"):
                 raise Refusal(ack["code"], ack["reason"])
@@ -270,7 +298,13 @@ class Checkpointer:
         return fill_and_close, Counters(p.run, p.step, p.update, p.cursor, p.epoch, manifest.metadata, root)
 
     def close(self) -> None:
-        self.store.close()
+        """Drain an asynchronous save (raising its failure), then release the store."""
+        try:
+            self.wait()
+        finally:
+            if self._saver is not None:
+                self._saver.close()
+            self.store.close()
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)

@@ -68,15 +68,17 @@ class Script:
         return h.hexdigest()
 
 
-def train_and_save(rank, world, store, steps, save_at):
+def train_and_save(rank, world, store, steps, save_at, save="sync"):
     script = Script(rank, world)
-    ckpt = Checkpointer(store, run="r", identity=IDENTITY, allow_nonfinite=MASKS)
+    ckpt = Checkpointer(store, run="r", identity=IDENTITY, allow_nonfinite=MASKS, save=save)
     assert ckpt.restore(script.state(), root=None) is None
     roots = []
     for _ in range(steps):
         script.train(1)
         if script.step in save_at:
             roots.append(ckpt.save(script.state(), update=script.step, cursor=script.step * 4 * world))
+    ckpt.close()  # async: drains the save in flight
+    roots = [r if isinstance(r, str) else r.result() for r in roots]
     return {"roots": roots, "digest": script.digest(), "losses": script.losses}
 
 
@@ -91,10 +93,17 @@ def resume_and_train(rank, world, store, steps, root, identity=IDENTITY, per_ran
     return {"update": counters.update, "digest": script.digest(), "losses": script.losses, "epoch": ckpt.epoch}
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("straight")
+    return run_ranks(2, train_and_save, str(tmp / "a"), 6, (), tmp=tmp)
+
+
 @pytest.mark.timeout(180)
-def test_a_ddp_script_resumed_from_its_checkpoint_ends_bit_identical_to_one_that_never_stopped(tmp_path):
-    straight = run_ranks(2, train_and_save, str(tmp_path / "a"), 6, (), tmp=tmp_path)
-    saved = run_ranks(2, train_and_save, str(tmp_path / "b"), 3, (2, 3), tmp=tmp_path)
+@pytest.mark.parametrize("save", ["sync", "async"])
+def test_a_ddp_script_resumed_from_its_checkpoint_ends_bit_identical_to_one_that_never_stopped(tmp_path, straight,
+                                                                                               save):
+    saved = run_ranks(2, train_and_save, str(tmp_path / "b"), 3, (2, 3), save, tmp=tmp_path)
     assert saved[0]["roots"] == saved[1]["roots"] and len(saved[0]["roots"]) == 2
     resumed = run_ranks(2, resume_and_train, str(tmp_path / "b"), 6, "latest", tmp=tmp_path)
     for r in range(2):
@@ -181,3 +190,14 @@ def test_a_two_rank_checkpoint_resumes_on_three_ranks_only_when_per_rank_entries
     dropped = run_ranks(3, resume_and_train, store, 3, "latest", IDENTITY, "drop", tmp=tmp_path)
     assert [r["update"] for r in dropped] == [2, 2, 2]
     assert len({r["digest"] for r in dropped}) == 1  # the replicated model and optimizer agree on every rank
+
+
+def test_the_collective_layer_imports_neither_the_learner_nor_the_test_hooks():
+    import subprocess
+    import sys
+    code = ("import sys, alpha_ckpt.collective; "
+            "print(sorted(m for m in sys.modules if m.startswith('alpha_ckpt')))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    for forbidden in ("alpha_ckpt.learner", "alpha_ckpt.worker", "alpha_ckpt.oracle", "alpha_ckpt.forge",
+                      "alpha_ckpt.publish.simulate", "alpha_ckpt.launcher"):
+        assert f"'{forbidden}" not in loaded, forbidden
