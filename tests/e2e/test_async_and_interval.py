@@ -25,7 +25,7 @@ def committed(stderr: str, owner: int = 0) -> list[str]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("publisher", ["star", "tree"])
+@pytest.mark.parametrize("publisher", [pytest.param("star", marks=pytest.mark.full), "tree"])
 def test_async_save_publishes_the_same_generations_as_sync_save(tmp_path, publisher):
     args = ["--updates", "4", "--checkpoint-every", "2", "--publisher", publisher]
     sync = alpha_run(tmp_path / "sync", *args)

@@ -31,7 +31,7 @@ def _gc_pass(store) -> tuple[int, dict | None]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("publisher", ["star", "tree"])
+@pytest.mark.parametrize("publisher", [pytest.param("star", marks=pytest.mark.full), "tree"])
 def test_gc_looping_beside_a_publishing_job_keeps_every_generation_whole(tmp_path, publisher):
     store = tmp_path / "store"
     job = _job(store, tmp_path / "job", "--updates", str(UPDATES), "--checkpoint-every", "1",
