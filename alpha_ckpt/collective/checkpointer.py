@@ -204,6 +204,9 @@ class Checkpointer:
         candidates = self._candidates(root)
         for i, candidate in enumerate(candidates):
             refusal, fill, counters = None, None, None
+            if "root" in candidate:  # rank 0 checks this one's bindings now, not every candidate's up front
+                candidate = broadcast_json(self._bound(candidate["root"]) if self.rank == 0 else None,
+                                           self._global(0), self.group)
             try:
                 if candidate.get("refusal"):
                     raise Refusal(candidate["refusal"]["code"], candidate["refusal"]["message"])
@@ -251,26 +254,26 @@ class Checkpointer:
                 raise Refusal(RefusalCode.STALE_EPOCH, f"generation {root[:16]}... is of epoch {record.prefix.epoch}, "
                               f"but a continuation published generation {later.generation} ({later.root}, update "
                               f"{later.prefix.update}) in epoch {newest_epoch}; restore that one ('latest')")
-            return [self._bound(record)]
+            return [{"root": record.root}]
         usable = [r for r in reversed(refs) if isinstance(r, RefRecord) and r.prefix.epoch == newest_epoch]
         if refs and not usable:
             raise Refusal(RefusalCode.MISSING_SHARD, f"no readable generation of {self.run}/{self.step} to resume")
-        return [self._bound(r) for r in usable]
+        return [{"root": r.root} for r in usable]
 
-    def _bound(self, record: RefRecord) -> dict:
-        """A candidate, or the binding refusal that stops the restore (no fallback past it)."""
+    def _bound(self, root: str) -> dict:
+        """Rank 0: the candidate ``root``, or the refusal that stops the restore (a binding: no fallback past it)."""
         try:
-            with open_generation(self.store, record.root, record, wanted=[]) as generation:
+            with open_generation(self.store, root, wanted=[]) as generation:
                 meta = generation.manifest.metadata if isinstance(generation.manifest.metadata, dict) else {}
             if meta.get("identity") != self.identity:
-                raise Refusal(RefusalCode.FOREIGN_LEARNER, f"generation {record.root[:16]}... was saved with identity "
+                raise Refusal(RefusalCode.FOREIGN_LEARNER, f"generation {root[:16]}... was saved with identity "
                               f"{_short(meta.get('identity'))}; this script binds {_short(self.identity)}")
             check_devices(meta.get("devices") or [None], [self.device] * len(meta.get("devices") or [None]), False)
         except Refusal as refusal:
             if refusal.code in (RefusalCode.FOREIGN_LEARNER, RefusalCode.DEVICE_MISMATCH):
                 return {"refusal": {"code": refusal.code.value, "message": refusal.message}, "binding": True}
             return {"refusal": {"code": refusal.code.value, "message": refusal.message}}
-        return {"root": record.root}
+        return {"root": root}
 
     def _prepare(self, state: Mapping[str, Any], root: str, per_rank: str):
         """This rank's part: match, open only the shards it reads, validate them. Returns (fill, counters)."""
