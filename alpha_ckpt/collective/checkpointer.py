@@ -216,6 +216,8 @@ class Checkpointer:
             try:
                 agree(refusal, self.group)
             except Refusal:
+                if fill is not None:
+                    fill(go=False)  # another rank refused: release what this rank validated, copy nothing
                 if root == "latest" and not candidate.get("binding") and i + 1 < len(candidates):
                     continue  # damaged: every rank falls back to the next older generation together
                 raise
@@ -293,9 +295,10 @@ class Checkpointer:
             raise
         p = manifest.prefix
 
-        def fill_and_close() -> None:
+        def fill_and_close(go: bool = True) -> None:
             try:
-                fill()
+                if go:
+                    fill()
             finally:
                 generation.close()
         return fill_and_close, Counters(p.run, p.step, p.update, p.cursor, p.epoch, manifest.metadata, root)
