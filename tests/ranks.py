@@ -1,4 +1,4 @@
-"""Run a function on N gloo ranks (forked processes, 127.0.0.1, a free port); collect each rank's JSON result.
+"""Run a function on N gloo ranks (processes from a fork server, a file rendezvous); collect their JSON results.
 
 A rank's result is what the function returns (JSON), or ``{"refusal": code, "message": ...}``
 when it raises a Refusal; any other exception fails the run with its traceback.
@@ -8,24 +8,19 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import socket
 import traceback
+import uuid
 from datetime import timedelta
 from pathlib import Path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(fn, args, rank: int, world: int, port: int, out: str) -> None:
+def _rank_main(fn, args, rank: int, world: int, rendezvous: str, out: str) -> None:
     import torch.distributed as dist
     from alpha_ckpt import Refusal
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        # A file rendezvous: no port to race for with tests running beside this one.
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=60))
         try:
             result = fn(rank, world, *args)
@@ -42,10 +37,15 @@ def _rank_main(fn, args, rank: int, world: int, port: int, out: str) -> None:
 
 def run_ranks(world: int, fn, *args, tmp: Path, timeout: float = 120.0) -> list:
     """Every rank's result, in rank order."""
-    ctx = multiprocessing.get_context("fork")
-    port = free_port()
-    outs = [str(tmp / f"rank{r}-{port}.json") for r in range(world)]
-    procs = [ctx.Process(target=_rank_main, args=(fn, args, r, world, port, outs[r])) for r in range(world)]
+    # Not fork: a test process has live threads (torch's intra-op pool, thread pools of earlier tests), and a
+    # forked child can inherit one of their locks held, and hang. The fork server is a clean process that
+    # imported torch once; its children start in milliseconds.
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "alpha_ckpt", "alpha_ckpt.collective"])
+    run = uuid.uuid4().hex[:12]
+    rendezvous = str(tmp / f"rendezvous-{run}")
+    outs = [str(tmp / f"rank{r}-{run}.json") for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(fn, args, r, world, rendezvous, outs[r])) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
