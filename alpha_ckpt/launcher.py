@@ -162,8 +162,8 @@ def is_job(args) -> bool:
 def script_argv(args) -> list[str]:
     """torchrun's arguments that start ``python -m alpha_ckpt.script_runner`` per rank."""
     target = ["-m", args.config] if args.module else [os.path.abspath(args.config)]
-    return torchrun_argv(args)[:torchrun_argv(args).index("-m")] + ["-m", "alpha_ckpt.script_runner", *target,
-                                                                     *args.script_args]
+    launcher = torchrun_argv(args)
+    return launcher[:launcher.index("-m")] + ["-m", "alpha_ckpt.script_runner", *target, *args.script_args]
 
 
 def script_environment(args) -> dict[str, str]:

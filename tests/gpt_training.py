@@ -71,6 +71,16 @@ class Tokens(torch.utils.data.Dataset):
         return seq
 
 
+def optimizer_step(model: nn.Module, optim: torch.optim.Optimizer, seq: torch.Tensor) -> float:
+    """One next-token step on a batch of sequences; the loss."""
+    logits = model(seq[:, :-1])
+    loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), seq[:, 1:].reshape(-1))
+    optim.zero_grad()
+    loss.backward()
+    optim.step()
+    return loss.item()
+
+
 class Batches:
     """Endless batches from a StatefulDataLoader; Stateful, so a state may hold the data position.
 
@@ -123,19 +133,14 @@ class Trainer:
     def train(self, n: int) -> None:
         self.model.train()
         for _ in range(n):
-            seq = next(self.data)
-            logits = self.model(seq[:, :-1])
-            loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), seq[:, 1:].reshape(-1))
-            self.optim.zero_grad()
-            loss.backward()
-            self.optim.step()
+            loss = optimizer_step(self.model, self.optim, next(self.data))
             self.warmup.step()
             self.steps.step()
             self.side.param_groups[0]["params"][0].grad = torch.ones(3)
             self.side.step()
             self.cycle.step()
             self.step += 1
-            self.losses.append(loss.item())
+            self.losses.append(loss)
 
 
 def assert_identical(a, b, where: str = "state") -> None:

@@ -7,8 +7,6 @@ import random
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data.distributed import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -16,8 +14,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 import alpha_ckpt
 from alpha_ckpt import Checkpointer, PerRank, RefusalCode
 from alpha_ckpt.store import Store
-import gpt_training
-from gpt_training import GPT, Batches, Tokens, VOCAB
+from gpt_training import GPT, Batches, Tokens, optimizer_step
 from ranks import run_ranks
 
 IDENTITY = {"model": "gpt-tiny", "lr": 3e-3}
@@ -49,15 +46,9 @@ class Script:
 
     def train(self, n: int) -> None:
         for _ in range(n):
-            seq = next(self.data)
-            logits = self.model(seq[:, :-1])
-            loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), seq[:, 1:].reshape(-1))
-            self.optim.zero_grad()
-            loss.backward()
-            self.optim.step()
+            self.losses.append(optimizer_step(self.model, self.optim, next(self.data)))
             self.sched.step()
             self.step += 1
-            self.losses.append(loss.item())
 
     def digest(self) -> str:
         h = hashlib.sha256()
