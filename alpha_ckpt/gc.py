@@ -150,10 +150,11 @@ def _output_time(store: Store, run: str, step: str) -> float | None:
 
 def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRACE_S, now: float | None = None,
             completed_steps: bool | Mapping[tuple[str, str], float] = False,
-            dropped_objects_only: bool = False) -> GcPlan:
+            dropped_objects_only: bool = False, only: tuple[str, str] | None = None) -> GcPlan:
     """What gc would remove. ``completed_steps``: True for every run/step (each completed when its newest
     output file was written), or {(run, step): the time its output was published}. ``dropped_objects_only``: remove only objects that the dropped generations reached (a job
-    discarding its own checkpoints), and leave temp files and leases alone."""
+    discarding its own checkpoints), and leave temp files and leases alone. ``only``: ``keep`` drops
+    generations of that one (run, step); every other is kept whole."""
     if keep is not None and keep < 2:
         raise StoreUsageError(f"--keep {keep}: at least two generations are kept (the previous complete one "
                               "must survive a failed publish)")
@@ -200,6 +201,9 @@ def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRA
     kept: list[RefRecord] = []
     for run, step in store.runs():
         records = [r for r in store.list_refs(run, step) if isinstance(r, RefRecord)]
+        if only is not None and (run, step) != only:
+            kept += records
+            continue
         dropped: list[RefRecord] = []
         considered = completed_steps is True or (completed_steps and (run, step) in completed_steps)
         if considered and (run, step) not in busy:
@@ -439,6 +443,16 @@ def apply_gc(store: Store, plan: GcPlan) -> None:
         _remove(os.path.join(store.root, VERIFIED_DIR), plan.records)
     _remove(os.path.join(store.root, PENDING_DIR), plan.leases)
     _remove_quarantined(store, plan.quarantine)
+
+
+def retain_newest(store: Store, run: str, step: str, keep: int) -> GcPlan:
+    """A job's own retention: keep the ``keep`` newest complete generations of ``run``/``step`` (pins
+    and anything newer than the K-th complete one too) and remove the rest, with only the objects
+    nothing kept reaches. "Complete" is gc's (and latest's) definition; what it validated is
+    remembered, so each generation is hashed once. Leases protect every publish in flight."""
+    plan = plan_gc(store, keep=keep, grace=0.0, only=(run, step), dropped_objects_only=True)
+    apply_gc(store, plan)
+    return plan
 
 
 def discard_completed_step(store: Store, run: str, step: str, finished_at: float) -> GcPlan:

@@ -639,6 +639,7 @@ def prepare_fill(generation: Generation, plan, what: str) -> Callable[[], None]:
                 if filled is not t:
                     t.copy_(filled)
         plan.finish()
+    fill.bytes_read = prepared.bytes_read  # what validation read of the shards' payloads
     return fill
 
 

@@ -33,7 +33,10 @@ next older one together.
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
+import time
 from typing import Any, Mapping, Sequence
 
 import blake3
@@ -42,9 +45,11 @@ import torch.distributed as dist
 
 from ..async_save import AsyncSaver
 from ..device import check_devices, current_device
-from ..errors import PublishConflict, PublishFailed, Refusal, RefusalCode
+from ..errors import DurableWriteError, PublishConflict, PublishFailed, Refusal, RefusalCode, StoreUsageError
 from ..format import CapturePrefix, DTYPES, RegionDecl, canonical_json, check_name
-from ..planner import Piece, WantedSlice
+from ..gc import retain_newest
+from ..planner import Hierarchy, Piece, WantedSlice
+from ..publish.tree import GroupTransport, TreeRole
 from ..publish.wire import broadcast_json, recv_bytes, send_bytes
 from ..restore import Counters, open_generation, prepare_fill
 from ..state.capture import capture_state, dotted_leaves
@@ -52,7 +57,10 @@ from ..state.load import plan_load
 from ..state.values import decode_value
 from ..store import RefRecord, Store
 from ..writer import publish_slices, word_bytes
+from .schedule import Schedule
 from .verdict import agree
+
+logger = logging.getLogger("alpha_ckpt")
 
 STORE_ENV, RUN_ENV, RESUME_ENV = "ALPHA_CKPT_STORE", "ALPHA_CKPT_RUN", "ALPHA_CKPT_RESUME"
 _FROM_ENV = object()
@@ -62,7 +70,10 @@ class Checkpointer:
     """Collective checkpoints of one run/step of a training script (see the module docstring)."""
 
     def __init__(self, store: str | os.PathLike | None = None, *, run: str | None = None, step: str = "train",
-                 group: Any = None, identity: Any = None, allow_nonfinite: Sequence[str] = (), save: str = "sync"):
+                 group: Any = None, publisher: str = "star", fanout: int = 8, commit_timeout: float = 60.0,
+                 save: str = "sync", in_flight: str = "wait", identity: Any = None,
+                 allow_nonfinite: Sequence[str] = (), every: int | str | None = None,
+                 mtbf: float | str | None = None, keep: int | None = None):
         store = store if store is not None else os.environ.get(STORE_ENV)
         run = run if run is not None else os.environ.get(RUN_ENV)
         if store is None or run is None:
@@ -70,9 +81,23 @@ class Checkpointer:
                              "ALPHA_CKPT_RUN)")
         self.run, self.step = check_name(run, "run"), check_name(step, "step")
         canonical_json(identity)  # any JSON: refused here, not at the first save
-        self.identity, self.allow_nonfinite = identity, tuple(allow_nonfinite)
+        if publisher not in ("star", "tree"):
+            raise ValueError(f"publisher is 'star' or 'tree', not {publisher!r}")
+        if save not in ("sync", "async"):
+            raise ValueError(f"save is 'sync' or 'async', not {save!r}")
+        if in_flight not in ("wait", "skip"):
+            raise ValueError(f"in_flight is 'wait' or 'skip', not {in_flight!r}")
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 2):
+            raise ValueError(f"keep is at least 2 (the previous complete generation must survive a failed save), "
+                             f"not {keep!r}")
+        if not (commit_timeout > 0 and math.isfinite(commit_timeout)):
+            raise ValueError(f"commit_timeout is a positive number of seconds, not {commit_timeout!r}")
+        self.schedule = Schedule(every, mtbf)
+        self.identity, self.allow_nonfinite, self.keep = identity, tuple(allow_nonfinite), keep
+        self.publisher, self.commit_timeout = publisher, float(commit_timeout)
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.hierarchy = Hierarchy(self.world, fanout)
         # Rank 0 creates the store; the others open it once it exists.
         self.store = Store(store, create=True) if self.rank == 0 else None
         dist.barrier(group=group)
@@ -80,15 +105,22 @@ class Checkpointer:
             self.store = Store(store, create=False)
         self.epoch = 0
         self.follows: int | None = None  # rank 0: the generation this history continues (store.check_fence)
-        if save not in ("sync", "async"):
-            raise ValueError(f"save is 'sync' or 'async', not {save!r}")
-        # An asynchronous save publishes on its own thread over its own gloo group, so its
-        # messages never interleave with the training collectives of the main thread.
-        self._saver = AsyncSaver(in_flight="wait") if save == "async" else None
-        self._save_group = dist.new_group(ranks=None if group is None else dist.get_process_group_ranks(group),
-                                          backend="gloo") if save == "async" else None
-        self.device = current_device(torch.device("cuda", torch.cuda.current_device())
-                                     if dist.get_backend(group) == "nccl" else torch.device("cpu"))
+        self.last_restore: dict | None = None  # what this rank's last restore read (bytes, shards)
+        self.skipped = 0  # async saves skipped because one was in flight (in_flight="skip")
+        # Tree messages and an asynchronous save's publish go over gloo groups of their own:
+        # NCCL moves only device memory and cannot time out a receive, and a background
+        # publish must never interleave with the training collectives of the main thread.
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        nccl = dist.get_backend(group) == "nccl"
+        self._control = dist.new_group(ranks=ranks, backend="gloo") if nccl else group
+        self._saver = AsyncSaver(in_flight=in_flight) if save == "async" else None
+        self._save_group = dist.new_group(ranks=ranks, backend="gloo") if save == "async" else None
+        self.device = current_device(torch.device("cuda", torch.cuda.current_device()) if nccl
+                                     else torch.device("cpu"))
+
+    def due(self, update: int) -> bool:
+        """Whether ``update`` should be saved, by ``every=`` (the same answer on every rank)."""
+        return self.schedule.due(update)
 
     # ------------------------------------------------------------------ save
 
@@ -98,9 +130,15 @@ class Checkpointer:
         Sync: returns the root digest on every rank once it is durable. Async: captures
         values and snapshots tensors now, publishes in the background, and returns a
         :class:`~alpha_ckpt.SaveHandle` (``.result()`` is the root); the next ``save`` or
-        :meth:`wait` raises a background failure, on every rank.
+        :meth:`wait` raises a background failure, on every rank. With ``in_flight="skip"``
+        a save called while the previous one is still in flight returns None on every rank.
         """
         prefix = CapturePrefix(self.run, self.step, update, cursor, self.epoch)
+        if self._saver is not None and self._saver.in_flight == "skip" and self._any_rank(self._saver.busy()):
+            self.skipped += 1  # every rank skips, or none: the publish is collective
+            self.schedule.saved()
+            return None
+        t0 = time.monotonic()
         try:
             captured = capture_state(state, self.rank, self.world)
             regions = captured.regions(self.allow_nonfinite)
@@ -108,17 +146,40 @@ class Checkpointer:
             raise Refusal(RefusalCode.FORMAT, f"rank {self.rank}: {exc}") from None
         tensors = [t for _, t in captured.named]
         if self._saver is None:
-            return self._exchange(prefix, captured, regions, tensors, self.group)
-        return self._saver.submit(tensors, lambda snapshot: self._exchange(prefix, captured, regions, snapshot,
-                                                                            self._save_group))
+            result = self._exchange(prefix, captured, regions, tensors, self._control)
+            cost = time.monotonic() - t0
+        else:
+            result = self._saver.submit(tensors, lambda snapshot: self._exchange(prefix, captured, regions, snapshot,
+                                                                                  self._save_group))
+            cost = result.stall_s
+        if self.schedule.auto:
+            self._replan(update, cost)
+        self.schedule.saved()
+        return result
 
     def wait(self) -> None:
         """Collective in effect: drain the asynchronous save in flight; raise its failure (every rank does)."""
         if self._saver is not None:
             self._saver.drain()
 
+    def _replan(self, update: int, cost_s: float) -> None:
+        """every="auto": rank 0 turns the cost just measured into a number of updates; every rank applies it."""
+        decision = None
+        if self.rank == 0:
+            pending = self._saver.pending if self._saver is not None else None
+            floor = pending.save_s if pending is not None and pending.done() else 0.0  # async: one save long
+            decision = {"every": self.schedule.every_updates(cost_s, floor)}
+            logger.info("checkpoint every %d updates: %s", decision["every"], self.schedule.plan.describe())
+        decision = broadcast_json(decision, self._global(0), self._control)
+        self.schedule.next_due = update + decision["every"]
+
+    def _any_rank(self, flag: bool) -> bool:
+        value = torch.tensor([int(flag)], dtype=torch.int64)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self._control)
+        return bool(value.item())
+
     def _exchange(self, prefix: CapturePrefix, captured, regions, tensors, group) -> str:
-        """The star: every rank's descriptor and own bytes to rank 0, which publishes; its ack to all."""
+        """Agree on one layout (rank 0 checks every capture), then publish it by star or tree."""
         views = [memoryview(word_bytes(t).numpy()) if t.numel() else memoryview(b"") for t in tensors]
         own, replicas = [], {}
         for region, view, where in zip(regions, views, captured.placement):
@@ -130,62 +191,99 @@ class Checkpointer:
             else:
                 lo, hi = (where[0], where[1]) if isinstance(where, tuple) else (0, region.words)
                 own.append((region.name, lo, hi, view[:(hi - lo) * size]))
+        # Only digests of replicas travel: a diverged replica is refused before any byte moves.
         descriptor = {"prefix": prefix.to_json(), "skeleton": captured.skeleton, "replicas": replicas,
                       "regions": [r.to_json() for r in regions], "pieces": [[n, lo, hi] for n, lo, hi, _ in own],
                       "device": self.device}
+        layout = self._agree_layout(descriptor, group)
+        if "regions" in layout:  # the agreed list (a star's other ranks only send their bytes)
+            regions = tuple(RegionDecl(r["ordinal"], r["name"], r["dtype"], tuple(r["shape"]),
+                                       bool(r.get("nonfinite"))) for r in layout["regions"])
+        if self.publisher == "tree":
+            completion = self._publish_tree(prefix, regions, layout, own, group)
+        else:
+            completion = self._publish_star(prefix, regions, layout, own, group)
+        if not completion["ok"]:
+            if completion.get("code"):
+                raise Refusal(completion["code"], str(completion["reason"]))
+            raise PublishFailed(str(completion["reason"]))
+        if self.rank == 0:
+            self.follows = completion["generation"]
+            self._retain()
+        return completion["root"]
+
+    def _agree_layout(self, descriptor: dict, group) -> dict:
+        """Rank 0 gets every rank's descriptor (metadata and digests, no tensor bytes), checks that the
+        captures agree and merges them into one skeleton and region list; every rank gets that, or
+        raises the same Refusal."""
         root0 = self._global(0)
         if self.rank != 0:
             send_bytes(canonical_json(descriptor), root0, group)
-            send_bytes(b"".join(bytes(v) for *_, v in own), root0, group)
-            ack = broadcast_json(None, root0, group)
+            layout = broadcast_json(None, root0, group)
         else:
-            descriptors, data = [descriptor], [own]
-            for r in range(1, self.world):
-                descriptors.append(json.loads(recv_bytes(self._global(r), group).decode("ascii")))
-                data.append(_split(recv_bytes(self._global(r), group), descriptors[-1]))
+            descriptors = [descriptor] + [json.loads(recv_bytes(self._global(r), group).decode("ascii"))
+                                          for r in range(1, self.world)]
             try:
-                ack = {"ok": True, "root": self._publish(descriptors, data)}
+                skeleton, regions = merge_captures(descriptors)
+                layout = {"ok": True, "state": skeleton, "regions": [r.to_json() for r in regions],
+                          "devices": [d["device"] for d in descriptors],
+                          "pieces": [d["pieces"] for d in descriptors]}
             except Refusal as refusal:
-                ack = {"ok": False, "code": refusal.code.value, "reason": refusal.message}
-            except (OSError, ValueError, PublishConflict) as exc:
-                ack = {"ok": False, "reason": str(exc)}
-            broadcast_json(ack, root0, group)
-        if not ack["ok"]:
-            if ack.get("code"):
-                raise Refusal(ack["code"], ack["reason"])
-            raise PublishFailed(ack["reason"])
-        return ack["root"]
+                layout = {"ok": False, "code": refusal.code.value, "reason": refusal.message}
+            # The tree's ranks write their own shards against the agreed regions; the star's only send bytes.
+            broadcast_json(layout if not layout["ok"] or self.publisher == "tree" else {"ok": True}, root0, group)
+        if not layout["ok"]:
+            raise Refusal(layout["code"], layout["reason"])
+        return layout
 
-    def _publish(self, descriptors: list[dict], data: list[list]) -> str:
-        """Rank 0: check that every capture agrees, then write shards, root manifest and ref."""
-        prefix = CapturePrefix.from_json(descriptors[0]["prefix"], "rank 0 capture")
-        for r, d in enumerate(descriptors):
-            if d["prefix"] != descriptors[0]["prefix"]:
-                raise Refusal(RefusalCode.MIXED_CAPTURE, f"rank {r} captured {d['prefix']}, rank 0 {descriptors[0]['prefix']}")
-            for name, digest in d["replicas"].items():
-                if descriptors[0]["replicas"].get(name) != digest:
-                    raise Refusal(RefusalCode.MIXED_CAPTURE, f"rank {r}'s replica of {name!r} differs from rank 0's "
-                                  "(a replicated entry diverged; wrap what differs per rank in PerRank)")
-        skeleton = merge_skeletons([d["skeleton"] for d in descriptors])
-        declared: dict[str, dict] = {}
-        for d in descriptors:
-            for r in d["regions"]:
-                declared.setdefault(r["name"], r)
-        names = [name for name, _ in dotted_leaves(decode_value(skeleton, "merged skeleton"))]
-        regions = tuple(RegionDecl(i, n, declared[n]["dtype"], tuple(declared[n]["shape"]),
-                                   bool(declared[n].get("nonfinite"))) for i, n in enumerate(names))
+    def _metadata(self, layout: dict) -> dict:
+        return {"identity": self.identity, "owners": self.world, "devices": layout["devices"]}
+
+    def _publish_star(self, prefix, regions, layout, own, group) -> dict:
+        """Every rank's own bytes (per-rank and partitioned words) to rank 0, which writes everything."""
+        root0 = self._global(0)
+        if self.rank != 0:
+            send_bytes(b"".join(bytes(v) for *_, v in own), root0, group)
+            return broadcast_json(None, root0, group)
+        received = [recv_bytes(self._global(r), group) for r in range(1, self.world)]  # hear every rank out
         by_name = {r.name: r for r in regions}
-        shards = []
-        for pieces in data:
-            parts = [(Piece(by_name[n].ordinal, lo, hi, DTYPES[by_name[n].dtype][0]), view, "raw")
-                     for n, lo, hi, view in pieces]
-            if parts:
-                shards.append(parts)
-        metadata = {"identity": self.identity, "owners": self.world, "devices": [d["device"] for d in descriptors]}
-        published = publish_slices(self.store, prefix, regions, shards, metadata=metadata, owners=self.world,
-                                   follows=self.follows, state=skeleton)
-        self.follows = published.ref.generation
-        return published.root
+        try:
+            shards = []
+            for r in range(self.world):
+                pieces = own if r == 0 else _split(received[r - 1], layout["pieces"][r], by_name)
+                parts = [(Piece(by_name[n].ordinal, lo, hi, DTYPES[by_name[n].dtype][0]), view, "raw")
+                         for n, lo, hi, view in pieces]
+                if parts:
+                    shards.append(parts)
+            published = publish_slices(self.store, prefix, regions, shards, metadata=self._metadata(layout),
+                                       owners=self.world, follows=self.follows, state=layout["state"])
+            ack = {"ok": True, "root": published.root, "generation": published.ref.generation}
+        except Refusal as refusal:
+            ack = {"ok": False, "code": refusal.code.value, "reason": refusal.message}
+        except (OSError, ValueError, PublishConflict, DurableWriteError) as exc:
+            ack = {"ok": False, "reason": str(exc)}
+        broadcast_json(ack, root0, group)
+        return ack
+
+    def _publish_tree(self, prefix, regions, layout, own, group) -> dict:
+        """Every rank writes its own shards and group manifest; commitments go up, the completion down."""
+        by_name = {r.name: r for r in regions}
+        parts = [(Piece(by_name[n].ordinal, lo, hi, DTYPES[by_name[n].dtype][0]), view, "raw") for n, lo, hi, view in own]
+        # Rank 0 compared every replica's digest already; the commitments carry the agreed layout's.
+        agreed = blake3.blake3(canonical_json([layout["state"], layout["regions"]])).hexdigest()
+        metadata = self._metadata(layout) if self.rank == 0 else {"device": self.device}
+        role = TreeRole(self.store, self.hierarchy, self.rank, GroupTransport(group), timeout=self.commit_timeout)
+        return role.complete(role.commit(prefix, regions, [parts] if parts else [], agreed, metadata,
+                                         follows=self.follows, state=layout["state"]))
+
+    def _retain(self) -> None:
+        """Rank 0, after a publish: keep=K newest complete generations of this run/step."""
+        if self.keep is None:
+            return
+        try:
+            retain_newest(self.store, self.run, self.step, self.keep)
+        except (OSError, Refusal, StoreUsageError) as exc:  # retention never fails the save it follows
+            logger.warning("retention (keep=%d) of %s/%s did not run: %s", self.keep, self.run, self.step, exc)
 
     # ------------------------------------------------------------------ restore
 
@@ -265,7 +363,7 @@ class Checkpointer:
     def _bound(self, root: str) -> dict:
         """Rank 0: the candidate ``root``, or the refusal that stops the restore (a binding: no fallback past it)."""
         try:
-            with open_generation(self.store, root, wanted=[]) as generation:
+            with open_generation(self.store, root, role=0, wanted=[]) as generation:
                 meta = generation.manifest.metadata if isinstance(generation.manifest.metadata, dict) else {}
             if meta.get("identity") != self.identity:
                 raise Refusal(RefusalCode.FOREIGN_LEARNER, f"generation {root[:16]}... was saved with identity "
@@ -280,7 +378,7 @@ class Checkpointer:
     def _prepare(self, state: Mapping[str, Any], root: str, per_rank: str):
         """This rank's part: match, open only the shards it reads, validate them. Returns (fill, counters)."""
         what = f"generation {root[:16]}..."
-        with open_generation(self.store, root, wanted=[]) as head:
+        with open_generation(self.store, root, role=0, wanted=[]) as head:  # the root manifest: the skeleton
             manifest = head.manifest
         if manifest.state is None:
             raise Refusal(RefusalCode.FORMAT, f"{what} records no state skeleton (it was not written by save)")
@@ -294,6 +392,8 @@ class Checkpointer:
             generation.close()
             raise
         p = manifest.prefix
+        self.last_restore = {"root": root, "bytes_read": fill.bytes_read, "shards": len(generation.shards),
+                             "manifests": len(generation.manifests)}
 
         def fill_and_close(go: bool = True) -> None:
             try:
@@ -343,12 +443,32 @@ def merge_skeletons(skeletons: list[Any], path: str = "state") -> Any:
     return first
 
 
-def _split(data: bytes, descriptor: dict) -> list:
-    """A rank's own bytes, cut into its pieces by the declared dtypes."""
-    sizes = {r["name"]: DTYPES[r["dtype"]][0] for r in descriptor["regions"]}
+def merge_captures(descriptors: list[dict]) -> tuple[Any, tuple[RegionDecl, ...]]:
+    """Rank 0 (pure): every rank's capture must have the same prefix, replicas (by digest) and
+    replicated values; the result is one skeleton and the region list it names, in order."""
+    first = descriptors[0]
+    for r, d in enumerate(descriptors):
+        if d["prefix"] != first["prefix"]:
+            raise Refusal(RefusalCode.MIXED_CAPTURE, f"rank {r} captured {d['prefix']}, rank 0 {first['prefix']}")
+        for name, digest in d["replicas"].items():
+            if first["replicas"].get(name) != digest:
+                raise Refusal(RefusalCode.MIXED_CAPTURE, f"rank {r}'s replica of {name!r} differs from rank 0's "
+                              "(a replicated entry diverged; wrap what differs per rank in PerRank)")
+    skeleton = merge_skeletons([d["skeleton"] for d in descriptors])
+    declared: dict[str, dict] = {}
+    for d in descriptors:
+        for r in d["regions"]:
+            declared.setdefault(r["name"], r)
+    names = [name for name, _ in dotted_leaves(decode_value(skeleton, "merged skeleton"))]
+    return skeleton, tuple(RegionDecl(i, n, declared[n]["dtype"], tuple(declared[n]["shape"]),
+                                      bool(declared[n].get("nonfinite"))) for i, n in enumerate(names))
+
+
+def _split(data: bytes, pieces: list, by_name: Mapping[str, RegionDecl]) -> list:
+    """A rank's own bytes, cut into its declared pieces by the regions' dtypes."""
     out, offset, view = [], 0, memoryview(data)
-    for name, lo, hi in descriptor["pieces"]:
-        n = (hi - lo) * sizes[name]
+    for name, lo, hi in pieces:
+        n = (hi - lo) * DTYPES[by_name[name].dtype][0]
         out.append((name, lo, hi, view[offset:offset + n]))
         offset += n
     if offset != len(data):

@@ -132,9 +132,13 @@ class GroupTransport:
     def __init__(self, group: Any = None):
         self.group = group
 
+    def _peer(self, role: int) -> int:
+        """A role is a rank of the group; torch addresses peers by global rank."""
+        return role if self.group is None else dist.get_global_rank(self.group, role)
+
     def send(self, dst: int, message: bytes) -> None:
         try:
-            dist.send(torch.frombuffer(bytearray(message), dtype=torch.uint8), dst, group=self.group)
+            dist.send(torch.frombuffer(bytearray(message), dtype=torch.uint8), self._peer(dst), group=self.group)
         except (RuntimeError, ConnectionError) as exc:  # DistBackendError is a RuntimeError
             raise ConnectionError(f"owner {dst} cannot be reached: {exc}") from None
 
@@ -143,7 +147,7 @@ class GroupTransport:
         posted = []
         for src in waits:
             buf = torch.empty(MESSAGE_BYTES, dtype=torch.uint8)
-            work = dist.irecv(buf, src, group=self.group)
+            work = dist.irecv(buf, self._peer(src), group=self.group)
             outcome: dict[str, bool] = {}
             settled = threading.Event()
             threading.Thread(target=_settle, args=(work, outcome, settled), daemon=True,
@@ -309,13 +313,14 @@ class TreeRole:
             if failure is not None:
                 return _failed(failure, code)
             try:
-                self.store.publish_ref(prefix, digest, nbytes, subtree_bytes, owners=self.hierarchy.owners,
-                                       follows=follows)
+                ref = self.store.publish_ref(prefix, digest, nbytes, subtree_bytes, owners=self.hierarchy.owners,
+                                             follows=follows)
             except Refusal as refusal:
                 return _failed(refusal.message, refusal.code.value)
             except (OSError, DurableWriteError, PublishConflict) as exc:
                 return _failed(f"the root could not publish the ref: {exc}")
-            return {"kind": "complete", "ok": True, "root": digest}
+            # The generation number travels with the completion: no owner re-reads the ref to learn it.
+            return {"kind": "complete", "ok": True, "root": digest, "generation": ref.generation}
         if failure is not None:
             self._send_up({"kind": "abort", "role": self.role, "reason": failure[:600],
                            **({"code": code} if code else {})})

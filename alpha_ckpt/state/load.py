@@ -117,7 +117,8 @@ class _Matcher:
         if isinstance(dest, PerRank) or isinstance(saved, PerRankSaved):
             return self.per_rank_entry(dest, saved, name)
         if isinstance(dest, Partitioned) and isinstance(saved, RegionRef):
-            return self.region(dest.tensor, saved, name, (dest.lo, dest.hi, dest.shape))
+            fill = self.region(dest.tensor, saved, name, (dest.lo, dest.hi, dest.shape))
+            return lambda: (fill(), dest)[1]  # the state keeps its Partitioned entry, its tensor filled in place
         if is_stateful(dest):
             return self.stateful(dest, saved, name)
         if isinstance(saved, RegionRef):

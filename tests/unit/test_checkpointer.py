@@ -59,9 +59,9 @@ class Script:
         return h.hexdigest()
 
 
-def train_and_save(rank, world, store, steps, save_at, save="sync"):
+def train_and_save(rank, world, store, steps, save_at, save="sync", publisher="star"):
     script = Script(rank, world)
-    ckpt = Checkpointer(store, run="r", identity=IDENTITY, allow_nonfinite=MASKS, save=save)
+    ckpt = Checkpointer(store, run="r", identity=IDENTITY, allow_nonfinite=MASKS, save=save, publisher=publisher)
     assert ckpt.restore(script.state(), root=None) is None
     roots = []
     for _ in range(steps):
@@ -91,10 +91,11 @@ def straight(tmp_path_factory):
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("publisher", ["star", "tree"])
 @pytest.mark.parametrize("save", ["sync", "async"])
 def test_a_ddp_script_resumed_from_its_checkpoint_ends_bit_identical_to_one_that_never_stopped(tmp_path, straight,
-                                                                                               save):
-    saved = run_ranks(2, train_and_save, str(tmp_path / "b"), 3, (2, 3), save, tmp=tmp_path)
+                                                                                               save, publisher):
+    saved = run_ranks(2, train_and_save, str(tmp_path / "b"), 3, (2, 3), save, publisher, tmp=tmp_path)
     assert saved[0]["roots"] == saved[1]["roots"] and len(saved[0]["roots"]) == 2
     resumed = run_ranks(2, resume_and_train, str(tmp_path / "b"), 6, "latest", tmp=tmp_path)
     for r in range(2):
@@ -103,9 +104,9 @@ def test_a_ddp_script_resumed_from_its_checkpoint_ends_bit_identical_to_one_that
         assert resumed[r]["digest"] == straight[r]["digest"]
 
 
-def diverge_then_save(rank, world, store):
+def diverge_then_save(rank, world, store, publisher):
     script = Script(rank, world)
-    ckpt = Checkpointer(store, run="r", identity=IDENTITY, allow_nonfinite=MASKS)
+    ckpt = Checkpointer(store, run="r", identity=IDENTITY, allow_nonfinite=MASKS, publisher=publisher)
     ckpt.restore(script.state(), root=None)
     script.train(1)
     ckpt.save(script.state(), update=1)
@@ -117,8 +118,9 @@ def diverge_then_save(rank, world, store):
 
 
 @pytest.mark.timeout(120)
-def test_a_diverged_replica_is_refused_on_every_rank_and_nothing_is_published(tmp_path):
-    results = run_ranks(2, diverge_then_save, str(tmp_path), tmp=tmp_path)
+@pytest.mark.parametrize("publisher", ["star", "tree"])
+def test_a_diverged_replica_is_refused_on_every_rank_and_nothing_is_published(tmp_path, publisher):
+    results = run_ranks(2, diverge_then_save, str(tmp_path), publisher, tmp=tmp_path)
     assert [r.get("refusal") for r in results] == [RefusalCode.MIXED_CAPTURE.value] * 2
     assert "model.module.head.weight" in results[0]["message"]
     with Store(tmp_path, create=False) as s:
@@ -192,3 +194,70 @@ def test_the_collective_layer_imports_neither_the_learner_nor_the_test_hooks():
     for forbidden in ("alpha_ckpt.learner", "alpha_ckpt.worker", "alpha_ckpt.oracle", "alpha_ckpt.forge",
                       "alpha_ckpt.publish.simulate", "alpha_ckpt.launcher"):
         assert f"'{forbidden}" not in loaded, forbidden
+
+
+# ---------------------------------------------------------------- four ranks, ZeRO-style state
+
+MODEL_WORDS, MOMENT_WORDS = 48_000, 200_003  # the moments do not split evenly over 4 ranks
+
+
+def zero_style_state(rank, world, value):
+    """A replicated model, AdamW-like moments partitioned by rank (uneven ranges), a per-rank generator."""
+    from alpha_ckpt import Partitioned
+    from alpha_ckpt.learner.data import shares
+    lo, hi = shares(MOMENT_WORDS, world)[rank]
+    moments = torch.arange(lo, hi, dtype=torch.float32) * value
+    return {"model": {"w": torch.full((MODEL_WORDS,), value, dtype=torch.float32)},
+            "moments": Partitioned(moments, lo, hi, (MOMENT_WORDS,)),
+            "rng": PerRank({"seed": 100 + rank, "draws": torch.full((16,), rank, dtype=torch.int64)}),
+            "step": int(value)}
+
+
+def save_zero_style(rank, world, store, generations):
+    ckpt = Checkpointer(store, run="z", publisher="tree", fanout=2)
+    ckpt.restore(zero_style_state(rank, world, 0.0), root=None)
+    roots = [ckpt.save(zero_style_state(rank, world, float(g)), update=g, cursor=g) for g in range(1, generations + 1)]
+    return {"roots": roots}
+
+
+def restore_zero_style(rank, world, store):
+    dest = zero_style_state(rank, world, -1.0)
+    ckpt = Checkpointer(store, run="z", publisher="tree", fanout=2)
+    counters = ckpt.restore(dest, root="latest")
+    expect = zero_style_state(rank, world, float(counters.update))
+    equal = (torch.equal(dest["model"]["w"], expect["model"]["w"])
+             and torch.equal(dest["moments"].tensor, expect["moments"].tensor)
+             and torch.equal(dest["rng"].value["draws"], expect["rng"].value["draws"])
+             and dest["rng"].value["seed"] == 100 + rank and dest["step"] == counters.update)
+    return {"update": counters.update, "equal": equal, **ckpt.last_restore}
+
+
+@pytest.mark.timeout(240)
+def test_four_ranks_each_read_only_their_share_and_fall_back_together_when_the_newest_is_damaged(tmp_path):
+    """Tree of 4 roles (fanout 2): every rank validates only what it restores, never the whole generation."""
+    store = tmp_path / "s"
+    roots = run_ranks(4, save_zero_style, str(store), 2, tmp=tmp_path)[0]["roots"]
+    restored = run_ranks(4, restore_zero_style, str(store), tmp=tmp_path)
+    assert [r["update"] for r in restored] == [2] * 4 and all(r["equal"] for r in restored)
+    from alpha_ckpt.learner.data import shares
+    replicated = MODEL_WORDS * 4
+    for rank, r in enumerate(restored):
+        lo, hi = shares(MOMENT_WORDS, 4)[rank]
+        share = (hi - lo) * 4 + 16 * 8  # its moments and its own generator's words
+        assert r["bytes_read"] <= replicated + share * 1.01, (rank, r["bytes_read"], replicated + share)
+    with Store(store, create=False) as s:
+        total = s.find_ref(roots[1]).bytes
+    assert max(r["bytes_read"] for r in restored) < total / 2  # no rank reads the generation whole
+
+    # Damage what only rank 3 reads in the newest generation: rank 3's own shard.
+    from alpha_ckpt.restore import open_generation
+    with Store(store, create=False) as s, open_generation(s, roots[1]) as g:
+        [group3] = [m for m in g.manifests if m.publisher.role == 3]
+        victim = s.object_path(group3.shards[0].digest)
+    os.chmod(victim, 0o644)
+    data = bytearray(open(victim, "rb").read())
+    data[-1] ^= 1
+    open(victim, "wb").write(bytes(data))
+    fallen = run_ranks(4, restore_zero_style, str(store), tmp=tmp_path)
+    assert [r["update"] for r in fallen] == [1] * 4 and all(r["equal"] for r in fallen)
+    assert {r["root"] for r in fallen} == {roots[0]}

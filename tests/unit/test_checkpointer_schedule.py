@@ -1,0 +1,108 @@
+"""Checkpointer schedule and retention: every=K, every="auto" (Young/Daly), keep=K, in_flight="skip"."""
+import time
+
+import pytest
+import torch
+
+from alpha_ckpt import Checkpointer
+from alpha_ckpt.collective.schedule import Schedule
+from alpha_ckpt.restore import verify_generation
+from alpha_ckpt.store import RefRecord, Store
+from ranks import run_ranks
+
+
+def state(value):
+    return {"w": torch.full((1000,), float(value)), "step": value}
+
+
+def every_and_keep(rank, world, store):
+    ckpt = Checkpointer(store, run="k", every=2, keep=2)
+    ckpt.restore(state(0), root=None)
+    due = []
+    for update in range(1, 11):
+        time.sleep(0.5)  # older than gc's clock slack (2 s) when dropped, so their objects go too
+        due.append(ckpt.due(update))
+        if due[-1]:
+            ckpt.save(state(update), update=update, cursor=update)
+    dest = state(-1)
+    counters = ckpt.restore(dest, root="latest")
+    ckpt.close()
+    return {"due": due, "update": counters.update, "restored": dest["step"]}
+
+
+@pytest.mark.timeout(120)
+def test_every_k_saves_the_same_updates_on_every_rank_and_keep_retains_the_newest_complete_ones(tmp_path):
+    results = run_ranks(2, every_and_keep, str(tmp_path / "s"), tmp=tmp_path)
+    assert results[0]["due"] == results[1]["due"] == [u % 2 == 0 for u in range(1, 11)]
+    assert [r["update"] for r in results] == [10, 10] and [r["restored"] for r in results] == [10, 10]
+    with Store(tmp_path / "s", create=False) as s:
+        refs = [r for r in s.list_refs("k", "train") if isinstance(r, RefRecord)]
+        assert [r.prefix.update for r in refs] == [8, 10]  # 2, 4 and 6 were removed, with their objects
+        for r in refs:
+            verify_generation(s, r.root)
+        from alpha_ckpt.gc import plan_gc
+        # Seen from later, when every object is past the clock slack: none is left that no generation reaches.
+        assert plan_gc(s, grace=0.0, now=time.time() + 60).objects == []
+        assert len(list(s.iter_objects(lambda *a: None))) >= 4  # the kept generations' objects are there
+
+
+def auto_schedule(rank, world, store):
+    ckpt = Checkpointer(store, run="a", every="auto", mtbf=0.5)
+    ckpt.restore(state(0), root=None)
+    due = []
+    for update in range(1, 13):
+        time.sleep(0.02)  # an update's work
+        due.append(ckpt.due(update))
+        if due[-1]:
+            ckpt.save(state(update), update=update, cursor=update)
+    ckpt.close()
+    return {"due": due}
+
+
+@pytest.mark.timeout(120)
+def test_auto_interval_is_planned_by_rank_0_and_applied_alike_on_every_rank(tmp_path):
+    results = run_ranks(2, auto_schedule, str(tmp_path / "s"), tmp=tmp_path)
+    due = results[0]["due"]
+    assert results[1]["due"] == due
+    assert due[0] is True  # the first update measures what a checkpoint costs
+    assert sum(due) >= 2 and not all(due)  # then a planned interval of more than one update
+
+
+def test_young_daly_turns_the_measured_cost_into_whole_updates():
+    schedule = Schedule("auto", mtbf="1h")
+    schedule.update_seconds = [2.0] * 5
+    # sqrt(2 x 8 s x 3600 s) = 240 s = 120 updates of 2 s
+    assert schedule.every_updates(8.0) == 120
+    assert schedule.every_updates(8.0, floor_s=400.0) == 200  # an async save's interval is at least one save
+    with pytest.raises(ValueError):
+        Schedule("auto")
+    with pytest.raises(ValueError):
+        Schedule(0)
+    with pytest.raises(ValueError):
+        Schedule(3, mtbf=10)
+
+
+def skip_in_flight(rank, world, store):
+    ckpt = Checkpointer(store, run="f", save="async", in_flight="skip")
+    ckpt.restore(state(0), root=None)
+    exchange = ckpt._exchange
+
+    def slow(*args):
+        time.sleep(1.0)  # a save that takes a while on every rank
+        return exchange(*args)
+    ckpt._exchange = slow
+    first = ckpt.save(state(1), update=1, cursor=1)
+    second = ckpt.save(state(2), update=2, cursor=2)  # the first is still in flight: skipped everywhere
+    ckpt.wait()
+    third = ckpt.save(state(3), update=3, cursor=3)
+    ckpt.close()
+    return {"first": first.result(), "second": second, "third": third.result(), "skipped": ckpt.skipped}
+
+
+@pytest.mark.timeout(120)
+def test_in_flight_skip_skips_on_every_rank_and_publishes_the_rest(tmp_path):
+    results = run_ranks(2, skip_in_flight, str(tmp_path / "s"), tmp=tmp_path)
+    assert [r["second"] for r in results] == [None, None] and [r["skipped"] for r in results] == [1, 1]
+    assert results[0]["first"] == results[1]["first"] and results[0]["third"] == results[1]["third"]
+    with Store(tmp_path / "s", create=False) as s:
+        assert [r.prefix.update for r in s.list_refs("f", "train")] == [1, 3]
