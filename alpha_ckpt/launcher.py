@@ -30,7 +30,7 @@ import os
 import sys
 
 from .lifeline import LAUNCHER_PID_ENV
-from .usage import OneLineArgumentParser, UsageError, check_job_args, check_store_writable
+from .usage import OneLineArgumentParser, UsageError, check_checkpoint_flags, check_job_args, check_store_writable
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_RETRY, EXIT_INTERRUPTED = 0, 2, 3, 75, 130
 
@@ -167,20 +167,30 @@ def script_argv(args) -> list[str]:
 
 
 def script_environment(args) -> dict[str, str]:
-    """What a script's Checkpointer reads: the store, the run, and the resume choice."""
+    """What a script's Checkpointer reads: the store, the run, the resume choice, and how to save
+    (--publisher, --fanout, --commit-timeout, --save, --in-flight, --checkpoint-every, --mtbf)."""
     run = args.run or os.path.splitext(os.path.basename(args.config))[0].replace("_", "-")
     resume = args.resume_from or args.resume or ""
-    return {"ALPHA_CKPT_STORE": os.path.abspath(args.store), "ALPHA_CKPT_RUN": run, "ALPHA_CKPT_RESUME": resume}
+    env = {"ALPHA_CKPT_STORE": os.path.abspath(args.store), "ALPHA_CKPT_RUN": run, "ALPHA_CKPT_RESUME": resume,
+           "ALPHA_CKPT_PUBLISHER": args.publisher, "ALPHA_CKPT_FANOUT": str(args.fanout),
+           "ALPHA_CKPT_COMMIT_TIMEOUT": str(args.commit_timeout), "ALPHA_CKPT_SAVE": args.save,
+           "ALPHA_CKPT_IN_FLIGHT": args.in_flight}
+    if str(args.checkpoint_every) != "0":  # the script's ckpt.due(step) follows --checkpoint-every
+        env["ALPHA_CKPT_EVERY"] = str(args.checkpoint_every)
+        if args.mtbf:
+            env["ALPHA_CKPT_MTBF"] = args.mtbf
+    return env
 
 
 def check_script_args(args) -> None:
+    check_checkpoint_flags(args)
     if args.module:
         return
     if not os.path.isfile(args.config):
         raise UsageError(f"script {args.config}: no such file")
-    if args.updates is not None or args.set or args.branch_from:
-        raise UsageError("--updates, --set and --branch-from belong to the built-in job; a script takes its own "
-                         "arguments after its path")
+    if args.updates is not None or args.set or args.branch_from or args.checkpoint_cost or args.discard_checkpoints:
+        raise UsageError("--updates, --set, --branch-from, --checkpoint-cost and --discard-checkpoints belong to the "
+                         "built-in job; a script takes its own arguments after its path")
 
 
 def parse(argv: list[str]):

@@ -53,6 +53,21 @@ def check_job_args(args, overrides: list[str]) -> JobConfig:
     """
     if args.updates < 1:
         raise UsageError(f"--updates must be at least 1 (the committed update count to reach), not {args.updates}")
+    check_checkpoint_flags(args)
+    if not args.config:
+        raise UsageError("the job config path is empty")
+    try:
+        return load_config(args.config, overrides)
+    except OSError as exc:
+        raise UsageError(f"config {args.config}: {exc.strerror or exc}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"config {args.config} is not TOML: {exc}") from None
+    except (ValueError, TypeError) as exc:
+        raise UsageError(exc) from None
+
+
+def check_checkpoint_flags(args) -> None:
+    """The flags the job and a launched script share: publisher, schedule, timeouts, digests."""
     if args.fanout < 1:
         raise UsageError(f"--fanout must be at least 1, not {args.fanout}")
     _check_seconds("--commit-timeout", args.commit_timeout)
@@ -64,16 +79,6 @@ def check_job_args(args, overrides: list[str]) -> JobConfig:
         value = getattr(args, flag)
         if value is not None and not is_digest(value):
             raise UsageError(f"--{flag.replace('_', '-')} needs a full 64-hex root digest, got {value!r}")
-    if not args.config:
-        raise UsageError("the job config path is empty")
-    try:
-        return load_config(args.config, overrides)
-    except OSError as exc:
-        raise UsageError(f"config {args.config}: {exc.strerror or exc}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise UsageError(f"config {args.config} is not TOML: {exc}") from None
-    except (ValueError, TypeError) as exc:
-        raise UsageError(exc) from None
 
 
 def check_store_writable(path: str) -> None:

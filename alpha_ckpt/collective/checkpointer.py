@@ -63,6 +63,8 @@ from .verdict import agree
 logger = logging.getLogger("alpha_ckpt")
 
 STORE_ENV, RUN_ENV, RESUME_ENV = "ALPHA_CKPT_STORE", "ALPHA_CKPT_RUN", "ALPHA_CKPT_RESUME"
+PUBLISHER_ENV, FANOUT_ENV, COMMIT_TIMEOUT_ENV = "ALPHA_CKPT_PUBLISHER", "ALPHA_CKPT_FANOUT", "ALPHA_CKPT_COMMIT_TIMEOUT"
+SAVE_ENV, IN_FLIGHT_ENV, EVERY_ENV, MTBF_ENV = "ALPHA_CKPT_SAVE", "ALPHA_CKPT_IN_FLIGHT", "ALPHA_CKPT_EVERY", "ALPHA_CKPT_MTBF"
 _FROM_ENV = object()
 
 
@@ -70,12 +72,21 @@ class Checkpointer:
     """Collective checkpoints of one run/step of a training script (see the module docstring)."""
 
     def __init__(self, store: str | os.PathLike | None = None, *, run: str | None = None, step: str = "train",
-                 group: Any = None, publisher: str = "star", fanout: int = 8, commit_timeout: float = 60.0,
-                 save: str = "sync", in_flight: str = "wait", identity: Any = None,
-                 allow_nonfinite: Sequence[str] = (), every: int | str | None = None,
+                 group: Any = None, publisher: str | None = None, fanout: int | None = None,
+                 commit_timeout: float | None = None, save: str | None = None, in_flight: str | None = None,
+                 identity: Any = None, allow_nonfinite: Sequence[str] = (), every: int | str | None = None,
                  mtbf: float | str | None = None, keep: int | None = None):
+        # An argument left out takes what alpha-run passed (its flag of the same name), else the default.
         store = store if store is not None else os.environ.get(STORE_ENV)
         run = run if run is not None else os.environ.get(RUN_ENV)
+        publisher = publisher or os.environ.get(PUBLISHER_ENV) or "star"
+        fanout = fanout if fanout is not None else int(os.environ.get(FANOUT_ENV) or 8)
+        commit_timeout = commit_timeout if commit_timeout is not None else float(os.environ.get(COMMIT_TIMEOUT_ENV) or 60)
+        save = save or os.environ.get(SAVE_ENV) or "sync"
+        in_flight = in_flight or os.environ.get(IN_FLIGHT_ENV) or "wait"
+        if every is None and os.environ.get(EVERY_ENV):
+            every = os.environ[EVERY_ENV] if os.environ[EVERY_ENV] == "auto" else int(os.environ[EVERY_ENV])
+            mtbf = mtbf if mtbf is not None else os.environ.get(MTBF_ENV) or None
         if store is None or run is None:
             raise ValueError("Checkpointer needs store= and run= (alpha-run passes them as ALPHA_CKPT_STORE and "
                              "ALPHA_CKPT_RUN)")

@@ -22,12 +22,23 @@ def _last_json(out: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-@pytest.mark.timeout(500)
-def test_a_killed_script_resumed_latest_ends_equal_to_one_that_never_stopped_and_exit_codes_hold(tmp_path):
-    straight = alpha_run("--nproc", 2, "--store", tmp_path / "a", EXAMPLE, "--steps", 12, cwd=tmp_path)
-    assert straight.returncode == 0, straight.stderr[-2000:]
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """12 steps that never stopped, and the store they saved into."""
+    tmp = tmp_path_factory.mktemp("straight")
+    run = alpha_run("--nproc", 2, "--store", tmp / "a", EXAMPLE, "--steps", 12, cwd=tmp)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return tmp / "a", _last_json(run.stdout)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("publisher,save", [("star", "sync"), ("tree", "async"),
+                                            pytest.param("star", "async", marks=pytest.mark.full),
+                                            pytest.param("tree", "sync", marks=pytest.mark.full)])
+def test_a_killed_script_resumed_latest_ends_equal_to_one_that_never_stopped(tmp_path, straight, publisher, save):
     store = tmp_path / "b"
-    job = subprocess.Popen([sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", "2", "--store", str(store),
+    how = ["--publisher", publisher, "--save", save]
+    job = subprocess.Popen([sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", "2", "--store", str(store), *how,
                             str(EXAMPLE), "--steps", "12"], cwd=tmp_path, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL, start_new_session=True)
     refs = store / "refs" / "train-gpt-ddp" / "train"
@@ -37,12 +48,26 @@ def test_a_killed_script_resumed_latest_ends_equal_to_one_that_never_stopped_and
     os.killpg(job.pid, signal.SIGKILL)  # the whole job, as a node agent does
     job.wait(30)
     assert job.returncode == -signal.SIGKILL
-    resumed = alpha_run("--nproc", 2, "--store", store, "--resume", "latest", EXAMPLE, "--steps", 12, cwd=tmp_path)
+    resumed = alpha_run("--nproc", 2, "--store", store, *how, "--resume", "latest", EXAMPLE, "--steps", 12,
+                        cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert _last_json(resumed.stdout) == _last_json(straight.stdout)
+    assert _last_json(resumed.stdout) == straight[1]
+    from alpha_ckpt.restore import open_generation
+    from alpha_ckpt.store import Store
+    with Store(store, create=False) as s:
+        newest = s.newest_ref("train-gpt-ddp", "train")
+        with open_generation(s, newest.root, role=0, wanted=[]) as g:
+            assert g.manifest.publisher.kind == publisher
+
+
+@pytest.mark.timeout(300)
+def test_scripts_exit_3_on_a_refusal_and_2_on_usage_errors(tmp_path, straight):
+    store = straight[0]
     # Exit codes for scripts, as for the job: a refusal 3 (a fresh start over this history would fork it),
     # usage errors 2, whether alpha-run finds them (no such script) or the script's own parser does.
     assert alpha_run("--nproc", 2, "--store", store, EXAMPLE, "--steps", 12, cwd=tmp_path).returncode == 3
     assert alpha_run("--nproc", 2, "--store", store, tmp_path / "missing.py", cwd=tmp_path).returncode == 2
     assert alpha_run("--nproc", 2, "--store", store, "--resume", "latest", EXAMPLE, "--steps", "x",
                      cwd=tmp_path).returncode == 2
+    assert alpha_run("--nproc", 2, "--store", store, "--updates", 3, EXAMPLE, cwd=tmp_path).returncode == 2
+    assert alpha_run("--nproc", 2, "--store", store, "--fanout", 0, EXAMPLE, cwd=tmp_path).returncode == 2
