@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
 """Benchmark: save and restore one float32 state with alpha_ckpt, torch.save and DCP, against raw disk.
 
-Three sections, chosen with ``--section`` (default ``store``; ``all`` runs the
-three in turn, in one invocation):
+Four sections, chosen with ``--section`` (default ``store``; ``all`` runs the
+four in turn, in one invocation):
 
   store    one process: save and restore, ours against torch.save, DCP and raw disk
   stall    one process, a simulated training loop: the training stall of
            synchronous and asynchronous saves, ours against DCP's save and async_save
   owners   1, 2 and 4 owner processes: save and restore throughput, ours (tree
            publisher) against DCP with a process group
+  checkpointer  2 and 4 ranks: the collective ``alpha_ckpt.Checkpointer`` (star and
+           tree publishers) against DCP with a process group, on a state that is
+           half replicated and half partitioned
 
 Section "store"
 ---------------
@@ -57,8 +60,9 @@ and it swamps the differences measured here. So (both untimed):
   faults and zeroing here) is still charged to the method that allocates.
   ``--prefault 0`` shows the raw effect.
 
-Warm-up and prefault apply to every section (an owner prefaults ``--prefault``
-times its own share); ``--cold`` applies to the restores of store and owners.
+Warm-up and prefault apply to every section (an owner or rank prefaults
+``--prefault`` times its own bytes); ``--cold`` applies to the restores of
+store, owners and checkpointer.
 
 Restores run on a hot page cache by default (the file was just written). With
 ``--cold`` the script runs ``sync`` and ``echo 3 > /proc/sys/vm/drop_caches``
@@ -131,16 +135,64 @@ After every restore (untimed) each owner compares its tensors with
 ``torch.equal``. Reported: per count and method the median save and restore
 seconds and GB/s (bytes of the whole state), and the throughput ratios.
 
+Section "checkpointer"
+----------------------
+``max(--ckpt-ranks)`` processes (default 2 4; forked as in the owners section,
+gloo on 127.0.0.1), with a subgroup of ranks [0, n) for each count n. The state
+is ``--size-mib`` MiB in ``--tensors`` float32 vectors of equal size (default
+16 x 64 MiB), half of them replicated and half partitioned:
+
+  model    ``--tensors / 2`` tensors that every rank holds with the same values
+           (written once by every method: the Checkpointer compares replicas by
+           digest, DCP's planner dedups entries saved under the same key)
+  moments  ``--tensors / 2`` flat regions (optimizer-moment-like); rank r of n
+           holds the words ``shares(words, n)[r]`` of each
+
+Methods, each into a fresh directory (removed after its restore), the order
+rotated by one each round so that no method always follows the same one:
+
+  ckpt-star  ``Checkpointer(DIR, run="bench", step="fit", group=..., publisher="star")``;
+             untimed: the constructor and ``restore(state, root=None)`` (the fresh
+             start). Timed: ``root = ckpt.save(state, update=u, cursor=u)``
+             (every rank sends rank 0 its descriptor and its partitioned words;
+             rank 0 writes everything), then ``ckpt.restore(dest, root=root)`` in
+             place (every rank validates what it reads before any rank copies).
+             State: ``{"model": {name: tensor}, "moments": {name:
+             Partitioned(share, lo, hi, (words,))}}``.
+  ckpt-tree  as ckpt-star with ``publisher="tree"`` and ``fanout=--fanout``: every
+             rank writes its own shards and group manifest (rank 0 the replicas).
+  dcp        ``dcp.save(state, checkpoint_id=DIR, process_group=...)``, default
+             FileSystemWriter; ``dcp.load`` in place. The replicated tensors under
+             the same keys on every rank (``model.<name>``), each rank's shares as
+             plain tensors under keys of its own (``moments.<name>.rank<r>``; not
+             DTensors, so DCP cannot reshard them: the bytes are the same).
+  dcp-t2     as dcp, ``FileSystemWriter(DIR, thread_count=2)``.
+  raw        each rank writes 1/n of the state's bytes dd-style and fsyncs; its
+             restore reads that back into the rank's destination memory with
+             ``readinto``: the raw disk rate of this run (not compared).
+
+Each timed phase starts at a barrier of all ranks; its time is the slowest
+rank's; throughput is the whole state's bytes over it. After every restore
+(untimed) every rank compares its replicated and partitioned destination
+tensors with the source with ``torch.equal`` (NaN-poisoned before each
+restore). Also reported, untimed: each rank's peak RSS growth during each
+phase (VmHWM reset through /proc/self/clear_refs; it counts mapped file pages
+too), the bytes each rank's Checkpointer restore read (``last_restore``), and
+the bytes each method left on disk. Ratios: ckpt-star and ckpt-tree throughput
+over dcp's and dcp-t2's, save and load (target: at least 1.0; reported, never
+enforced), and every method's save throughput over raw write.
+
 Every section ends with its tables; the last line is one JSON object with
 every median and ratio (the store section's keys at the top level, as before
-the other sections existed; ``stall`` and ``owners`` beside them).
+the other sections existed; ``stall``, ``owners`` and ``checkpointer`` beside them).
 
 Usage::
 
     python scripts/bench_store.py --size-mib 64 --reps 1 --warmup 0   # smoke run
     python scripts/bench_store.py --reps 5                            # the real one (~1 GiB state)
     python scripts/bench_store.py --reps 5 --cold                     # restores from the device
-    python scripts/bench_store.py --reps 5 --section all              # store, stall and owners
+    python scripts/bench_store.py --reps 5 --section all              # store, stall, owners and checkpointer
+    python scripts/bench_store.py --reps 3 --section checkpointer     # Checkpointer against DCP, 2 and 4 ranks
     python scripts/bench_store.py --size-mib 64 --reps 1 --warmup 0 --section all   # smoke run of all
 """
 from __future__ import annotations
@@ -157,6 +209,7 @@ import platform
 import shutil
 import signal
 import socket
+import stat
 import statistics
 import subprocess
 import sys
@@ -175,7 +228,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 import alpha_ckpt
 from alpha_ckpt.format import CapturePrefix, RegionDecl
-from alpha_ckpt.planner import Hierarchy, Piece, WantedSlice, pack_shards
+from alpha_ckpt.planner import Hierarchy, Piece, WantedSlice, pack_shards, shares
 from alpha_ckpt.publish.tree import GroupTransport, TreeRole
 from alpha_ckpt.restore import PreparedRestore, open_generation
 from alpha_ckpt.store import Store
@@ -731,27 +784,35 @@ def run_owners(args: argparse.Namespace, top: str) -> dict:
           f"for each owner count: {', '.join(OWNER_METHODS)}")
     print(f"  tensor i belongs to owner i % n; times are the largest over the owners; each restore verified with "
           f"torch.equal (raw: not compared); restores on a {'COLD' if args.cold else 'HOT'} page cache", flush=True)
+    result = launch_ranks(args, config, "owners", OWNERS_RESULT)
+    return report_owners(args, result)
+
+
+def launch_ranks(args: argparse.Namespace, config: dict, section: str, result_name: str) -> dict:
+    """Run ``config['world']`` rank processes of ``section`` (owners or checkpointer); return rank 0's result file."""
     env = dict(os.environ)
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(alpha_ckpt.__file__)))
     env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    # One fresh interpreter imports torch once and forks the other owners (starting each with
-    # spawn would import torch once per owner: seconds each on this machine).
+    # One fresh interpreter imports torch once and forks the other ranks (starting each with
+    # spawn would import torch once per rank: seconds each on this machine).
+    config = {**config, "section": section}
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--owner-process", json.dumps(config)], env=env)
     try:
         code = proc.wait(timeout=args.owners_timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-        raise SystemExit(f"owners section failed: the owners did not finish within {args.owners_timeout:g} s") from None
+        raise SystemExit(f"{section} section failed: the ranks did not finish within {args.owners_timeout:g} s") from None
     if code:
-        raise SystemExit(f"owners section failed: the owner processes exited with {code}")
-    with open(os.path.join(workdir, OWNERS_RESULT)) as f:
-        result = json.load(f)
-    return report_owners(args, result)
+        raise SystemExit(f"{section} section failed: the rank processes exited with {code}")
+    with open(os.path.join(config["dir"], result_name)) as f:
+        return json.load(f)
 
 
 def owner_processes(config: dict) -> None:
-    """Rank 0 of the owners section: fork the other ranks (before any torch work or thread), run, reap them."""
+    """Rank 0 of the owners or checkpointer section: fork the other ranks (before any torch work or thread),
+    run, reap them."""
+    target = checkpointer_process if config.get("section") == "checkpointer" else owner_process
     children: list[int] = []
     rank = 0
     for r in range(1, config["world"]):
@@ -763,7 +824,7 @@ def owner_processes(config: dict) -> None:
     if rank:
         code = 0
         try:
-            owner_process({**config, "rank": rank})
+            target({**config, "rank": rank})
         except BaseException:  # noqa: BLE001 - reported, then this forked owner exits without unwinding into main
             traceback.print_exc()
             code = 1
@@ -771,7 +832,7 @@ def owner_processes(config: dict) -> None:
         sys.stderr.flush()
         os._exit(code)
     try:
-        owner_process({**config, "rank": 0})
+        target({**config, "rank": 0})
     except BaseException:
         for pid in children:  # they may wait in a collective that rank 0 will never join
             os.kill(pid, signal.SIGKILL)
@@ -989,9 +1050,343 @@ def report_owners(args: argparse.Namespace, result: dict) -> dict:
             "ratios": ratios, "targets_met": met, "verified_restores": result["verified_restores"]}
 
 
+# ---------------------------------------------------------------- section "checkpointer"
+# The collective ``alpha_ckpt.Checkpointer`` against DCP with a process group, on
+# the same state. One interpreter forks ``max(--ckpt-ranks)`` ranks (the owners
+# section's machinery); each count n runs on the subgroup of ranks [0, n). The
+# state is half replicated (``model``: every rank holds the same tensors) and
+# half partitioned (``moments``: flat regions, rank r holding the words
+# ``shares(words, n)[r]``). Every timed phase starts at a barrier of all ranks;
+# its time is the slowest rank's.
+
+CKPT_METHODS = ("ckpt-star", "ckpt-tree", "dcp", "dcp-t2", "raw")
+CKPT_RESULT = "checkpointer_result.json"
+
+
+def reset_peak_rss() -> int | None:
+    """Reset this process's peak RSS (VmHWM) to its current RSS; return that RSS in KiB (None: not possible here)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    return proc_status_kib("VmRSS")
+
+
+def proc_status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def peak_growth_mib(base_kib: int | None) -> float:
+    """How far this process's RSS peaked above ``base_kib`` since :func:`reset_peak_rss` (NaN when unknown)."""
+    peak = proc_status_kib("VmHWM")
+    return (peak - base_kib) / 1024 if base_kib is not None and peak is not None else math.nan
+
+
+def tree_bytes(path: str) -> int:
+    """Bytes of the regular files under ``path`` (what a method left on disk)."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            st = os.lstat(os.path.join(dirpath, name))
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+    return total
+
+
+def byte_views(tensors: list[torch.Tensor], nbytes: int) -> dict[str, torch.Tensor]:
+    """Flat uint8 views over ``tensors``, in order, covering exactly ``nbytes`` (the raw restore's destination)."""
+    out, left = {}, nbytes
+    for i, t in enumerate(tensors):
+        if not left:
+            break
+        flat = t.reshape(-1).view(torch.uint8)
+        take = min(left, flat.numel())
+        out[str(i)] = flat[:take]
+        left -= take
+    if left:
+        raise ValueError(f"the destination holds {nbytes - left} bytes, not {nbytes}")
+    return out
+
+
+def run_checkpointer(args: argparse.Namespace, top: str) -> dict:
+    counts = sorted(set(args.ckpt_ranks))
+    world = counts[-1]
+    workdir = os.path.join(top, "checkpointer")
+    os.mkdir(workdir)
+    config = {"world": world, "counts": counts, "port": free_port(), "dir": workdir, "size_mib": args.size_mib,
+              "tensors": args.tensors, "seed": args.seed, "reps": args.reps, "warmup": args.warmup,
+              "prefault": args.prefault, "cold": args.cold, "fanout": args.fanout}
+    print()
+    print(f"== section checkpointer: alpha_ckpt.Checkpointer against DCP, {', '.join(map(str, counts))} rank(s), gloo "
+          f"on 127.0.0.1; per rep, for each rank count, every method in turn: {', '.join(CKPT_METHODS)} (the order "
+          "rotated by one each round)")
+    print(f"  state: {args.tensors // 2} replicated tensors (model) + {args.tensors // 2} partitioned regions (moments, "
+          "shares() of the ranks); times are the slowest rank's; each restore verified with torch.equal (raw: not "
+          f"compared); restores on a {'COLD' if args.cold else 'HOT'} page cache", flush=True)
+    result = launch_ranks(args, config, "checkpointer", CKPT_RESULT)
+    return report_checkpointer(args, result)
+
+
+def checkpointer_process(config: dict) -> None:
+    """One rank of the checkpointer section: rank ``config['rank']`` of ``config['world']``."""
+    rank, world, counts = config["rank"], config["world"], config["counts"]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{config['port']}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    groups = {n: dist.new_group(list(range(n)), backend="gloo") for n in counts}  # every rank joins every new_group
+    tensors, total_mib = config["tensors"], config["size_mib"]
+    numel = total_mib * MiB // (4 * tensors)
+    half = tensors // 2
+    state_bytes = tensors * numel * 4
+    replicated_bytes = half * numel * 4
+    seed = config["seed"] * 100_003
+    member_of = [n for n in counts if rank < n]
+
+    # model: the same values on every rank (the same seeds). moments: region j is one random
+    # vector of ``numel`` words; at count n this rank keeps its share of it.
+    rep_names = [f"layer{i:02d}" for i in range(half)]
+    part_names = [f"m{j:02d}" for j in range(half)]
+    rep_src = {k: torch.randn(numel, generator=torch.Generator().manual_seed(seed + i))
+               for i, k in enumerate(rep_names)} if member_of else {}
+    ranges = {n: shares(numel, n)[rank] for n in member_of}
+    part_src: dict[int, dict[str, torch.Tensor]] = {n: {} for n in member_of}
+    for j, k in enumerate(part_names):
+        if not member_of:
+            break
+        full = torch.randn(numel, generator=torch.Generator().manual_seed(seed + 50_000 + j))
+        for n in member_of:
+            lo, hi = ranges[n]
+            part_src[n][k] = full[lo:hi].clone()
+        del full
+    rep_dest = {k: torch.full_like(v, float("nan")) for k, v in rep_src.items()}
+    part_dest = {n: {k: torch.full_like(v, float("nan")) for k, v in part_src[n].items()} for n in member_of}
+    own_bytes = {n: replicated_bytes + half * (ranges[n][1] - ranges[n][0]) * 4 for n in member_of}
+    # The raw reference: at count n each rank writes its 1/n of the state's bytes dd-style and reads it
+    # back into its own destination memory (which is poisoned again before every restore).
+    raw_bytes = {n: shares(state_bytes, n)[rank][1] - shares(state_bytes, n)[rank][0] for n in member_of}
+    raws = {n: RawDisk(rep_src, raw_bytes[n]) for n in member_of}
+    raw_dest = {n: byte_views(list(rep_dest.values()) + list(part_dest[n].values()), raw_bytes[n]) for n in member_of}
+
+    def ckpt_state(n: int, rep: dict, part: dict) -> dict:
+        lo, hi = ranges[n]
+        return {"model": dict(rep),
+                "moments": {k: alpha_ckpt.Partitioned(t, lo, hi, (numel,)) for k, t in part.items()}}
+
+    def dcp_state(rep: dict, part: dict) -> dict:
+        # Replicated tensors under the same key on every rank (DCP's planner writes each once);
+        # this rank's share of each region as a plain tensor under a key of its own.
+        return {**{f"model.{k}": t for k, t in rep.items()}, **{f"moments.{k}.rank{rank}": t for k, t in part.items()}}
+
+    gc.freeze()  # the per-step gc.collect() then scans only what the methods left, not torch's own objects
+    times = {str(n): {m: {"save": [], "load": []} for m in CKPT_METHODS} for n in counts}
+    rss = {str(n): {m: {"save": [], "load": []} for m in CKPT_METHODS} for n in counts}
+    bytes_read = {str(n): {} for n in counts}
+    disk_bytes = {str(n): {} for n in counts}
+    verified = 0
+    top = config["dir"]
+
+    def barrier() -> None:
+        dist.barrier()
+
+    def largest(seconds: float) -> float:
+        t = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def per_rank(value: float) -> list[float]:
+        t = torch.zeros(world, dtype=torch.float64)
+        t[rank] = value
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def poison_dest(n: int) -> None:
+        for t in list(rep_dest.values()) + list(part_dest[n].values()):
+            t.fill_(float("nan"))
+
+    for rnd in range(config["warmup"] + config["reps"]):
+        timed = rnd >= config["warmup"]
+        label = f"rep {rnd - config['warmup']}" if timed else "warm-up"
+        order = CKPT_METHODS[rnd % len(CKPT_METHODS):] + CKPT_METHODS[:rnd % len(CKPT_METHODS)]
+        for n in counts:
+            member = rank < n
+            group = groups[n]
+            for method in order:
+                directory = os.path.join(top, f"{method}-n{n}-{rnd}")
+                if rank == 0:
+                    os.mkdir(directory)
+                    os.sync()
+                barrier()
+                ckpt = None
+                if member and method.startswith("ckpt-"):
+                    # Untimed: open the store and declare a fresh start of this run (collective).
+                    ckpt = alpha_ckpt.Checkpointer(directory, run="bench", step="fit", group=group,
+                                                   publisher=method[len("ckpt-"):], fanout=config["fanout"])
+                    ckpt.restore(ckpt_state(n, rep_src, part_src[n]), root=None)
+                gc.collect()
+                if member:
+                    prefault(int(config["prefault"] * own_bytes[n]))
+                barrier()
+                base = reset_peak_rss()
+                t = time.perf_counter()
+                handle = None
+                if member:
+                    if ckpt is not None:
+                        handle = ckpt.save(ckpt_state(n, rep_src, part_src[n]), update=rnd + 1, cursor=rnd + 1)
+                    elif method == "dcp":
+                        dcp.save(dcp_state(rep_src, part_src[n]), checkpoint_id=directory, process_group=group)
+                    elif method == "dcp-t2":
+                        dcp.save(dcp_state(rep_src, part_src[n]), process_group=group,
+                                 storage_writer=FileSystemWriter(directory, thread_count=2))
+                    else:
+                        handle = raws[n].save(None, directory, rnd, name=f"raw-{rank}.bin")
+                elapsed = time.perf_counter() - t if member else 0.0
+                save_rss = per_rank(peak_growth_mib(base) if member else 0.0)[:n]
+                save_s = largest(elapsed)
+                if rank == 0:
+                    disk_bytes[str(n)][method] = tree_bytes(directory)
+
+                if member:
+                    poison_dest(n)
+                barrier()
+                if config["cold"] and rank == 0:
+                    drop_caches()
+                gc.collect()
+                if member:
+                    prefault(int(config["prefault"] * own_bytes[n]))
+                barrier()
+                base = reset_peak_rss()
+                t = time.perf_counter()
+                if member:
+                    if ckpt is not None:
+                        ckpt.restore(ckpt_state(n, rep_dest, part_dest[n]), root=handle)
+                    elif method in ("dcp", "dcp-t2"):
+                        dcp.load(dcp_state(rep_dest, part_dest[n]), checkpoint_id=directory, process_group=group)
+                    else:
+                        RawDisk.restore(raw_dest[n], directory, handle)
+                elapsed = time.perf_counter() - t if member else 0.0
+                load_rss = per_rank(peak_growth_mib(base) if member else 0.0)[:n]
+                load_s = largest(elapsed)
+                read = per_rank(ckpt.last_restore["bytes_read"] if ckpt is not None else 0.0)[:n]
+
+                bad = 0
+                if member and method != "raw":
+                    bad = sum(1 for k in rep_src if not torch.equal(rep_src[k], rep_dest[k]))
+                    bad += sum(1 for k in part_src[n] if not torch.equal(part_src[n][k], part_dest[n][k]))
+                bad_total = torch.tensor([bad], dtype=torch.int64)
+                dist.all_reduce(bad_total)
+                if int(bad_total.item()):
+                    raise SystemExit(f"checkpointer: {method} with {n} rank(s): {int(bad_total.item())} restored "
+                                     "tensor(s) differ from the source")
+                if method != "raw":
+                    verified += 1
+                if ckpt is not None:
+                    ckpt.close()
+                barrier()
+                if rank == 0:
+                    shutil.rmtree(directory)
+                    os.sync()
+                    if method.startswith("ckpt-"):
+                        bytes_read[str(n)][method] = read
+                    if timed:
+                        times[str(n)][method]["save"].append(save_s)
+                        times[str(n)][method]["load"].append(load_s)
+                        rss[str(n)][method]["save"].append(save_rss)
+                        rss[str(n)][method]["load"].append(load_rss)
+                    print(f"  {label:<7}  {n} rank(s)  {method:<9} save {save_s:7.3f} s  "
+                          f"{state_bytes / save_s / 1e9:6.2f} GB/s   restore {load_s:7.3f} s  "
+                          f"{state_bytes / load_s / 1e9:6.2f} GB/s   peak RSS +MiB save rank 0 {save_rss[0]:6.0f} "
+                          f"(others max {max(save_rss[1:], default=0.0):5.0f}), restore rank 0 {load_rss[0]:6.0f}",
+                          flush=True)
+    barrier()
+    if rank == 0:
+        out = {"bytes": state_bytes, "replicated_bytes": replicated_bytes, "partitioned_bytes": state_bytes -
+               replicated_bytes, "counts": counts, "times": times, "rss": rss, "bytes_read": bytes_read,
+               "disk_bytes": disk_bytes, "verified_restores": verified, "fanout": config["fanout"]}
+        path = os.path.join(top, CKPT_RESULT)
+        with open(path + ".tmp", "w") as f:
+            json.dump(out, f)
+        os.replace(path + ".tmp", path)
+    dist.destroy_process_group()
+
+
+def report_checkpointer(args: argparse.Namespace, result: dict) -> dict:
+    nbytes, counts, times = result["bytes"], result["counts"], result["times"]
+    med = {n: {m: {k: median(v) for k, v in times[str(n)][m].items()} for m in CKPT_METHODS} for n in counts}
+    gbps = {n: {m: {k: nbytes / v / 1e9 for k, v in med[n][m].items()} for m in CKPT_METHODS} for n in counts}
+
+    def rss_median(n: int, m: str, phase: str) -> list[float]:
+        samples = result["rss"][str(n)][m][phase]  # one list per rep, one value per rank
+        return [median([s[r] for s in samples]) for r in range(n)]
+
+    rss = {n: {m: {p: rss_median(n, m, p) for p in ("save", "load")} for m in CKPT_METHODS} for n in counts}
+    print()
+    print(f"checkpointer: medians over {args.reps} rep(s), {nbytes / 1e9:.3f} GB per save in all "
+          f"({result['replicated_bytes'] / 1e9:.3f} GB replicated on every rank, {result['partitioned_bytes'] / 1e9:.3f}"
+          f" GB partitioned), time = slowest rank, restores on a {'COLD' if args.cold else 'HOT'} page cache")
+    print(f"{'ranks':>5} {'method':<9} {'save s':>8} {'save GB/s':>10} {'(min-max s)':>17}   {'restore s':>9} "
+          f"{'rest. GB/s':>10} {'(min-max s)':>17}   {'peak RSS +MiB save r0/others':>28} {'restore r0/others':>18}")
+    for n in counts:
+        for m in CKPT_METHODS:
+            s, l = times[str(n)][m]["save"], times[str(n)][m]["load"]
+            rs, rl = rss[n][m]["save"], rss[n][m]["load"]
+            print(f"{n:>5} {m:<9} {med[n][m]['save']:8.3f} {gbps[n][m]['save']:10.2f} "
+                  f"{f'({min(s):.3f}-{max(s):.3f})':>17}   {med[n][m]['load']:9.3f} {gbps[n][m]['load']:10.2f} "
+                  f"{f'({min(l):.3f}-{max(l):.3f})':>17}   {f'{rs[0]:.0f}/{max(rs[1:], default=0.0):.0f}':>28} "
+                  f"{f'{rl[0]:.0f}/{max(rl[1:], default=0.0):.0f}':>18}")
+        print(f"      raw disk of this run, {n} rank(s) each writing 1/{n} dd-style: write "
+              f"{gbps[n]['raw']['save']:.2f} GB/s, readinto {gbps[n]['raw']['load']:.2f} GB/s")
+    print("  (peak RSS +MiB: how far each rank's resident set peaked above its start of the phase, median over reps; "
+          "it counts mapped file pages too)")
+    print("  bytes on disk after one save, and bytes each rank's Checkpointer restore read (MiB):")
+    for n in counts:
+        on_disk = ", ".join(f"{m} {result['disk_bytes'][str(n)].get(m, 0) / MiB:.0f}" for m in CKPT_METHODS)
+        read = "; ".join(f"{m} [{', '.join(f'{b / MiB:.0f}' for b in result['bytes_read'][str(n)].get(m, []))}]"
+                         for m in ("ckpt-star", "ckpt-tree"))
+        print(f"    {n} rank(s): on disk {on_disk}; read per rank {read}")
+
+    targets = {}
+    for m in ("ckpt-star", "ckpt-tree"):
+        for d in ("dcp", "dcp_t2"):
+            targets[f"{m}_save_GBps/{d}_save_GBps"] = (">=", 1.0)
+            targets[f"{m}_load_GBps/{d}_load_GBps"] = (">=", 1.0)
+    ratios: dict[str, dict[str, float]] = {}
+    met: dict[str, dict[str, bool]] = {}
+    print()
+    print("checkpointer: throughput ratios (of medians); target: at least DCP's throughput, save and load")
+    for n in counts:
+        g = gbps[n]
+        r = {}
+        for m in ("ckpt-star", "ckpt-tree"):
+            for d, key in (("dcp", "dcp"), ("dcp-t2", "dcp_t2")):
+                r[f"{m}_save_GBps/{key}_save_GBps"] = g[m]["save"] / g[d]["save"]
+                r[f"{m}_load_GBps/{key}_load_GBps"] = g[m]["load"] / g[d]["load"]
+        for m, key in (("ckpt-star", "ckpt-star"), ("ckpt-tree", "ckpt-tree"), ("dcp", "dcp"), ("dcp-t2", "dcp_t2")):
+            r[f"{key}_save_GBps/raw_write_GBps"] = g[m]["save"] / g["raw"]["save"]
+        ratios[str(n)], met[str(n)] = r, targets_met(r, targets)
+        print(f"  {n} rank(s)   (raw disk this run: write {g['raw']['save']:.2f} GB/s, readinto "
+              f"{g['raw']['load']:.2f} GB/s)")
+        print_ratios(r, targets, indent="    ")
+    return {"bytes": nbytes, "replicated_bytes": result["replicated_bytes"],
+            "partitioned_bytes": result["partitioned_bytes"], "counts": counts, "reps": args.reps,
+            "warmup": args.warmup, "cache": "cold" if args.cold else "hot", "fanout": result["fanout"],
+            "dcp_partitions": "plain tensors under per-rank keys moments.<region>.rank<r>",
+            "median_s": {str(n): v for n, v in med.items()}, "median_GBps": {str(n): v for n, v in gbps.items()},
+            "raw_GBps": {str(n): {"write": gbps[n]["raw"]["save"], "read": gbps[n]["raw"]["load"]} for n in counts},
+            "peak_rss_growth_MiB": {str(n): v for n, v in rss.items()}, "bytes_read": result["bytes_read"],
+            "disk_bytes": result["disk_bytes"], "ratios": ratios, "targets_met": met,
+            "verified_restores": result["verified_restores"]}
+
+
 # ---------------------------------------------------------------- driver
 
-SECTIONS = ("store", "stall", "owners")
+SECTIONS = ("store", "stall", "owners", "checkpointer")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -1040,6 +1435,10 @@ def run(args: argparse.Namespace) -> dict:
             state = dest = None
             gc.collect()
             result["owners"] = run_owners(args, top)
+        if "checkpointer" in sections:
+            state = dest = None
+            gc.collect()
+            result["checkpointer"] = run_checkpointer(args, top)
     finally:
         shutil.rmtree(top, ignore_errors=True)
     print()
@@ -1052,7 +1451,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     p.add_argument("--section", nargs="+", choices=SECTIONS + ("all",), default=["store"],
                    help="what to measure: store (one process, save/restore against torch, DCP and raw disk), stall "
                         "(training stall of synchronous and asynchronous saves), owners (1/2/4 owner processes), "
-                        "or all (default: store)")
+                        "checkpointer (the collective Checkpointer against DCP on 2/4 ranks), or all (default: store)")
     p.add_argument("--reps", type=int, default=5, help="repetitions of the alternating method sequence (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds of every method before the timed ones (default 1)")
     p.add_argument("--size-mib", type=int, default=1024, help="total state size in MiB (default 1024)")
@@ -1061,7 +1460,8 @@ def main(argv: list[str] | None = None) -> dict | None:
                    help="base directory for the working files (default: the temp dir if it is on the repo's file system, "
                         "else the repo's parent); a fresh subdirectory is created and removed")
     p.add_argument("--cold", action="store_true",
-                   help="sync and drop the page cache before every restore (root only; sections store and owners)")
+                   help="sync and drop the page cache before every restore (root only; sections store, owners and "
+                        "checkpointer)")
     p.add_argument("--prefault", type=float, default=2.0,
                    help="before every save and every restore (untimed), touch and free this many times the state size "
                         "of anonymous memory (default 2; 0 disables)")
@@ -1071,18 +1471,24 @@ def main(argv: list[str] | None = None) -> dict | None:
                         "into a fixed matmul count; default 0.4)")
     p.add_argument("--owners", type=int, nargs="+", default=[1, 2, 4],
                    help="owners section: owner counts, alternated inside every repetition (default 1 2 4)")
-    p.add_argument("--fanout", type=int, default=8, help="owners section: fan-out of the publication tree (default 8)")
+    p.add_argument("--ckpt-ranks", type=int, nargs="+", default=[2, 4],
+                   help="checkpointer section: rank counts, alternated inside every repetition (default 2 4)")
+    p.add_argument("--fanout", type=int, default=8,
+                   help="owners and checkpointer sections: fan-out of the publication tree (default 8)")
     p.add_argument("--owners-timeout", type=float, default=3600.0,
-                   help="owners section: give up when the owner processes take longer (seconds, default 3600)")
-    p.add_argument("--owner-process", help=argparse.SUPPRESS)  # internal: run one owner of the owners section
+                   help="owners and checkpointer sections: give up when the rank processes take longer (seconds, "
+                        "default 3600)")
+    p.add_argument("--owner-process", help=argparse.SUPPRESS)  # internal: run one rank of owners or checkpointer
     args = p.parse_args(argv)
     if args.owner_process:
         owner_processes(json.loads(args.owner_process))
         return None
     if args.reps < 1 or args.size_mib < 1 or args.tensors < 1 or args.warmup < 0 or args.prefault < 0:
         p.error("--reps, --size-mib and --tensors must be positive, --warmup and --prefault non-negative")
-    if min(args.owners) < 1 or args.fanout < 1 or args.compute_s < 0:
-        p.error("--owners and --fanout must be positive, --compute-s non-negative")
+    if min(args.owners) < 1 or min(args.ckpt_ranks) < 1 or args.fanout < 1 or args.compute_s < 0:
+        p.error("--owners, --ckpt-ranks and --fanout must be positive, --compute-s non-negative")
+    if args.tensors % 2 and ("checkpointer" in args.section or "all" in args.section):
+        p.error("the checkpointer section splits --tensors into replicated and partitioned halves: it must be even")
     return run(args)
 
 

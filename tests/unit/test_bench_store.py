@@ -5,10 +5,13 @@ every restore (or, for the stall section, every saved snapshot) against the
 values it should hold, and reported the medians and ratios in its JSON line.
 """
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "bench_store.py"
@@ -16,6 +19,7 @@ SCRIPT = ROOT / "scripts" / "bench_store.py"
 STORE_METHODS = {"ours", "torch", "dcp", "dcp-t2", "raw"}
 STALL_METHODS = {"ours-sync", "ours-async", "ours-async-deferred", "dcp-sync", "dcp-async", "dcp-async-staged"}
 OWNER_METHODS = {"ours", "dcp", "dcp-t2", "raw"}
+CKPT_METHODS = {"ckpt-star", "ckpt-tree", "dcp", "dcp-t2", "raw"}
 
 
 def test_every_section_runs_verifies_and_reports_its_medians_and_ratios(tmp_path):
@@ -27,7 +31,7 @@ def test_every_section_runs_verifies_and_reports_its_medians_and_ratios(tmp_path
         capture_output=True, text=True, env=env, timeout=240)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert result["sections"] == ["store", "stall", "owners"]
+    assert result["sections"] == ["store", "stall", "owners", "checkpointer"]
     assert list(tmp_path.iterdir()) == []  # the working directory is removed
 
     # store: the keys it always had, at the top level
@@ -58,10 +62,57 @@ def test_every_section_runs_verifies_and_reports_its_medians_and_ratios(tmp_path
         assert set(owners["targets_met"][n]) <= set(owners["ratios"][n])
     assert owners["verified_restores"] == 3 * 3  # ours, dcp and dcp-t2 at each of the three counts
 
+    ckpt = result["checkpointer"]  # in detail: test_the_checkpointer_section_...
+    assert ckpt["counts"] == [2, 4] and ckpt["verified_restores"] == 4 * 2
 
-def test_the_store_section_alone_is_still_the_default(tmp_path):
+
+def env_with_repo():
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
+@pytest.mark.timeout(120)
+def test_the_checkpointer_section_times_both_publishers_against_dcp_and_verifies_every_restore(tmp_path):
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--section", "checkpointer", "--size-mib", "16", "--tensors", "4", "--reps", "1",
+         "--warmup", "0", "--prefault", "0", "--ckpt-ranks", "2", "4", "--dir", str(tmp_path)],
+        capture_output=True, text=True, env=env_with_repo(), timeout=110)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["sections"] == ["checkpointer"] and "owners" not in result and "median_s" not in result
+    assert list(tmp_path.iterdir()) == []  # every store and DCP directory removed
+
+    ckpt = result["checkpointer"]
+    assert ckpt["counts"] == [2, 4] and ckpt["reps"] == 1
+    assert ckpt["bytes"] == 16 << 20 and ckpt["replicated_bytes"] == ckpt["partitioned_bytes"] == 8 << 20
+    # every method but raw, at both counts, restored and compared with torch.equal on every rank
+    assert ckpt["verified_restores"] == 4 * 2
+    targets = {f"{m}_{phase}_GBps/{d}_{phase}_GBps" for m in ("ckpt-star", "ckpt-tree") for d in ("dcp", "dcp_t2")
+               for phase in ("save", "load")}
+    for n in ("2", "4"):
+        assert set(ckpt["median_s"][n]) == CKPT_METHODS and set(ckpt["median_GBps"][n]) == CKPT_METHODS
+        for m in CKPT_METHODS:
+            assert set(ckpt["median_s"][n][m]) == {"save", "load"}
+            assert all(v > 0 and math.isfinite(v) for v in ckpt["median_s"][n][m].values())
+            assert len(ckpt["peak_rss_growth_MiB"][n][m]["save"]) == int(n)  # one value per rank
+        assert set(ckpt["targets_met"][n]) == targets  # reported, never asserted: no pass/fail on timing
+        assert targets | {"ckpt-star_save_GBps/raw_write_GBps", "ckpt-tree_save_GBps/raw_write_GBps",
+                          "dcp_save_GBps/raw_write_GBps", "dcp_t2_save_GBps/raw_write_GBps"} == set(ckpt["ratios"][n])
+        assert all(v > 0 and math.isfinite(v) for v in ckpt["ratios"][n].values())
+        assert set(ckpt["raw_GBps"][n]) == {"write", "read"}
+        # each method wrote the whole state once: DCP dedups the replicated half, the Checkpointer writes it once
+        for m in CKPT_METHODS:
+            assert ckpt["disk_bytes"][n][m] >= 16 << 20
+            assert ckpt["disk_bytes"][n][m] < (16 << 20) * 1.1, (n, m, ckpt["disk_bytes"][n][m])
+        # a Checkpointer restore reads the replicated half and this rank's share of the partitioned one
+        for m in ("ckpt-star", "ckpt-tree"):
+            assert len(ckpt["bytes_read"][n][m]) == int(n)
+            assert all(b >= (8 << 20) + (8 << 20) // int(n) for b in ckpt["bytes_read"][n][m])
+
+
+def test_the_store_section_alone_is_still_the_default(tmp_path):
+    env = env_with_repo()
     run = subprocess.run([sys.executable, str(SCRIPT), "--size-mib", "8", "--tensors", "2", "--reps", "1", "--warmup",
                           "0", "--prefault", "0", "--dir", str(tmp_path)],
                          capture_output=True, text=True, env=env, timeout=120)
