@@ -37,7 +37,7 @@ import logging
 import math
 import os
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import blake3
 import torch
@@ -48,7 +48,7 @@ from ..device import check_devices, current_device
 from ..errors import DurableWriteError, PublishConflict, PublishFailed, Refusal, RefusalCode, StoreUsageError
 from ..format import CapturePrefix, DTYPES, RegionDecl, canonical_json, check_name
 from ..gc import retain_newest
-from ..planner import Hierarchy, Piece, WantedSlice
+from ..planner import Hierarchy, Piece, WantedSlice, owners_holding, shares
 from ..publish.tree import GroupTransport, TreeRole
 from ..publish.wire import broadcast_json, recv_bytes, send_bytes
 from ..restore import Counters, open_generation, prepare_fill
@@ -56,7 +56,7 @@ from ..state.capture import capture_state, dotted_leaves
 from ..state.load import plan_load
 from ..state.values import decode_value
 from ..store import RefRecord, Store
-from ..writer import publish_slices, word_bytes
+from ..writer import ShardCarry, publish_slices, word_bytes
 from .schedule import Schedule
 from .verdict import agree
 
@@ -66,6 +66,10 @@ STORE_ENV, RUN_ENV, RESUME_ENV = "ALPHA_CKPT_STORE", "ALPHA_CKPT_RUN", "ALPHA_CK
 PUBLISHER_ENV, FANOUT_ENV, COMMIT_TIMEOUT_ENV = "ALPHA_CKPT_PUBLISHER", "ALPHA_CKPT_FANOUT", "ALPHA_CKPT_COMMIT_TIMEOUT"
 SAVE_ENV, IN_FLIGHT_ENV, EVERY_ENV, MTBF_ENV = "ALPHA_CKPT_SAVE", "ALPHA_CKPT_IN_FLIGHT", "ALPHA_CKPT_EVERY", "ALPHA_CKPT_MTBF"
 _FROM_ENV = object()
+# Refusals of a generation's bytes: under "latest" the next older generation is tried. Any other
+# refusal (a binding, a destination that does not match) would refuse the older ones too.
+DAMAGE = frozenset({RefusalCode.CORRUPT_SHARD, RefusalCode.MISSING_SHARD, RefusalCode.FORMAT, RefusalCode.COVERAGE,
+                    RefusalCode.MIXED_CAPTURE, RefusalCode.NON_FINITE})
 
 
 class Checkpointer:
@@ -75,7 +79,8 @@ class Checkpointer:
                  group: Any = None, publisher: str | None = None, fanout: int | None = None,
                  commit_timeout: float | None = None, save: str | None = None, in_flight: str | None = None,
                  identity: Any = None, allow_nonfinite: Sequence[str] = (), every: int | str | None = None,
-                 mtbf: float | str | None = None, keep: int | None = None):
+                 mtbf: float | str | None = None, keep: int | None = None, metadata: Mapping[str, Any] | None = None,
+                 bindings: Callable[[Any], None] | None = None, bind_devices: bool = False):
         # An argument left out takes what alpha-run passed (its flag of the same name), else the default.
         store = store if store is not None else os.environ.get(STORE_ENV)
         run = run if run is not None else os.environ.get(RUN_ENV)
@@ -103,6 +108,17 @@ class Checkpointer:
                              f"not {keep!r}")
         if not (commit_timeout > 0 and math.isfinite(commit_timeout)):
             raise ValueError(f"commit_timeout is a positive number of seconds, not {commit_timeout!r}")
+        metadata = dict(metadata or {})
+        canonical_json(metadata)
+        if set(metadata) & {"identity", "owners", "devices", "layout"}:
+            raise ValueError("metadata= may not set identity, owners, devices or layout (the Checkpointer records them)")
+        # A program's own bindings: recorded in every root manifest (metadata=) and checked by rank 0
+        # on a generation before any rank reads a shard (bindings(root manifest) raises a Refusal).
+        # bind_devices: each rank's device must be the very one that saved its rank (UUID), not only the product.
+        self.metadata, self.bindings, self.bind_devices = metadata, bindings, bind_devices
+        self.tree_fault: str | None = None  # test hook, set from outside the product path (see alpha_ckpt/job/faults.py)
+        self._branch = False
+        self._fence = None  # an asynchronous save whose snapshot is still being taken (defer_snapshot=True)
         self.schedule = Schedule(every, mtbf)
         self.identity, self.allow_nonfinite, self.keep = identity, tuple(allow_nonfinite), keep
         self.publisher, self.commit_timeout = publisher, float(commit_timeout)
@@ -118,6 +134,10 @@ class Checkpointer:
         self.follows: int | None = None  # rank 0: the generation this history continues (store.check_fence)
         self.last_restore: dict | None = None  # what this rank's last restore read (bytes, shards)
         self.skipped = 0  # async saves skipped because one was in flight (in_flight="skip")
+        self.last_save: dict | None = None  # the last completed save: root, generation, bytes, bytes_written, seconds
+        # What this process wrote before: a region whose bytes did not change (a frozen embedding
+        # table) is named again as carried instead of written again (one save in flight at a time).
+        self._carry = ShardCarry()
         # Tree messages and an asynchronous save's publish go over gloo groups of their own:
         # NCCL moves only device memory and cannot time out a receive, and a background
         # publish must never interleave with the training collectives of the main thread.
@@ -135,7 +155,7 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ save
 
-    def save(self, state: Mapping[str, Any], *, update: int, cursor: int = 0):
+    def save(self, state: Mapping[str, Any], *, update: int, cursor: int = 0, defer_snapshot: bool = False):
         """Collective: publish ``state`` as ``update`` of this run/step.
 
         Sync: returns the root digest on every rank once it is durable. Async: captures
@@ -143,6 +163,8 @@ class Checkpointer:
         :class:`~alpha_ckpt.SaveHandle` (``.result()`` is the root); the next ``save`` or
         :meth:`wait` raises a background failure, on every rank. With ``in_flight="skip"``
         a save called while the previous one is still in flight returns None on every rank.
+        ``defer_snapshot=True`` (async): the tensors are copied on the save thread; call
+        :meth:`wait_snapshot` before changing any of them (before the next optimizer step).
         """
         prefix = CapturePrefix(self.run, self.step, update, cursor, self.epoch)
         if self._saver is not None and self._saver.in_flight == "skip" and self._any_rank(self._saver.busy()):
@@ -161,16 +183,27 @@ class Checkpointer:
             cost = time.monotonic() - t0
         else:
             result = self._saver.submit(tensors, lambda snapshot: self._exchange(prefix, captured, regions, snapshot,
-                                                                                  self._save_group))
+                                                                                  self._save_group),
+                                        defer_snapshot=defer_snapshot)
+            self._fence = result if defer_snapshot else None
             cost = result.stall_s
         if self.schedule.auto:
             self._replan(update, cost)
         self.schedule.saved()
         return result
 
+    def wait_snapshot(self) -> None:
+        """Return once the asynchronous save in flight has its copy of the tensors (``defer_snapshot``)."""
+        fence, self._fence = self._fence, None
+        if fence is not None:
+            t0 = time.monotonic()
+            fence.wait_snapshot()
+            fence.stall_s += time.monotonic() - t0
+
     def wait(self) -> None:
         """Collective in effect: drain the asynchronous save in flight; raise its failure (every rank does)."""
         if self._saver is not None:
+            self.wait_snapshot()
             self._saver.drain()
 
     def _replan(self, update: int, cost_s: float) -> None:
@@ -191,6 +224,7 @@ class Checkpointer:
 
     def _exchange(self, prefix: CapturePrefix, captured, regions, tensors, group) -> str:
         """Agree on one layout (rank 0 checks every capture), then publish it by star or tree."""
+        started, written = time.monotonic(), self.store.bytes_written
         views = [memoryview(word_bytes(t).numpy()) if t.numel() else memoryview(b"") for t in tensors]
         own, replicas = [], {}
         for region, view, where in zip(regions, views, captured.placement):
@@ -220,6 +254,13 @@ class Checkpointer:
             raise PublishFailed(str(completion["reason"]))
         if self.rank == 0:
             self.follows = completion["generation"]
+        # Every rank learns what the publish wrote in all (the tree's ranks write their own shards).
+        total = torch.tensor([self.store.bytes_written - written], dtype=torch.int64)
+        dist.all_reduce(total, group=group)
+        self.last_save = {"root": completion["root"], "update": prefix.update, "generation": completion["generation"],
+                          "bytes": completion["bytes"], "bytes_written": int(total.item()),
+                          "seconds": time.monotonic() - started}
+        if self.rank == 0:
             self._retain()
         return completion["root"]
 
@@ -238,7 +279,7 @@ class Checkpointer:
                 skeleton, regions = merge_captures(descriptors)
                 layout = {"ok": True, "state": skeleton, "regions": [r.to_json() for r in regions],
                           "devices": [d["device"] for d in descriptors],
-                          "pieces": [d["pieces"] for d in descriptors]}
+                          "pieces": [d["pieces"] for d in descriptors], "layout": saved_layout(descriptors, regions)}
             except Refusal as refusal:
                 layout = {"ok": False, "code": refusal.code.value, "reason": refusal.message}
             # The tree's ranks write their own shards against the agreed regions; the star's only send bytes.
@@ -248,7 +289,10 @@ class Checkpointer:
         return layout
 
     def _metadata(self, layout: dict) -> dict:
-        return {"identity": self.identity, "owners": self.world, "devices": layout["devices"]}
+        meta = {**self.metadata, "identity": self.identity, "owners": self.world, "devices": layout["devices"]}
+        if layout.get("layout") is not None:
+            meta["layout"] = layout["layout"]
+        return meta
 
     def _publish_star(self, prefix, regions, layout, own, group) -> dict:
         """Every rank's own bytes (per-rank and partitioned words) to rank 0, which writes everything."""
@@ -267,8 +311,10 @@ class Checkpointer:
                 if parts:
                     shards.append(parts)
             published = publish_slices(self.store, prefix, regions, shards, metadata=self._metadata(layout),
-                                       owners=self.world, follows=self.follows, state=layout["state"])
-            ack = {"ok": True, "root": published.root, "generation": published.ref.generation}
+                                       owners=self.world, carry=self._carry, follows=self.follows,
+                                       state=layout["state"])
+            ack = {"ok": True, "root": published.root, "generation": published.ref.generation,
+                   "bytes": published.ref.bytes}
         except Refusal as refusal:
             ack = {"ok": False, "code": refusal.code.value, "reason": refusal.message}
         except (OSError, ValueError, PublishConflict, DurableWriteError) as exc:
@@ -283,7 +329,8 @@ class Checkpointer:
         # Rank 0 compared every replica's digest already; the commitments carry the agreed layout's.
         agreed = blake3.blake3(canonical_json([layout["state"], layout["regions"]])).hexdigest()
         metadata = self._metadata(layout) if self.rank == 0 else {"device": self.device}
-        role = TreeRole(self.store, self.hierarchy, self.rank, GroupTransport(group), timeout=self.commit_timeout)
+        role = TreeRole(self.store, self.hierarchy, self.rank, GroupTransport(group), timeout=self.commit_timeout,
+                        carry=self._carry, fault=self.tree_fault)
         return role.complete(role.commit(prefix, regions, [parts] if parts else [], agreed, metadata,
                                          follows=self.follows, state=layout["state"]))
 
@@ -298,18 +345,24 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ restore
 
-    def restore(self, state: Mapping[str, Any], root: Any = _FROM_ENV, *, per_rank: str = "keep") -> Counters | None:
+    def restore(self, state: Mapping[str, Any], root: Any = _FROM_ENV, *, per_rank: str = "keep",
+                branch: bool = False) -> Counters | None:
         """Collective: restore ``state`` from ``root`` ("latest", a digest, or None: start fresh).
 
         The default is alpha-run's choice (``--resume latest`` / ``--resume-from D``;
         none given: a fresh start), or "latest" outside alpha-run. Returns the
         generation's counters, or None when there was nothing to resume. Every rank
         raises the same Refusal, before any rank copies a byte, when anything is wrong.
+        ``branch=True`` starts this run (epoch 0; it must have no generation yet) from
+        generation ``root`` of another run.
         """
         if root is _FROM_ENV:
             root = os.environ.get(RESUME_ENV, "latest") or None
         if per_rank not in ("keep", "drop"):
             raise ValueError(f"per_rank is 'keep' or 'drop', not {per_rank!r}")
+        if branch and root in (None, "latest"):
+            raise ValueError("branch=True needs the root digest of the generation to branch from")
+        self._branch = branch
         candidates = self._candidates(root)
         for i, candidate in enumerate(candidates):
             refusal, fill, counters = None, None, None
@@ -319,19 +372,23 @@ class Checkpointer:
             try:
                 if candidate.get("refusal"):
                     raise Refusal(candidate["refusal"]["code"], candidate["refusal"]["message"])
+                if self.bind_devices:  # each rank: the very device that saved its rank
+                    saved = candidate.get("devices") or []
+                    check_devices(saved[self.rank:self.rank + 1] or [None], [self.device], True)
                 fill, counters = self._prepare(state, candidate["root"], per_rank)
             except Refusal as exc:
                 refusal = exc
             try:
                 agree(refusal, self.group)
-            except Refusal:
+            except Refusal as agreed:
                 if fill is not None:
                     fill(go=False)  # another rank refused: release what this rank validated, copy nothing
-                if root == "latest" and not candidate.get("binding") and i + 1 < len(candidates):
+                if (root == "latest" and not candidate.get("binding") and agreed.code in DAMAGE
+                        and i + 1 < len(candidates)):
                     continue  # damaged: every rank falls back to the next older generation together
                 raise
             fill()
-            self.epoch = counters.epoch + 1
+            self.epoch = 0 if branch else counters.epoch + 1
             return counters
         return None
 
@@ -348,6 +405,15 @@ class Checkpointer:
     def _choose(self, root: Any) -> list[dict]:
         refs = self.store.list_refs(self.run, self.step)
         newest = refs[-1] if refs else None
+        if self._branch:
+            if refs:
+                raise Refusal(RefusalCode.FOREIGN_LEARNER, f"cannot branch into {self.run}/{self.step}: that run "
+                              "already has generations")
+            self.follows = 0
+            return [{"root": self.store.check_digest(root)}]
+        if isinstance(newest, Refusal):
+            raise Refusal(newest.code, f"the newest ref of {self.run}/{self.step} cannot be read, so no continuation "
+                          f"could be fenced against it: {newest.message}")
         if root is None:
             if refs:
                 raise Refusal(RefusalCode.FENCED, f"a fresh start of {self.run}/{self.step} would fork its history: it "
@@ -357,6 +423,9 @@ class Checkpointer:
         self.follows = newest.generation if isinstance(newest, RefRecord) else None
         newest_epoch = max((r.prefix.epoch for r in refs if isinstance(r, RefRecord)), default=0)
         if root != "latest":
+            for r in refs:  # the stale-epoch check needs the whole history ("latest" passes over damaged refs)
+                if isinstance(r, Refusal):
+                    raise Refusal(r.code, f"the history of {self.run}/{self.step} cannot be checked: {r.message}")
             record = self.store.find_ref(self.store.check_digest(root))
             if record is None or (record.run, record.step) != (self.run, self.step):
                 raise Refusal(RefusalCode.FOREIGN_LEARNER, f"generation {root[:16]}... is not one of {self.run}/{self.step}")
@@ -375,16 +444,22 @@ class Checkpointer:
         """Rank 0: the candidate ``root``, or the refusal that stops the restore (a binding: no fallback past it)."""
         try:
             with open_generation(self.store, root, role=0, wanted=[]) as generation:
-                meta = generation.manifest.metadata if isinstance(generation.manifest.metadata, dict) else {}
+                manifest = generation.manifest
+        except Refusal as refusal:  # damaged: under "latest", the next older generation is tried
+            return {"refusal": {"code": refusal.code.value, "message": refusal.message}}
+        try:
+            meta = manifest.metadata if isinstance(manifest.metadata, dict) else {}
             if meta.get("identity") != self.identity:
                 raise Refusal(RefusalCode.FOREIGN_LEARNER, f"generation {root[:16]}... was saved with identity "
                               f"{_short(meta.get('identity'))}; this script binds {_short(self.identity)}")
-            check_devices(meta.get("devices") or [None], [self.device] * len(meta.get("devices") or [None]), False)
-        except Refusal as refusal:
-            if refusal.code in (RefusalCode.FOREIGN_LEARNER, RefusalCode.DEVICE_MISMATCH):
-                return {"refusal": {"code": refusal.code.value, "message": refusal.message}, "binding": True}
-            return {"refusal": {"code": refusal.code.value, "message": refusal.message}}
-        return {"root": root}
+            if self.bindings is not None:
+                self.bindings(manifest)
+            devices = meta.get("devices") if isinstance(meta.get("devices"), list) else [None]
+            if not self.bind_devices:
+                check_devices(devices, [self.device] * len(devices), False)
+        except Refusal as refusal:  # a binding: no older generation of this history would do either
+            return {"refusal": {"code": refusal.code.value, "message": refusal.message}, "binding": True}
+        return {"root": root, "devices": meta.get("devices") if self.bind_devices else None}
 
     def _prepare(self, state: Mapping[str, Any], root: str, per_rank: str):
         """This rank's part: match, open only the shards it reads, validate them. Returns (fill, counters)."""
@@ -396,7 +471,8 @@ class Checkpointer:
         plan = plan_load(state, manifest.state, manifest.regions, rank=self.rank, world=self.world,
                          per_rank=per_rank)
         wanted = [WantedSlice(o, lo, hi, i) for i, (o, _, lo, hi) in enumerate(plan.targets)]
-        generation = open_generation(self.store, root, wanted=wanted)
+        # A tree: only the group manifests on the paths to the roles that hold this rank's words.
+        generation = open_generation(self.store, root, role=lambda m: roles_holding(m, wanted), wanted=wanted)
         try:
             fill = prepare_fill(generation, plan, what)
         except BaseException:
@@ -473,6 +549,53 @@ def merge_captures(descriptors: list[dict]) -> tuple[Any, tuple[RegionDecl, ...]
     names = [name for name, _ in dotted_leaves(decode_value(skeleton, "merged skeleton"))]
     return skeleton, tuple(RegionDecl(i, n, declared[n]["dtype"], tuple(declared[n]["shape"]),
                                       bool(declared[n].get("nonfinite"))) for i, n in enumerate(names))
+
+
+def saved_layout(descriptors: list[dict], regions: Sequence[RegionDecl]) -> dict | None:
+    """Which rank wrote which words, as a rule a reader computes (pure): None where no rule fits.
+
+    ``partitioned``: regions every rank holds its :func:`~alpha_ckpt.planner.shares` range of;
+    ``own``: [ordinal, rank] for a region one rank wrote whole (a PerRank entry). Everything
+    else is replicated, written by rank 0. A tree restore then reads only the group manifests
+    on the paths to the ranks that hold its words.
+    """
+    world = len(descriptors)
+    held: dict[str, list[tuple[int, int, int]]] = {}
+    for rank, d in enumerate(descriptors):
+        for name, lo, hi in d["pieces"]:
+            held.setdefault(name, []).append((rank, lo, hi))
+    partitioned, own = [], []
+    for region in regions:
+        if region.name in descriptors[0]["replicas"]:
+            continue
+        pieces = held.get(region.name, [])
+        if [(lo, hi) for _, lo, hi in sorted(pieces)] == shares(region.words, world) and len(pieces) == world:
+            partitioned.append(region.ordinal)
+        elif len(pieces) == 1 and pieces[0][1:] == (0, region.words):
+            own.append([region.ordinal, pieces[0][0]])
+        else:
+            return None
+    return {"rule": "shares", "partitioned": partitioned, "own": own}
+
+
+def roles_holding(manifest, wanted: Sequence[WantedSlice]) -> list[int] | None:
+    """The saved roles whose shards hold the ``wanted`` words, by the root manifest's layout (None: all)."""
+    meta = manifest.metadata if isinstance(manifest.metadata, dict) else {}
+    layout = meta.get("layout")
+    if not isinstance(layout, dict) or layout.get("rule") != "shares":
+        return None
+    try:
+        partitioned = {int(o) for o in layout["partitioned"]}
+        own = {int(o): int(r) for o, r in layout["own"]}
+    except (KeyError, TypeError, ValueError):
+        return None
+    roles = {0}
+    for w in wanted:
+        if w.ordinal in partitioned and w.ordinal < len(manifest.regions):
+            roles.update(owners_holding(manifest.regions[w.ordinal].words, manifest.owners, w.lo, w.hi))
+        elif w.ordinal in own:
+            roles.add(own[w.ordinal])
+    return sorted(r for r in roles if 0 <= r < manifest.owners) if manifest.owners else None
 
 
 def _split(data: bytes, pieces: list, by_name: Mapping[str, RegionDecl]) -> list:

@@ -320,7 +320,7 @@ class TreeRole:
             except (OSError, DurableWriteError, PublishConflict) as exc:
                 return _failed(f"the root could not publish the ref: {exc}")
             # The generation number travels with the completion: no owner re-reads the ref to learn it.
-            return {"kind": "complete", "ok": True, "root": digest, "generation": ref.generation}
+            return {"kind": "complete", "ok": True, "root": digest, "generation": ref.generation, "bytes": ref.bytes}
         if failure is not None:
             self._send_up({"kind": "abort", "role": self.role, "reason": failure[:600],
                            **({"code": code} if code else {})})

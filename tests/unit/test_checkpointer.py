@@ -248,6 +248,8 @@ def test_four_ranks_each_read_only_their_share_and_fall_back_together_when_the_n
     with Store(store, create=False) as s:
         total = s.find_ref(roots[1]).bytes
     assert max(r["bytes_read"] for r in restored) < total / 2  # no rank reads the generation whole
+    # Manifests too: only those on the paths to the roles holding a rank's words (root 0; 1 and 2 under role 1).
+    assert [r["manifests"] for r in restored] == [1, 2, 3, 2]
 
     # Damage what only rank 3 reads in the newest generation: rank 3's own shard.
     from alpha_ckpt.restore import open_generation

@@ -1,4 +1,5 @@
-"""Checkpointer schedule and retention: every=K, every="auto" (Young/Daly), keep=K, in_flight="skip"."""
+"""What Checkpointer saves write and keep: every=K, every="auto" (Young/Daly), keep=K, in_flight="skip",
+unchanged regions carried instead of written again."""
 import time
 
 import pytest
@@ -106,3 +107,28 @@ def test_in_flight_skip_skips_on_every_rank_and_publishes_the_rest(tmp_path):
     assert results[0]["first"] == results[1]["first"] and results[0]["third"] == results[1]["third"]
     with Store(tmp_path / "s", create=False) as s:
         assert [r.prefix.update for r in s.list_refs("f", "train")] == [1, 3]
+
+
+def frozen_table(rank, world, store, publisher):
+    table = torch.arange(1_000_000, dtype=torch.float32)  # 4 MB that never changes (a frozen embedding)
+    ckpt = Checkpointer(store, run="c", publisher=publisher)
+    ckpt.restore({"table": table, "w": torch.zeros(10)}, root=None)
+    written = []
+    for update in (1, 2, 3):
+        ckpt.save({"table": table, "w": torch.full((10,), float(update))}, update=update, cursor=update)
+        written.append(ckpt.last_save["bytes_written"])
+    dest = {"table": torch.zeros(1_000_000), "w": torch.zeros(10)}
+    counters = ckpt.restore(dest, root="latest")
+    ckpt.close()
+    return {"written": written, "update": counters.update, "equal": torch.equal(dest["table"], table),
+            "w": dest["w"].tolist()}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("publisher", ["star", "tree"])
+def test_an_unchanged_region_is_carried_not_written_again(tmp_path, publisher):
+    results = run_ranks(2, frozen_table, str(tmp_path / "s"), publisher, tmp=tmp_path)
+    written = results[0]["written"]
+    assert results[1]["written"] == written  # every rank learns the publish's total
+    assert written[0] > 4_000_000 and written[1] < 100_000 and written[2] < 100_000, written
+    assert all(r["update"] == 3 and r["equal"] and r["w"] == [3.0] * 10 for r in results)
