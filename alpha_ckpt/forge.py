@@ -51,7 +51,8 @@ def republish_with_metadata(store: Store, root: str, edit: Callable[[Any], Any])
     with open_generation(store, root) as generation:
         m = generation.manifest
     metadata = edit(copy.deepcopy(m.metadata))
-    digest, size = write_manifest(store, m.prefix, m.regions, m.shards, m.owners, metadata, m.publisher, m.children)
+    digest, size = write_manifest(store, m.prefix, m.regions, m.shards, m.owners, metadata, m.publisher, m.children,
+                                  m.state)
     store.publish_ref(m.prefix, digest, size, size + sum(s.size for s in m.shards), owners=m.owners, fence=False)
     return digest
 
@@ -76,7 +77,8 @@ def republish_state(store: Store, root: str, *, edit: Callable[[Any], Any] = lam
         metadata["devices"] = [{"product": "cpu", "uuid": None}] * m.owners
     shards = [[(Piece(r.ordinal, 0, r.words, DTYPES[r.dtype][0]), memoryview(buffers[r.ordinal]), "raw")]
               for r in m.regions]
-    return publish_slices(store, new_prefix, m.regions, shards, metadata=metadata, owners=m.owners, forged=True).root
+    return publish_slices(store, new_prefix, m.regions, shards, metadata=metadata, owners=m.owners, forged=True,
+                          state=m.state).root
 
 
 def main(argv=None) -> int:

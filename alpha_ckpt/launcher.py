@@ -13,7 +13,7 @@ ALPHA_CKPT_RESUME. A Refusal escaping the script exits 3.
 torchrun's launcher flags are accepted and handed to torch.distributed.run,
 which sets the same worker environment (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT, ...) and does the rendezvous. Each owner runs
-`python -m alpha_ckpt.worker`, which also runs under plain torchrun.
+`python -m alpha_ckpt.job`, which also runs under plain torchrun.
 
 Every flag, config key and value, run name and the store's writability are
 checked here, in one process, before any owner starts: a usage error is one
@@ -115,7 +115,7 @@ def torchrun_argv(args) -> list[str]:
         value = getattr(args, flag)
         if value is not None:
             worker += ["--" + flag.replace("_", "-"), value]
-    return out + ["-m", "alpha_ckpt.worker"] + worker
+    return out + ["-m", "alpha_ckpt.job"] + worker
 
 
 def config_overrides(args) -> list[str]:

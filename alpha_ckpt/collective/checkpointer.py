@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from ..async_save import AsyncSaver
 from ..device import check_devices, current_device
+from ..durable import fault_point
 from ..errors import DurableWriteError, PublishConflict, PublishFailed, Refusal, RefusalCode, StoreUsageError
 from ..format import CapturePrefix, DTYPES, RegionDecl, canonical_json, check_name
 from ..gc import retain_newest
@@ -125,11 +126,15 @@ class Checkpointer:
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.hierarchy = Hierarchy(self.world, fanout)
-        # Rank 0 creates the store; the others open it once it exists.
-        self.store = Store(store, create=True) if self.rank == 0 else None
-        dist.barrier(group=group)
-        if self.store is None:
-            self.store = Store(store, create=False)
+        # Rank 0 creates the store; the others open it once it exists. A Store handle given is the caller's.
+        self._own_store = not isinstance(store, Store)
+        if isinstance(store, Store):
+            self.store = store
+        else:
+            self.store = Store(store, create=True) if self.rank == 0 else None
+            dist.barrier(group=group)
+            if self.store is None:
+                self.store = Store(store, create=False)
         self.epoch = 0
         self.follows: int | None = None  # rank 0: the generation this history continues (store.check_fence)
         self.last_restore: dict | None = None  # what this rank's last restore read (bytes, shards)
@@ -182,9 +187,14 @@ class Checkpointer:
             result = self._exchange(prefix, captured, regions, tensors, self._control)
             cost = time.monotonic() - t0
         else:
-            result = self._saver.submit(tensors, lambda snapshot: self._exchange(prefix, captured, regions, snapshot,
-                                                                                  self._save_group),
-                                        defer_snapshot=defer_snapshot)
+            stats: dict = {}
+
+            def publish(snapshot):
+                root = self._exchange(prefix, captured, regions, snapshot, self._save_group)
+                stats.update(self.last_save)  # this save's, before a later save replaces last_save
+                return root
+            result = self._saver.submit(tensors, publish, defer_snapshot=defer_snapshot)
+            result.stats = stats  # filled once the publish completes
             self._fence = result if defer_snapshot else None
             cost = result.stall_s
         if self.schedule.auto:
@@ -196,9 +206,7 @@ class Checkpointer:
         """Return once the asynchronous save in flight has its copy of the tensors (``defer_snapshot``)."""
         fence, self._fence = self._fence, None
         if fence is not None:
-            t0 = time.monotonic()
-            fence.wait_snapshot()
-            fence.stall_s += time.monotonic() - t0
+            fence.wait_snapshot()  # counts the wait in the handle's stall_s
 
     def wait(self) -> None:
         """Collective in effect: drain the asynchronous save in flight; raise its failure (every rank does)."""
@@ -299,7 +307,9 @@ class Checkpointer:
         root0 = self._global(0)
         if self.rank != 0:
             send_bytes(b"".join(bytes(v) for *_, v in own), root0, group)
-            return broadcast_json(None, root0, group)
+            ack = broadcast_json(None, root0, group)
+            fault_point("publish", "before-completion")
+            return ack
         received = [recv_bytes(self._global(r), group) for r in range(1, self.world)]  # hear every rank out
         by_name = {r.name: r for r in regions}
         try:
@@ -319,6 +329,7 @@ class Checkpointer:
             ack = {"ok": False, "code": refusal.code.value, "reason": refusal.message}
         except (OSError, ValueError, PublishConflict, DurableWriteError) as exc:
             ack = {"ok": False, "reason": str(exc)}
+        fault_point("publish", "before-completion")
         broadcast_json(ack, root0, group)
         return ack
 
@@ -420,7 +431,7 @@ class Checkpointer:
                               f"already has {len(refs)} generations; restore 'latest', or use another run")
             self.follows = 0
             return []
-        self.follows = newest.generation if isinstance(newest, RefRecord) else None
+        self.follows = newest.generation if isinstance(newest, RefRecord) else 0  # 0: an empty history
         newest_epoch = max((r.prefix.epoch for r in refs if isinstance(r, RefRecord)), default=0)
         if root != "latest":
             for r in refs:  # the stale-epoch check needs the whole history ("latest" passes over damaged refs)
@@ -480,7 +491,8 @@ class Checkpointer:
             raise
         p = manifest.prefix
         self.last_restore = {"root": root, "bytes_read": fill.bytes_read, "shards": len(generation.shards),
-                             "manifests": len(generation.manifests)}
+                             "manifests": len(generation.manifests),
+                             "published": generation.ref.bytes if generation.ref else None}
 
         def fill_and_close(go: bool = True) -> None:
             try:
@@ -497,7 +509,8 @@ class Checkpointer:
         finally:
             if self._saver is not None:
                 self._saver.close()
-            self.store.close()
+            if self._own_store:
+                self.store.close()
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)

@@ -231,7 +231,7 @@ def test_a_tree_checkpoint_with_one_damaged_leaf_shard_is_refused_by_every_owner
     shard.write_bytes(data)
     before = store_hash(store)
     proc = alpha_run(store, *tree, "--updates", "3", "--resume-from", first["last_generation"], nproc=4)
-    assert proc.returncode == 3 and "corrupt-shard" in proc.stderr and "owner 3:" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 3 and "corrupt-shard" in proc.stderr and "rank 3:" in proc.stderr, proc.stderr[-2000:]
     assert "committed update 3" not in proc.stderr
     assert store_hash(store) == before
 

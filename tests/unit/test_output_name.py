@@ -8,7 +8,7 @@ from safetensors.torch import load
 from alpha_ckpt import Store
 from alpha_ckpt.learner.config import JobConfig
 from alpha_ckpt.learner.model import initial_params
-from alpha_ckpt.worker import Owner
+from alpha_ckpt.job.owner import Owner
 
 
 def fitted(store: Store, update: int = 7) -> SimpleNamespace:

@@ -135,7 +135,7 @@ def test_alpha_run_refuses_a_bad_torchrun_flag_before_any_owner_starts(flags, tm
 @pytest.mark.parametrize("flags, config", CASES)
 def test_an_owner_under_plain_torchrun_refuses_the_same_usage_errors_with_exit_2(flags, config, tmp_path, capfd,
                                                                                  monkeypatch, no_owner_may_start):
-    from alpha_ckpt import worker
+    from alpha_ckpt.job import owner as worker
     flags = ["--set", f"run={flags[1]}"] if flags[:1] == ["--run"] else flags  # alpha-run passes --run so
     monkeypatch.setenv("LOCAL_RANK", "0")
     argv = [config_path(tmp_path, config), "--store", str(tmp_path / "store"), "--updates", "3", *flags]
@@ -157,7 +157,7 @@ def test_the_alpha_run_process_prints_one_line_and_exits_2_without_starting_owne
 def test_a_worker_process_started_as_torchrun_would_exits_2_with_one_line(tmp_path):
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                MASTER_ADDR="127.0.0.1", MASTER_PORT="1")  # nothing listens there: init would fail as 75
-    proc = subprocess.run([sys.executable, "-m", "alpha_ckpt.worker", CONFIG, "--store", str(tmp_path / "store"),
+    proc = subprocess.run([sys.executable, "-m", "alpha_ckpt.job", CONFIG, "--store", str(tmp_path / "store"),
                            "--updates", "3", "--set", "lr=abc"], capture_output=True, text=True, timeout=60, env=env)
     assert_one_line_usage_error(proc.returncode, proc.stderr)
 

@@ -1,0 +1,1 @@
+"""The built-in forecasting job: the first client of the collective layer (see owner.py)."""

@@ -1,0 +1,18 @@
+"""``python -m alpha_ckpt.job CONFIG --updates N ...``: one owner of the forecasting job."""
+import os
+import sys
+
+from .. import lifeline
+
+if __name__ == "__main__":
+    # Under alpha-run the owner bound its life to the launcher on its first import
+    # (alpha_ckpt/lifeline.py); under plain torchrun it binds to the agent now.
+    lifeline.bind_to_parent()
+    from .owner import main
+    exit_code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip C++ static destructors: gloo's threads can otherwise hit std::terminate
+    # at interpreter exit ("terminate called without an active exception",
+    # SIGABRT) after a run that finished and published correctly.
+    os._exit(exit_code)
