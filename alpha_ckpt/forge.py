@@ -52,7 +52,7 @@ def republish_with_metadata(store: Store, root: str, edit: Callable[[Any], Any])
         m = generation.manifest
     metadata = edit(copy.deepcopy(m.metadata))
     digest, size = write_manifest(store, m.prefix, m.regions, m.shards, m.owners, metadata, m.publisher, m.children,
-                                  m.state)
+                                  m.state_json)
     store.publish_ref(m.prefix, digest, size, size + sum(s.size for s in m.shards), owners=m.owners, fence=False)
     return digest
 
@@ -78,7 +78,7 @@ def republish_state(store: Store, root: str, *, edit: Callable[[Any], Any] = lam
     shards = [[(Piece(r.ordinal, 0, r.words, DTYPES[r.dtype][0]), memoryview(buffers[r.ordinal]), "raw")]
               for r in m.regions]
     return publish_slices(store, new_prefix, m.regions, shards, metadata=metadata, owners=m.owners, forged=True,
-                          state=m.state).root
+                          state=m.state_json).root
 
 
 def main(argv=None) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import blake3
@@ -265,6 +265,7 @@ class ManifestHead:
     publisher: Publisher = STAR
     children: tuple[ChildRef, ...] = ()
     state: Any = None  # the decoded typed skeleton (regions as RegionRef), or None: a dict of regions by name
+    state_json: Any = field(default=None, compare=False)  # the same skeleton as recorded (typed JSON)
 
     @property
     def size(self) -> int:
@@ -531,7 +532,7 @@ def parse_manifest_header(header: Any, digest: str, head_len: int, what: str) ->
         raise _fail(what, f"tree role {publisher.role} with subtree {publisher.subtree} exceeds {owners} owners")
     state = _state_skeleton(header["state"], regions, what) if "state" in header else None
     return ManifestHead(digest, head_len, prefix, schema, tuple(regions), tuple(shards), owners, header["metadata"],
-                        publisher, children, state)
+                        publisher, children, state, header.get("state"))
 
 
 def _state_skeleton(obj: Any, regions: Sequence[RegionDecl], what: str) -> Any:
