@@ -168,7 +168,8 @@ def script_argv(args) -> list[str]:
 
 def script_environment(args) -> dict[str, str]:
     """What a script's Checkpointer reads: the store, the run, the resume choice, and how to save
-    (--publisher, --fanout, --commit-timeout, --save, --in-flight, --checkpoint-every, --mtbf)."""
+    (--publisher, --fanout, --commit-timeout, --save, --in-flight, --checkpoint-every, --mtbf,
+    --checkpoint-cost)."""
     run = args.run or os.path.splitext(os.path.basename(args.config))[0].replace("_", "-")
     resume = args.resume_from or args.resume or ""
     env = {"ALPHA_CKPT_STORE": os.path.abspath(args.store), "ALPHA_CKPT_RUN": run, "ALPHA_CKPT_RESUME": resume,
@@ -177,8 +178,9 @@ def script_environment(args) -> dict[str, str]:
            "ALPHA_CKPT_IN_FLIGHT": args.in_flight}
     if str(args.checkpoint_every) != "0":  # the script's ckpt.due(step) follows --checkpoint-every
         env["ALPHA_CKPT_EVERY"] = str(args.checkpoint_every)
-        if args.mtbf:
-            env["ALPHA_CKPT_MTBF"] = args.mtbf
+        for flag, name in (("mtbf", "ALPHA_CKPT_MTBF"), ("checkpoint_cost", "ALPHA_CKPT_CHECKPOINT_COST")):
+            if getattr(args, flag):
+                env[name] = getattr(args, flag)
     return env
 
 
@@ -188,9 +190,9 @@ def check_script_args(args) -> None:
         return
     if not os.path.isfile(args.config):
         raise UsageError(f"script {args.config}: no such file")
-    if args.updates is not None or args.set or args.branch_from or args.checkpoint_cost or args.discard_checkpoints:
-        raise UsageError("--updates, --set, --branch-from, --checkpoint-cost and --discard-checkpoints belong to the "
-                         "built-in job; a script takes its own arguments after its path")
+    if args.updates is not None or args.set or args.branch_from or args.discard_checkpoints:
+        raise UsageError("--updates, --set, --branch-from and --discard-checkpoints belong to the built-in job; a "
+                         "script takes its own arguments after its path")
 
 
 def parse(argv: list[str]):

@@ -160,7 +160,7 @@ def _holds_any(record: ShardRef, wanted: Sequence[WantedSlice]) -> bool:
 
 def open_generation(store: Store, root: str, ref: RefRecord | None = None, *,
                     role: int | Sequence[int] | Callable[[ManifestHead], Sequence[int]] | None = None,
-                    wanted: Sequence[WantedSlice] | None = None) -> Generation:
+                    wanted: Sequence[WantedSlice] | None = None, manifest: ManifestHead | None = None) -> Generation:
     """Validate the root manifest and the shard heads it leads to; check coverage.
 
     For a tree, ``role=None`` reads every group manifest (verification);
@@ -173,12 +173,14 @@ def open_generation(store: Store, root: str, ref: RefRecord | None = None, *,
     sizes); a wanted word that is not on the paths is refused when planned.
     With ``wanted``, only the shards whose records hold a wanted word are
     opened (star or tree); coverage is still checked on every record read.
+    ``manifest``: the root manifest as the caller already read and validated it (it is not read again).
     """
     if ref is None:
         store.check_digest(root)
         ref = store.find_ref(root)
     what = f"root manifest {root[:16]}..."
-    manifest = _read_manifest(store, root, ref.root_size if ref else None, what)
+    if manifest is None or manifest.digest != root:  # ``manifest``: this root's, read and validated by the caller
+        manifest = _read_manifest(store, root, ref.root_size if ref else None, what)
     if ref is not None and ref.prefix != manifest.prefix:
         raise Refusal(RefusalCode.MIXED_CAPTURE, f"{what}: ref {ref.run}/{ref.step}/{ref.generation} records another capture prefix")
     if callable(role):  # the roles to read may depend on what the root manifest says

@@ -66,6 +66,7 @@ logger = logging.getLogger("alpha_ckpt")
 STORE_ENV, RUN_ENV, RESUME_ENV = "ALPHA_CKPT_STORE", "ALPHA_CKPT_RUN", "ALPHA_CKPT_RESUME"
 PUBLISHER_ENV, FANOUT_ENV, COMMIT_TIMEOUT_ENV = "ALPHA_CKPT_PUBLISHER", "ALPHA_CKPT_FANOUT", "ALPHA_CKPT_COMMIT_TIMEOUT"
 SAVE_ENV, IN_FLIGHT_ENV, EVERY_ENV, MTBF_ENV = "ALPHA_CKPT_SAVE", "ALPHA_CKPT_IN_FLIGHT", "ALPHA_CKPT_EVERY", "ALPHA_CKPT_MTBF"
+COST_ENV = "ALPHA_CKPT_CHECKPOINT_COST"
 _FROM_ENV = object()
 # Refusals of a generation's bytes: under "latest" the next older generation is tried. Any other
 # refusal (a binding, a destination that does not match) would refuse the older ones too.
@@ -80,7 +81,8 @@ class Checkpointer:
                  group: Any = None, publisher: str | None = None, fanout: int | None = None,
                  commit_timeout: float | None = None, save: str | None = None, in_flight: str | None = None,
                  identity: Any = None, allow_nonfinite: Sequence[str] = (), every: int | str | None = None,
-                 mtbf: float | str | None = None, keep: int | None = None, metadata: Mapping[str, Any] | None = None,
+                 mtbf: float | str | None = None, checkpoint_cost: float | str | None = None,
+                 keep: int | None = None, metadata: Mapping[str, Any] | None = None,
                  bindings: Callable[[Any], None] | None = None, bind_devices: bool = False):
         # An argument left out takes what alpha-run passed (its flag of the same name), else the default.
         store = store if store is not None else os.environ.get(STORE_ENV)
@@ -93,6 +95,7 @@ class Checkpointer:
         if every is None and os.environ.get(EVERY_ENV):
             every = os.environ[EVERY_ENV] if os.environ[EVERY_ENV] == "auto" else int(os.environ[EVERY_ENV])
             mtbf = mtbf if mtbf is not None else os.environ.get(MTBF_ENV) or None
+            checkpoint_cost = checkpoint_cost if checkpoint_cost is not None else os.environ.get(COST_ENV) or None
         if store is None or run is None:
             raise ValueError("Checkpointer needs store= and run= (alpha-run passes them as ALPHA_CKPT_STORE and "
                              "ALPHA_CKPT_RUN)")
@@ -120,7 +123,8 @@ class Checkpointer:
         self.tree_fault: str | None = None  # test hook, set from outside the product path (see alpha_ckpt/job/faults.py)
         self._branch = False
         self._fence = None  # an asynchronous save whose snapshot is still being taken (defer_snapshot=True)
-        self.schedule = Schedule(every, mtbf)
+        self.schedule = Schedule(every, mtbf, checkpoint_cost)
+        self._due_asked = False  # due() said yes: the save that follows re-plans (every="auto")
         self.identity, self.allow_nonfinite, self.keep = identity, tuple(allow_nonfinite), keep
         self.publisher, self.commit_timeout = publisher, float(commit_timeout)
         self.group = group
@@ -155,8 +159,17 @@ class Checkpointer:
                                      else torch.device("cpu"))
 
     def due(self, update: int) -> bool:
-        """Whether ``update`` should be saved, by ``every=`` (the same answer on every rank)."""
-        return self.schedule.due(update)
+        """Whether ``update`` should be saved, by ``every=`` (the same answer on every rank).
+
+        Call it at every update, on every rank. With ``every="auto"`` it is collective while no
+        interval is planned yet (rank 0 plans as soon as a cost is known, measured or assumed).
+        """
+        due = self.schedule.due(update)
+        if due:
+            self._due_asked = True
+        elif self.schedule.needs_plan() and self.schedule.update_seconds:
+            self._replan(update)
+        return due
 
     # ------------------------------------------------------------------ save
 
@@ -175,6 +188,7 @@ class Checkpointer:
         if self._saver is not None and self._saver.in_flight == "skip" and self._any_rank(self._saver.busy()):
             self.skipped += 1  # every rank skips, or none: the publish is collective
             self.schedule.saved()
+            self._due_asked = False
             return None
         t0 = time.monotonic()
         try:
@@ -197,9 +211,10 @@ class Checkpointer:
             result.stats = stats  # filled once the publish completes
             self._fence = result if defer_snapshot else None
             cost = result.stall_s
-        if self.schedule.auto:
-            self._replan(update, cost)
-        self.schedule.saved()
+        self.schedule.saved(cost)
+        if self.schedule.auto and self._due_asked:
+            self._replan(update)  # after a save the schedule asked for (not after one the script adds)
+        self._due_asked = False
         return result
 
     def wait_snapshot(self) -> None:
@@ -214,16 +229,18 @@ class Checkpointer:
             self.wait_snapshot()
             self._saver.drain()
 
-    def _replan(self, update: int, cost_s: float) -> None:
-        """every="auto": rank 0 turns the cost just measured into a number of updates; every rank applies it."""
+    def _replan(self, update: int) -> None:
+        """every="auto": rank 0 turns the costs measured so far into a number of updates; every rank applies it."""
         decision = None
         if self.rank == 0:
             pending = self._saver.pending if self._saver is not None else None
             floor = pending.save_s if pending is not None and pending.done() else 0.0  # async: one save long
-            decision = {"every": self.schedule.every_updates(cost_s, floor)}
-            logger.info("checkpoint every %d updates: %s", decision["every"], self.schedule.plan.describe())
+            decision = {"every": self.schedule.decide(update, floor)}
+            if decision["every"] is not None:
+                logger.info("checkpoint every %d updates: %s", decision["every"], self.schedule.plan.describe())
         decision = broadcast_json(decision, self._global(0), self._control)
-        self.schedule.next_due = update + decision["every"]
+        if decision["every"] is not None:
+            self.schedule.apply(update, decision["every"])
 
     def _any_rank(self, flag: bool) -> bool:
         value = torch.tensor([int(flag)], dtype=torch.int64)
@@ -483,7 +500,8 @@ class Checkpointer:
                          per_rank=per_rank)
         wanted = [WantedSlice(o, lo, hi, i) for i, (o, _, lo, hi) in enumerate(plan.targets)]
         # A tree: only the group manifests on the paths to the roles that hold this rank's words.
-        generation = open_generation(self.store, root, role=lambda m: roles_holding(m, wanted), wanted=wanted)
+        generation = open_generation(self.store, root, role=lambda m: roles_holding(m, wanted), wanted=wanted,
+                                     manifest=manifest)
         try:
             fill = prepare_fill(generation, plan, what)
         except BaseException:

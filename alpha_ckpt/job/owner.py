@@ -17,7 +17,6 @@ import io
 import datetime
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -28,7 +27,6 @@ import torch.distributed as dist
 from .. import durable
 from ..collective import Checkpointer
 from ..progress import emit, format_bytes, is_tty
-from ..interval import parse_duration, young_daly
 from ..errors import DurableWriteError, PublishFailed, Refusal, RefusalCode
 from ..format import canonical_json
 from ..learner.config import JobConfig
@@ -39,12 +37,10 @@ from ..learner.model import (
 )
 from ..state import capture_state
 from ..state.placement import Partitioned
-from ..publish.wire import broadcast_json
 from ..gc import discard_completed_step
 from ..restore import open_generation
 from ..store import Store, write_all
 from ..usage import OneLineArgumentParser, UsageError, check_job_args, check_store_writable
-from .. import lifeline
 from . import faults
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_RETRY = 0, 2, 3, 75
@@ -101,7 +97,8 @@ def parse_args(argv):
 class Owner:
     def __init__(self, config: JobConfig, store: Store, device: torch.device = torch.device("cpu"), *,
                  publisher: str = "star", fanout: int = 8, commit_timeout: float = 60.0,
-                 save: str = "sync", in_flight: str = "wait"):
+                 save: str = "sync", in_flight: str = "wait", every: int | str | None = None,
+                 mtbf: str | None = None, checkpoint_cost: str | None = None):
         self.config, self.store, self.device = config, store, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.state = LearnerState.initial(config, device)
@@ -113,12 +110,12 @@ class Owner:
         self.control_group = dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None
         self.ckpt = Checkpointer(store, run=config.run, step=config.step, publisher=publisher, fanout=fanout,
                                  commit_timeout=commit_timeout, save=save, in_flight=in_flight,
+                                 every=every, mtbf=mtbf, checkpoint_cost=checkpoint_cost,
                                  identity=learner_identity(config), metadata=self.metadata(),
                                  bindings=self._check_binding, bind_devices=config.bind_placement)
         self.ckpt.tree_fault = faults.tree_fault(self.rank)
         self._unreported: list[tuple[object, int]] = []  # asynchronous saves not yet reported
-        self.checkpoint_costs: list[float] = []     # training seconds each checkpoint cost (sync: all of it)
-        self.last_save_s = 0.0
+        self._plans_reported = 0
 
     @property
     def epoch(self) -> int:
@@ -238,11 +235,22 @@ class Owner:
 
     def _committed(self, root: str, stats: dict, *, seconds: float, stall: float, mode: str) -> None:
         self.last_generation = root
-        self.checkpoint_costs.append(stall)
-        self.last_save_s = seconds
         # Only after the durable completion: the ref naming ``root`` exists.
         say(f"alpha-run: owner {self.rank} committed update {stats['update']} as {root}")
         self._report(stats, root, seconds=seconds, stall=stall, mode=mode)
+
+    def report_plan(self) -> None:
+        """Owner 0: one line and one event for each checkpoint interval the schedule planned."""
+        schedule = self.ckpt.schedule
+        if schedule.plans == self._plans_reported:
+            return
+        self._plans_reported = schedule.plans
+        if self.rank == 0 and schedule.planned is not None:
+            p = schedule.planned
+            source = "measured" if p["cost_source"] == "measured" else "assumed (--checkpoint-cost)"
+            say(f"alpha-run: {schedule.plan.describe()}; C {source}; every {p['every_updates']} updates at "
+                f"{p['update_s']:.3g} s per update")
+            emit_event("checkpoint_interval", **p)
 
     def wait_for_snapshot(self) -> None:
         self.ckpt.wait_snapshot()
@@ -399,64 +407,6 @@ def emit_event(event: str, **fields) -> None:
         pass  # the human line was printed by the caller
 
 
-class CheckpointSchedule:
-    """Which update boundaries publish: every K updates, or Young/Daly's interval (``auto``).
-
-    ``auto`` measures the seconds per update and the checkpoint cost (sync:
-    the publish; async: the training stall), and owner 0 turns
-    sqrt(2 x C x M) into a number of updates that every owner applies; an
-    asynchronous save's interval is at least one save long, so saves do not
-    queue. Without --checkpoint-cost the first checkpoint comes after the
-    first update, to measure C.
-    """
-
-    def __init__(self, args):
-        self.auto = str(args.checkpoint_every) == "auto"
-        self.every = 0 if self.auto else int(args.checkpoint_every)
-        self.mtbf_s = parse_duration(args.mtbf) if self.auto else None
-        self.assumed_cost_s = parse_duration(args.checkpoint_cost) if self.auto and args.checkpoint_cost else None
-        self.update_seconds: list[float] = []
-        self.next_due: int | None = None
-        self.measuring = False  # the checkpoint that measures C was taken
-
-    def due(self, update: int) -> bool:
-        if not self.auto:
-            return bool(self.every) and update % self.every == 0
-        if self.next_due is None:
-            if self.assumed_cost_s is None and not self.measuring:
-                self.measuring = True  # measure the cost at the first boundary
-                return True
-            return False  # an asynchronous measuring save is still running
-        return update >= self.next_due
-
-    def needs_first_plan(self) -> bool:
-        return self.auto and self.next_due is None
-
-    def replan(self, owner: "Owner") -> None:
-        """Collective: owner 0 plans from what it measured; every owner takes its number of updates."""
-        if not self.auto:
-            return
-        decision = None
-        if owner.rank == 0:
-            costs = owner.checkpoint_costs[-3:]
-            cost = statistics.fmean(costs) if costs else self.assumed_cost_s
-            if cost is None:  # the measuring save has not completed yet: plan at a later boundary
-                broadcast_json({"every": None}, 0, owner.control_group)
-                return
-            update_s = statistics.median(self.update_seconds[-20:])
-            plan = young_daly(cost, self.mtbf_s)
-            floor = owner.last_save_s if owner.saver is not None else 0.0
-            every = plan.every_updates(update_s, floor)
-            source = "measured over the last %d checkpoints" % len(costs) if costs else "assumed (--checkpoint-cost)"
-            say(f"alpha-run: {plan.describe()}; C {source}; every {every} updates at {update_s:.3g} s per update")
-            emit_event("checkpoint_interval", **plan.to_json(), cost_source="measured" if costs else "assumed",
-                       update_s=update_s, every_updates=every, update=owner.state.update)
-            decision = {"every": every}
-        decision = broadcast_json(decision, 0, owner.control_group)
-        if decision["every"] is not None:
-            self.next_due = owner.state.update + decision["every"]
-
-
 def generation_epoch(store: Store, root: str) -> int:
     """The membership epoch a published generation was saved in (its root manifest's prefix)."""
     with open_generation(store, root, role=0, wanted=[]) as generation:
@@ -481,8 +431,11 @@ def run_owner(args) -> int:
     else:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
     store = Store(args.store)
+    every = str(args.checkpoint_every)
     owner = Owner(config, store, device, publisher=args.publisher, fanout=args.fanout,
-                  commit_timeout=args.commit_timeout, save=args.save, in_flight=args.in_flight)
+                  commit_timeout=args.commit_timeout, save=args.save, in_flight=args.in_flight,
+                  every=None if every == "0" else every if every == "auto" else int(every),
+                  mtbf=args.mtbf, checkpoint_cost=args.checkpoint_cost)
     try:
         reached = None  # the resumed generation, when it is at --updates already: nothing to train or save
         if args.resume_from or args.resume or args.branch_from:
@@ -495,19 +448,16 @@ def run_owner(args) -> int:
                         f"(--updates {args.updates}): nothing to train")
         else:
             owner.start_fresh()
-        schedule = CheckpointSchedule(args)
+        scheduled = every != "0"  # else only the final update is published
         while owner.state.update < args.updates:
-            started = time.monotonic()
             owner.train_update()
-            schedule.update_seconds.append(time.monotonic() - started)
             faults.after_update(owner.rank, owner.state.update)
             final = owner.state.update == args.updates
-            if final or schedule.due(owner.state.update):
+            # due() on every owner at every update: it times the updates, and plans --checkpoint-every auto.
+            due = owner.ckpt.due(owner.state.update) if scheduled else False
+            if final or due:
                 owner.checkpoint(final)
-                if not final:
-                    schedule.replan(owner)
-            elif schedule.needs_first_plan():
-                schedule.replan(owner)
+            owner.report_plan()
             if owner.saver is not None:
                 owner.reap()
         owner.finish_saves()

@@ -71,16 +71,22 @@ def test_auto_interval_is_planned_by_rank_0_and_applied_alike_on_every_rank(tmp_
 
 def test_young_daly_turns_the_measured_cost_into_whole_updates():
     schedule = Schedule("auto", mtbf="1h")
+    assert schedule.due(1) is True and schedule.due(2) is False  # the first update measures; then a plan is awaited
+    assert schedule.decide(2) is None  # no cost known yet
     schedule.update_seconds = [2.0] * 5
+    schedule.saved(8.0)
     # sqrt(2 x 8 s x 3600 s) = 240 s = 120 updates of 2 s
-    assert schedule.every_updates(8.0) == 120
-    assert schedule.every_updates(8.0, floor_s=400.0) == 200  # an async save's interval is at least one save
-    with pytest.raises(ValueError):
-        Schedule("auto")
-    with pytest.raises(ValueError):
-        Schedule(0)
-    with pytest.raises(ValueError):
-        Schedule(3, mtbf=10)
+    assert schedule.decide(2) == 120 and schedule.planned["cost_source"] == "measured"
+    assert schedule.decide(2, floor_s=400.0) == 200  # an async save's interval is at least one save
+    schedule.apply(2, 120)
+    assert schedule.due(121) is False and schedule.due(122) is True
+    assumed = Schedule("auto", mtbf="1h", checkpoint_cost="60")
+    assert assumed.due(1) is False  # a cost is assumed: no measuring checkpoint
+    assumed.update_seconds = [1.0]
+    assert assumed.decide(1) == 658 and assumed.planned["cost_source"] == "assumed"  # ceil(sqrt(2 x 60 x 3600) / 1)
+    for bad in [("auto",), (0,), (3, 10), (True,), ("auto", -1), ("auto", "6h", "0")]:
+        with pytest.raises(ValueError):
+            Schedule(*bad)
 
 
 def skip_in_flight(rank, world, store):
