@@ -37,6 +37,7 @@ import logging
 import math
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Sequence
 
 import blake3
@@ -51,13 +52,13 @@ from ..format import CapturePrefix, DTYPES, RegionDecl, canonical_json, check_na
 from ..gc import retain_newest
 from ..planner import Hierarchy, Piece, WantedSlice, owners_holding, shares
 from ..publish.tree import GroupTransport, TreeRole
-from ..publish.wire import broadcast_json, recv_bytes, send_bytes
+from ..publish.wire import broadcast_json, recv_bytes, recv_view, send_bytes, send_views
 from ..restore import Counters, open_generation, prepare_fill
 from ..state.capture import capture_state, dotted_leaves
 from ..state.load import plan_load
 from ..state.values import decode_value
 from ..store import RefRecord, Store
-from ..writer import ShardCarry, publish_slices, word_bytes
+from ..writer import ShardCarry, word_bytes, write_manifest, write_shards
 from .schedule import Schedule
 from .verdict import agree
 
@@ -320,32 +321,53 @@ class Checkpointer:
         return meta
 
     def _publish_star(self, prefix, regions, layout, own, group) -> dict:
-        """Every rank's own bytes (per-rank and partitioned words) to rank 0, which writes everything."""
+        """Every rank's own bytes (per-rank and partitioned words) to rank 0, which writes everything.
+
+        Rank 0 writes its own shards while the others' bytes arrive, and each rank's as soon as it
+        has arrived (one writer thread beside the receives); the manifest and the ref come last.
+        """
         root0 = self._global(0)
         if self.rank != 0:
-            send_bytes(b"".join(bytes(v) for *_, v in own), root0, group)
+            send_views([v for *_, v in own], root0, group)
             ack = broadcast_json(None, root0, group)
             fault_point("publish", "before-completion")
             return ack
-        received = [recv_bytes(self._global(r), group) for r in range(1, self.world)]  # hear every rank out
         by_name = {r.name: r for r in regions}
+
+        def shard(pieces) -> list:
+            return [[(Piece(by_name[n].ordinal, lo, hi, DTYPES[by_name[n].dtype][0]), view, "raw")
+                     for n, lo, hi, view in pieces]] if pieces else []
+
+        failure = None
+        lease = self.store.pending_publish(prefix.run, prefix.step)  # gc spares what this publish writes
+        writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="alpha-ckpt-star")
         try:
-            shards = []
-            for r in range(self.world):
-                pieces = own if r == 0 else _split(received[r - 1], layout["pieces"][r], by_name)
-                parts = [(Piece(by_name[n].ordinal, lo, hi, DTYPES[by_name[n].dtype][0]), view, "raw")
-                         for n, lo, hi, view in pieces]
-                if parts:
-                    shards.append(parts)
-            published = publish_slices(self.store, prefix, regions, shards, metadata=self._metadata(layout),
-                                       owners=self.world, carry=self._carry, follows=self.follows,
-                                       state=layout["state"])
-            ack = {"ok": True, "root": published.root, "generation": published.ref.generation,
-                   "bytes": published.ref.bytes}
-        except Refusal as refusal:
-            ack = {"ok": False, "code": refusal.code.value, "reason": refusal.message}
-        except (OSError, ValueError, PublishConflict, DurableWriteError) as exc:
-            ack = {"ok": False, "reason": str(exc)}
+            writes = [writer.submit(write_shards, self.store, prefix, regions, shard(own), carry=self._carry)]
+            for r in range(1, self.world):
+                data = recv_view(self._global(r), group)  # every rank is heard out, whatever failed before
+                try:
+                    pieces = _split(data, layout["pieces"][r], by_name)
+                except ValueError as exc:
+                    failure = failure or exc
+                    continue
+                writes.append(writer.submit(write_shards, self.store, prefix, regions, shard(pieces),
+                                            carry=self._carry))
+            try:
+                shard_refs = [ref for w in writes for ref in w.result()]
+                if failure is not None:
+                    raise failure
+                root, size = write_manifest(self.store, prefix, regions, shard_refs, self.world,
+                                            self._metadata(layout), state=layout["state"])
+                record = self.store.publish_ref(prefix, root, size, size + sum(s.size for s in shard_refs),
+                                                owners=self.world, follows=self.follows)
+                ack = {"ok": True, "root": root, "generation": record.generation, "bytes": record.bytes}
+            except Refusal as refusal:
+                ack = {"ok": False, "code": refusal.code.value, "reason": refusal.message}
+            except (OSError, ValueError, PublishConflict, DurableWriteError) as exc:
+                ack = {"ok": False, "reason": str(exc)}
+        finally:
+            writer.shutdown(wait=True)
+            lease.release()
         fault_point("publish", "before-completion")
         broadcast_json(ack, root0, group)
         return ack

@@ -106,8 +106,6 @@ class Owner:
         self.named = list(capture_state(self.state.tensors()).named)
         self.owned = [self._owned(name, t) for name, t in self.named]
         self.segments = [{"owners": self.world, "from": 0, "combine_order": COMBINE_ORDER}]
-        # NCCL moves only device memory and cannot time out: the schedule's messages use gloo.
-        self.control_group = dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None
         self.ckpt = Checkpointer(store, run=config.run, step=config.step, publisher=publisher, fanout=fanout,
                                  commit_timeout=commit_timeout, save=save, in_flight=in_flight,
                                  every=every, mtbf=mtbf, checkpoint_cost=checkpoint_cost,
