@@ -6,6 +6,7 @@ nothing else); under gloo they stay on the host.
 from __future__ import annotations
 
 import json
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -29,31 +30,26 @@ def _to_tensor(data: bytes | memoryview, group=None) -> torch.Tensor:
 
 def send_bytes(data: bytes | memoryview, dst: int, group=None) -> None:
     """Point to point: an 8-byte length, then the bytes."""
-    dist.send(torch.tensor([len(data)], dtype=torch.int64, device=_wire_device(group)), dst, group=group)
-    if len(data):
-        dist.send(_to_tensor(data, group), dst, group=group)
+    send_views([memoryview(data).cast("B")], dst, group)
 
 
 def recv_bytes(src: int, group=None) -> bytes:
-    length = torch.zeros(1, dtype=torch.int64, device=_wire_device(group))
-    dist.recv(length, src, group=group)
-    buf = torch.empty(int(length.item()), dtype=torch.uint8, device=_wire_device(group))
-    if buf.numel():
-        dist.recv(buf, src, group=group)
-    return buf.cpu().numpy().tobytes()
+    return recv_view(src, group).tobytes()
 
 
 def send_views(views, dst: int, group=None) -> None:
-    """Point to point, as :func:`send_bytes`: the views' bytes one after another, copied once."""
-    parts = [torch.frombuffer(v, dtype=torch.uint8) for v in views if len(v)]
-    data = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    """Point to point: an 8-byte length, then the views' bytes one after another (copied once)."""
+    with warnings.catch_warnings():  # read-only views are only read here
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        parts = [torch.frombuffer(v, dtype=torch.uint8) for v in views if len(v)]
+    data = torch.cat(parts) if len(parts) > 1 else parts[0] if parts else torch.empty(0, dtype=torch.uint8)
     dist.send(torch.tensor([data.numel()], dtype=torch.int64, device=_wire_device(group)), dst, group=group)
     if data.numel():
         dist.send(data.to(_wire_device(group)), dst, group=group)
 
 
 def recv_view(src: int, group=None) -> memoryview:
-    """What :func:`send_bytes` or :func:`send_views` sent, as a view of the received buffer (no copy on gloo)."""
+    """What :func:`send_views` sent, as a view of the received buffer (no copy on gloo)."""
     length = torch.zeros(1, dtype=torch.int64, device=_wire_device(group))
     dist.recv(length, src, group=group)
     buf = torch.empty(int(length.item()), dtype=torch.uint8, device=_wire_device(group))
