@@ -172,7 +172,8 @@ def main():
     digest = hashlib.sha256()
     for t in list(model.state_dict().values()) + [v for s in optim.state_dict()["state"].values() for v in s.values()]:
         digest.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-    digest.update(json.dumps(sched.state_dict(), sort_keys=True, default=str).encode())
+    digest.update(json.dumps([sched.state_dict(), optim.state_dict()["param_groups"]], sort_keys=True,
+                             default=str).encode())  # every non-tensor value too
     if rank == 0:
         print(json.dumps({"state_sha256": digest.hexdigest(), "step": progress["step"],
                           "losses": progress["losses"]}), flush=True)

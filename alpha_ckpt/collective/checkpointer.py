@@ -121,7 +121,7 @@ class Checkpointer:
         # on a generation before any rank reads a shard (bindings(root manifest) raises a Refusal).
         # bind_devices: each rank's device must be the very one that saved its rank (UUID), not only the product.
         self.metadata, self.bindings, self.bind_devices = metadata, bindings, bind_devices
-        self.tree_fault: str | None = None  # test hook, set from outside the product path (see alpha_ckpt/job/faults.py)
+        self.tree_tamper = None  # a test hook, set only from outside the product path (alpha_ckpt/faults.py)
         self._branch = False
         self._fence = None  # an asynchronous save whose snapshot is still being taken (defer_snapshot=True)
         self.schedule = Schedule(every, mtbf, checkpoint_cost)
@@ -380,7 +380,7 @@ class Checkpointer:
         agreed = blake3.blake3(canonical_json([layout["state"], layout["regions"]])).hexdigest()
         metadata = self._metadata(layout) if self.rank == 0 else {"device": self.device}
         role = TreeRole(self.store, self.hierarchy, self.rank, GroupTransport(group), timeout=self.commit_timeout,
-                        carry=self._carry, fault=self.tree_fault)
+                        carry=self._carry, tamper=self.tree_tamper)
         return role.complete(role.commit(prefix, regions, [parts] if parts else [], agreed, metadata,
                                          follows=self.follows, state=layout["state"]))
 

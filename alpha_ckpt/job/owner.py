@@ -41,7 +41,7 @@ from ..gc import discard_completed_step
 from ..restore import open_generation
 from ..store import Store, write_all
 from ..usage import OneLineArgumentParser, UsageError, check_job_args, check_store_writable
-from . import faults
+from .. import faults
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_RETRY = 0, 2, 3, 75
 _IDENTITY_EXCLUDES = ("run", "step", "parameters", "bind_placement")
@@ -111,7 +111,7 @@ class Owner:
                                  every=every, mtbf=mtbf, checkpoint_cost=checkpoint_cost,
                                  identity=learner_identity(config), metadata=self.metadata(),
                                  bindings=self._check_binding, bind_devices=config.bind_placement)
-        self.ckpt.tree_fault = faults.tree_fault(self.rank)
+        self.ckpt.tree_tamper = faults.tree_fault_of(self.rank)
         self._unreported: list[tuple[object, int]] = []  # asynchronous saves not yet reported
         self._plans_reported = 0
 

@@ -28,14 +28,12 @@ simulate large hierarchies in one process, over :class:`MemoryTransport`.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -48,7 +46,6 @@ from ..store import Store
 from ..writer import ShardCarry, write_manifest, write_shards
 
 MESSAGE_BYTES = 1024  # every message: canonical JSON padded with spaces
-FAULTS = ("kill-before-commit", "withhold-commit", "wrong-prefix", "extra-role", "wrong-role")
 
 
 def encode_message(obj: Any) -> bytes:
@@ -229,12 +226,11 @@ class TreeRole:
     """
 
     def __init__(self, store: Store, hierarchy: Hierarchy, role: int, transport: Transport, *,
-                 timeout: float, fault: str | None = None, pool: ThreadPoolExecutor | None = None,
-                 carry: ShardCarry | None = None):
-        if fault is not None and fault not in FAULTS:
-            raise ValueError(f"unknown tree fault {fault!r}; known: {', '.join(FAULTS)}")
+                 timeout: float, tamper: Callable[[dict], dict | None] | None = None,
+                 pool: ThreadPoolExecutor | None = None, carry: ShardCarry | None = None):
         self.store, self.hierarchy, self.role, self.transport = store, hierarchy, role, transport
-        self.timeout, self.fault, self.pool, self.carry = timeout, fault, pool, carry
+        # ``tamper``: a test hook (alpha_ckpt.faults) applied to each message sent up; None: withhold it.
+        self.timeout, self.tamper, self.pool, self.carry = timeout, tamper, pool, carry
         path = hierarchy.path(role)
         self.size = path[-1][1]
         self.parent = path[-2][0] if len(path) > 1 else None
@@ -326,32 +322,18 @@ class TreeRole:
                            **({"code": code} if code else {})})
             return None
         commitment = Commitment(prefix, ChildRef(self.role, self.size, digest, nbytes), replicas, subtree_bytes)
-        self._send_up(self._injected(commitment).to_json() if self.fault else commitment.to_json())
+        self._send_up(commitment.to_json())
         return None
 
     def _send_up(self, obj: dict) -> None:
-        if self.fault == "kill-before-commit":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if self.fault == "withhold-commit":
-            return  # alive, but silent: the parent's timeout must end the publication
+        if self.tamper is not None:
+            obj = self.tamper(obj)
+            if obj is None:
+                return
         try:
             self._send(self.parent, obj)
         except ConnectionError:
             pass  # the parent is gone: no completion will come, and complete() says so
-
-    def _injected(self, c: Commitment) -> Commitment:
-        """Test faults: a commitment that its parent must refuse."""
-        if self.fault == "wrong-prefix":
-            p = c.prefix
-            return Commitment(CapturePrefix(p.run, p.step, p.update + 1, p.cursor, p.epoch), c.record, c.replicas,
-                              c.subtree_bytes)
-        if self.fault == "extra-role":  # one role too many in the subtree
-            r = c.record
-            return Commitment(c.prefix, ChildRef(r.role, r.size + 1, r.digest, r.bytes), c.replicas, c.subtree_bytes)
-        if self.fault == "wrong-role":
-            r = c.record
-            return Commitment(c.prefix, ChildRef(r.role + 1, r.size, r.digest, r.bytes), c.replicas, c.subtree_bytes)
-        return c
 
     def complete(self, at_root: dict | None = None) -> dict:
         """Step 4: the completion from the parent (or, at the root, ``at_root``), passed on to every child."""

@@ -191,7 +191,7 @@ def test_the_collective_layer_imports_neither_the_learner_nor_the_test_hooks():
     code = ("import sys, alpha_ckpt.collective; "
             "print(sorted(m for m in sys.modules if m.startswith('alpha_ckpt')))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    for forbidden in ("alpha_ckpt.learner", "alpha_ckpt.job", "alpha_ckpt.oracle", "alpha_ckpt.forge",
+    for forbidden in ("alpha_ckpt.learner", "alpha_ckpt.job", "alpha_ckpt.faults", "alpha_ckpt.oracle", "alpha_ckpt.forge",
                       "alpha_ckpt.publish.simulate", "alpha_ckpt.launcher"):
         assert f"'{forbidden}" not in loaded, forbidden
 
