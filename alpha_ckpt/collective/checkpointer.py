@@ -69,6 +69,7 @@ PUBLISHER_ENV, FANOUT_ENV, COMMIT_TIMEOUT_ENV = "ALPHA_CKPT_PUBLISHER", "ALPHA_C
 SAVE_ENV, IN_FLIGHT_ENV, EVERY_ENV, MTBF_ENV = "ALPHA_CKPT_SAVE", "ALPHA_CKPT_IN_FLIGHT", "ALPHA_CKPT_EVERY", "ALPHA_CKPT_MTBF"
 COST_ENV = "ALPHA_CKPT_CHECKPOINT_COST"
 _FROM_ENV = object()
+SPREAD_BYTES = 1 << 20  # the tree spreads replicated regions this large over the ranks
 # Refusals of a generation's bytes: under "latest" the next older generation is tried. Any other
 # refusal (a binding, a destination that does not match) would refuse the older ones too.
 DAMAGE = frozenset({RefusalCode.CORRUPT_SHARD, RefusalCode.MISSING_SHARD, RefusalCode.FORMAT, RefusalCode.COVERAGE,
@@ -253,11 +254,13 @@ class Checkpointer:
         started, written = time.monotonic(), self.store.bytes_written
         views = [memoryview(word_bytes(t).numpy()) if t.numel() else memoryview(b"") for t in tensors]
         own, replicas = [], {}
+        # The star's rank 0 writes every replica; the tree spreads them over the ranks, as DCP does.
+        writers = replica_writers(regions, captured.placement, self.world) if self.publisher == "tree" else {}
         for region, view, where in zip(regions, views, captured.placement):
             size = DTYPES[region.dtype][0]
             if where == "replicated":
                 replicas[region.name] = blake3.blake3(view).hexdigest()
-                if self.rank == 0:
+                if writers.get(region.name, 0) == self.rank:
                     own.append((region.name, 0, region.words, view))
             else:
                 lo, hi = (where[0], where[1]) if isinstance(where, tuple) else (0, region.words)
@@ -608,8 +611,8 @@ def saved_layout(descriptors: list[dict], regions: Sequence[RegionDecl]) -> dict
     """Which rank wrote which words, as a rule a reader computes (pure): None where no rule fits.
 
     ``partitioned``: regions every rank holds its :func:`~alpha_ckpt.planner.shares` range of;
-    ``own``: [ordinal, rank] for a region one rank wrote whole (a PerRank entry). Everything
-    else is replicated, written by rank 0. A tree restore then reads only the group manifests
+    ``own``: [ordinal, rank] for a region one rank wrote whole (a PerRank entry, or a replica the
+    tree had another rank write). Everything else is replicated, written by rank 0. A tree restore then reads only the group manifests
     on the paths to the ranks that hold its words.
     """
     world = len(descriptors)
@@ -620,6 +623,9 @@ def saved_layout(descriptors: list[dict], regions: Sequence[RegionDecl]) -> dict
     partitioned, own = [], []
     for region in regions:
         if region.name in descriptors[0]["replicas"]:
+            writer = [rank for rank, _, _ in held.get(region.name, [])]
+            if writer and writer[0] != 0:  # a tree spreads its replicas: the rank that wrote this one
+                own.append([region.ordinal, writer[0]])
             continue
         pieces = held.get(region.name, [])
         if [(lo, hi) for _, lo, hi in sorted(pieces)] == shares(region.words, world) and len(pieces) == world:
@@ -629,6 +635,21 @@ def saved_layout(descriptors: list[dict], regions: Sequence[RegionDecl]) -> dict
         else:
             return None
     return {"rule": "shares", "partitioned": partitioned, "own": own}
+
+
+def replica_writers(regions: Sequence[RegionDecl], placement: Sequence[Any], world: int) -> dict[str, int]:
+    """Which rank writes each replicated region of at least SPREAD_BYTES (pure; the same on every rank
+    whose capture agrees): largest first, each to the rank with the fewest replicated bytes so far.
+    Smaller ones stay with rank 0, in few shards."""
+    load = [0] * world
+    out = {}
+    replicated = [r for r, where in zip(regions, placement)
+                  if where == "replicated" and r.words * DTYPES[r.dtype][0] >= SPREAD_BYTES]
+    for region in sorted(replicated, key=lambda r: (-r.words * DTYPES[r.dtype][0], r.name)):
+        rank = min(range(world), key=lambda k: (load[k], k))
+        out[region.name] = rank
+        load[rank] += region.words * DTYPES[region.dtype][0]
+    return out
 
 
 def roles_holding(manifest, wanted: Sequence[WantedSlice]) -> list[int] | None:

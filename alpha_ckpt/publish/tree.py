@@ -2,7 +2,8 @@
 
 Every owner (its role is its rank) takes part at the same update boundary:
 
-1. it writes its own shards durably (the root also holds the replicated words);
+1. it writes its own shards durably (its share of the words; which replicated words each role
+   writes is the caller's choice);
 2. it receives one commitment from each child the hierarchy prescribes,
    waiting at most ``timeout`` seconds, and checks each: the same capture
    prefix as its own, exactly the prescribed role and subtree size, and the

@@ -263,3 +263,31 @@ def test_four_ranks_each_read_only_their_share_and_fall_back_together_when_the_n
     fallen = run_ranks(4, restore_zero_style, str(store), tmp=tmp_path)
     assert [r["update"] for r in fallen] == [1] * 4 and all(r["equal"] for r in fallen)
     assert {r["root"] for r in fallen} == {roots[0]}
+
+
+def spread_and_restore(rank, world, store, saved_on):
+    big = {"a": torch.arange(600_000, dtype=torch.float32), "b": torch.arange(500_000, dtype=torch.float64),
+           "small": torch.ones(10)}
+    ckpt = Checkpointer(store, run="spread", publisher="tree")
+    if world == saved_on:
+        ckpt.restore({k: torch.zeros_like(v) for k, v in big.items()}, root=None)
+        ckpt.save(big, update=1, cursor=1)
+    dest = {k: torch.zeros_like(v) for k, v in big.items()}
+    ckpt.restore(dest, root="latest")
+    return {"equal": all(torch.equal(dest[k], big[k]) for k in big), "read": ckpt.last_restore["bytes_read"]}
+
+
+@pytest.mark.timeout(120)
+def test_a_tree_spreads_large_replicas_over_the_ranks_and_any_rank_count_restores_them(tmp_path):
+    store = str(tmp_path / "s")
+    saved = run_ranks(2, spread_and_restore, store, 2, tmp=tmp_path)
+    assert all(r["equal"] for r in saved)
+    from alpha_ckpt.restore import open_generation
+    with Store(store, create=False) as s:
+        root = s.newest_ref("spread", "train").root
+        with open_generation(s, root) as g:
+            holders = {g.manifest.regions[sl[0]].name: m.publisher.role for m in g.manifests for shard in m.shards
+                       for sl in shard.slices}
+    assert holders == {"a": 1, "b": 0, "small": 0}  # the larger (b, 4 MB) by rank 0, a (2.4 MB) by rank 1
+    assert all(r["equal"] for r in run_ranks(1, spread_and_restore, store, 2, tmp=tmp_path))
+    assert all(r["equal"] for r in run_ranks(3, spread_and_restore, store, 2, tmp=tmp_path))
