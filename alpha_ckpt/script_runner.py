@@ -8,10 +8,14 @@ train.py`` would run it under torchrun. A :class:`~alpha_ckpt.Refusal` that
 escapes it exits 3 with one line naming the code (a checkpoint refused: an
 orchestrator must not retry); ``SystemExit`` keeps its code (argparse's usage
 errors are 2); any other exception exits 1 with its traceback, which
-alpha-run reports as retryable (75).
+alpha-run reports as retryable (75). A script that ends (or exits) leaves
+through :func:`exit_now`: atexit handlers run and stdio is flushed, but the
+interpreter's own teardown is skipped, so a file object the script left open
+and unflushed loses its buffer; close files (``with open(...)``) as usual.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import runpy
 import sys
@@ -49,5 +53,29 @@ def _leave_group() -> None:
         dist.destroy_process_group()
 
 
+def exit_now(code) -> None:
+    """Exit with ``code`` once the script's atexit handlers have run and stdio is flushed, skipping the
+    interpreter's teardown: there gloo's threads can still be joinable while C++ destructors run,
+    and the std::terminate that follows (SIGABRT, seen now and then after a refusal) would turn exit
+    3 or 0 into a crash that alpha-run reports as 75."""
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)  # sys.exit("message"), as Python itself reports it
+        code = 1
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        status = main()
+    except SystemExit as exc:  # the script's own sys.exit, argparse's usage errors (2)
+        _leave_group()
+        status = exc.code
+    exit_now(status)

@@ -181,3 +181,23 @@ def test_alpha_run_refuses_a_read_only_store_before_any_owner_starts(tmp_path, c
         err = capsys.readouterr().err
         assert_one_line_usage_error(code, err)
         assert str(store) in err
+
+
+SCRIPT_WITH_ATEXIT = """
+import atexit, sys
+atexit.register(lambda: open(sys.argv[1], "w").write("ran"))
+print("out", flush=False)
+sys.exit({code})
+"""
+
+
+@pytest.mark.parametrize("code,expected", [("0", 0), ("5", 5), ("None", 0), ("'a message'", 1)])
+def test_the_script_runner_keeps_a_scripts_exit_status_runs_its_atexit_handlers_and_flushes(tmp_path, code, expected):
+    script = tmp_path / "s.py"
+    script.write_text(SCRIPT_WITH_ATEXIT.format(code=code))
+    marker = tmp_path / "marker"
+    done = subprocess.run([sys.executable, "-m", "alpha_ckpt.script_runner", str(script), str(marker)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == expected
+    assert marker.read_text() == "ran"
+    assert done.stdout == "out\n"
