@@ -10,6 +10,7 @@ from __future__ import annotations
 import warnings
 from typing import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from .errors import Refusal, RefusalCode
@@ -20,6 +21,10 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable", ca
 
 _TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 _DTYPE_NAMES = {dt: name for name, dt in _TORCH_DTYPES.items()}
+
+
+_NUMPY_SUMMED = {"float64": np.float64, "float32": np.float32, "float16": np.float16}  # bfloat16: torch
+_SUM_AS = {"float64": np.float64, "float32": np.float32, "float16": np.float32}
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -36,12 +41,19 @@ def first_non_finite(raw, dtype: str, start: int = 0, end: int | None = None) ->
     if not DTYPES[dtype][1] or end <= start:
         return None
     size = DTYPES[dtype][0]
-    words = torch.frombuffer(raw, dtype=torch_dtype(dtype), count=(end - start) // size, offset=start)
+    count = (end - start) // size
     # One cheap pass first: any NaN or inf makes the sum non-finite, so a finite sum proves every
     # word finite. Half types sum in float32 (their own range overflows at once); a sum that
-    # overflows only from large finite words is found out by the exact pass below.
-    total = words.sum(dtype=torch.float32 if size == 2 else None)
-    if torch.isfinite(total):
+    # overflows only from large finite words is found out by the exact pass below. numpy sums on
+    # the calling thread: torch would start (and leave spinning) an OpenMP team in every thread
+    # that checks, which on a busy host takes the cores that hashing and writing need.
+    if dtype in _NUMPY_SUMMED:
+        with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN are what this looks for
+            total = np.frombuffer(raw, dtype=_NUMPY_SUMMED[dtype], count=count, offset=start).sum(dtype=_SUM_AS[dtype])
+        if np.isfinite(total):
+            return None
+    words = torch.frombuffer(raw, dtype=torch_dtype(dtype), count=count, offset=start)
+    if dtype not in _NUMPY_SUMMED and torch.isfinite(words.sum(dtype=torch.float32 if size == 2 else None)):
         return None
     low, high = torch.aminmax(words)  # NaN propagates; +-inf shows at the ends
     if torch.isfinite(low) and torch.isfinite(high):

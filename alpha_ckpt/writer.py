@@ -374,12 +374,14 @@ def _done(value) -> Future:
 def write_shards(store: Store, prefix: CapturePrefix, regions: Sequence[RegionDecl],
                  shards: Sequence[Sequence[tuple[Piece, memoryview, str]]],
                  pool: ThreadPoolExecutor | None = None, carry: ShardCarry | None = None,
-                 check_finite: bool = True) -> list[ShardRef]:
+                 check_finite: bool = True, digests_out: dict | None = None) -> list[ShardRef]:
     """Durably write each shard (its (piece, raw bytes, codec) parts in physical order).
 
     With ``carry``, large parts get shards of their own, and a part whose bytes
     are those this writer already stored for the same run/step is not written
-    again: its old shard is named, marked carried.
+    again: its old shard is named, marked carried. ``digests_out``, if given,
+    receives every part's raw BLAKE3 under its (ordinal, lo, hi), as hashed
+    while it was written (a caller that needs them hashes nothing again).
     """
     schema = schema_digest_of(regions)
     if not shards:
@@ -388,15 +390,19 @@ def write_shards(store: Store, prefix: CapturePrefix, regions: Sequence[RegionDe
         shards = isolate_large_pieces(shards)
     if pool is None:
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="alpha-ckpt-hash") as own_pool:
-            return _write_all(store, prefix, schema, regions, shards, own_pool, carry, check_finite)
-    return _write_all(store, prefix, schema, regions, shards, pool, carry, check_finite)
+            return _write_all(store, prefix, schema, regions, shards, own_pool, carry, check_finite, digests_out)
+    return _write_all(store, prefix, schema, regions, shards, pool, carry, check_finite, digests_out)
 
 
-def _write_all(store, prefix, schema, regions, shards, pool, carry, check_finite) -> list[ShardRef]:
+def _write_all(store, prefix, schema, regions, shards, pool, carry, check_finite, digests_out) -> list[ShardRef]:
     out = []
     for parts in shards:
         if carry is None or len(parts) != 1:
-            out.append(write_shard(store, prefix, schema, regions, parts, pool, check_finite=check_finite))
+            digests: list[str] = []
+            out.append(write_shard(store, prefix, schema, regions, parts, pool, digests_out=digests,
+                                   check_finite=check_finite))
+            if digests_out is not None:
+                digests_out.update(((p.ordinal, p.lo, p.hi), d) for (p, _, _), d in zip(parts, digests))
             continue
         piece, raw, codec = parts[0]
         key = ShardCarry.key(prefix, schema, piece, codec)
@@ -408,6 +414,8 @@ def _write_all(store, prefix, schema, regions, shards, pool, carry, check_finite
             record = write_shard(store, prefix, schema, regions, parts, pool, digests, digests_out=digests,
                                  check_finite=check_finite)
             carry.remember(key, digests[0], record, prefix)
+        if digests_out is not None:
+            digests_out[(piece.ordinal, piece.lo, piece.hi)] = digests[0]
         out.append(record)
     return out
 

@@ -16,12 +16,17 @@ stored per rank and restored to the same rank; ``Partitioned(tensor, lo, hi,
 shape)`` is this rank's word range of one region.
 
 Save (star): every rank captures (Stateful ``state_dict()``, typed values,
-tensors), sends rank 0 a descriptor (its skeleton, region declarations,
-replica digests) and only the bytes that are its own (per-rank and
-partitioned words). Rank 0 checks that every capture agrees, writes the
-shards, the root manifest and the ref durably, then broadcasts the
-acknowledgment; every rank returns the root, or raises the same Refusal
-(exit 3 under alpha-run) or PublishFailed.
+tensors) and sends rank 0 a descriptor (its skeleton and region
+declarations); rank 0 checks that every capture agrees. Then every rank sends
+only the bytes that are its own (per-rank and partitioned words), and after
+them the BLAKE3 of each replica, hashed while the bytes were on their way.
+Rank 0 writes the shards as they come, hashing what it writes, compares the
+replica digests, writes the root manifest and the ref durably, then
+broadcasts the acknowledgment; every rank returns the root, or raises the
+same Refusal (exit 3 under alpha-run) or PublishFailed. The tree is the same
+up to the agreement; then every rank writes its own shards while hashing the
+replicas others write, rank 0 compares every rank's digests and write
+outcome, and only then do group manifests go up the tree.
 
 Restore: rank 0 picks the generation (``"latest"``, a digest, or None for a
 fresh start) and checks its bindings (run/step, ``identity``, stale epoch);
@@ -52,13 +57,13 @@ from ..format import CapturePrefix, DTYPES, RegionDecl, canonical_json, check_na
 from ..gc import retain_newest
 from ..planner import Hierarchy, Piece, WantedSlice, owners_holding, shares
 from ..publish.tree import GroupTransport, TreeRole
-from ..publish.wire import broadcast_json, recv_bytes, recv_view, send_bytes, send_views
+from ..publish.wire import broadcast_json, recv_bytes, recv_pieces, send_bytes, send_pieces
 from ..restore import Counters, open_generation, prepare_fill
 from ..state.capture import capture_state, dotted_leaves
 from ..state.load import plan_load
 from ..state.values import decode_value
 from ..store import RefRecord, Store
-from ..writer import ShardCarry, word_bytes, write_manifest, write_shards
+from ..writer import ShardCarry, isolate_large_pieces, word_bytes, write_manifest, write_shards
 from .schedule import Schedule
 from .verdict import agree
 
@@ -70,6 +75,7 @@ SAVE_ENV, IN_FLIGHT_ENV, EVERY_ENV, MTBF_ENV = "ALPHA_CKPT_SAVE", "ALPHA_CKPT_IN
 COST_ENV = "ALPHA_CKPT_CHECKPOINT_COST"
 _FROM_ENV = object()
 SPREAD_BYTES = 1 << 20  # the tree spreads replicated regions this large over the ranks
+STAR_WRITERS = 2  # threads with which the star's rank 0 writes shards (beside its receives)
 # Refusals of a generation's bytes: under "latest" the next older generation is tried. Any other
 # refusal (a binding, a destination that does not match) would refuse the older ones too.
 DAMAGE = frozenset({RefusalCode.CORRUPT_SHARD, RefusalCode.MISSING_SHARD, RefusalCode.FORMAT, RefusalCode.COVERAGE,
@@ -250,33 +256,42 @@ class Checkpointer:
         return bool(value.item())
 
     def _exchange(self, prefix: CapturePrefix, captured, regions, tensors, group) -> str:
-        """Agree on one layout (rank 0 checks every capture), then publish it by star or tree."""
+        """Agree on one layout (rank 0 checks every capture), then publish it by star or tree.
+
+        Every rank hashes each replica once: the one that writes it while writing, the others
+        beside their own writes or sends. The digests are compared before anything is published.
+        """
         started, written = time.monotonic(), self.store.bytes_written
         views = [memoryview(word_bytes(t).numpy()) if t.numel() else memoryview(b"") for t in tensors]
-        own, replicas = [], {}
+        own, hashed, wrote, replicated = [], [], {}, []
         # The star's rank 0 writes every replica; the tree spreads them over the ranks, as DCP does.
         writers = replica_writers(regions, captured.placement, self.world) if self.publisher == "tree" else {}
         for region, view, where in zip(regions, views, captured.placement):
             size = DTYPES[region.dtype][0]
             if where == "replicated":
-                replicas[region.name] = blake3.blake3(view).hexdigest()
+                replicated.append(region.name)
                 if writers.get(region.name, 0) == self.rank:
                     own.append((region.name, 0, region.words, view))
+                    wrote[region.name] = view
+                else:
+                    hashed.append((region.name, view))
             else:
                 lo, hi = (where[0], where[1]) if isinstance(where, tuple) else (0, region.words)
                 own.append((region.name, lo, hi, view[:(hi - lo) * size]))
-        # Only digests of replicas travel: a diverged replica is refused before any byte moves.
-        descriptor = {"prefix": prefix.to_json(), "skeleton": captured.skeleton, "replicas": replicas,
+        descriptor = {"prefix": prefix.to_json(), "skeleton": captured.skeleton, "replicated": replicated,
                       "regions": [r.to_json() for r in regions], "pieces": [[n, lo, hi] for n, lo, hi, _ in own],
                       "device": self.device}
         layout = self._agree_layout(descriptor, group)
         if "regions" in layout:  # the agreed list (a star's other ranks only send their bytes)
             regions = tuple(RegionDecl(r["ordinal"], r["name"], r["dtype"], tuple(r["shape"]),
                                        bool(r.get("nonfinite"))) for r in layout["regions"])
-        if self.publisher == "tree":
-            completion = self._publish_tree(prefix, regions, layout, own, group)
-        else:
-            completion = self._publish_star(prefix, regions, layout, own, group)
+        # Only digests of replicas travel, never their bytes; a diverged one refuses before any ref.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="alpha-ckpt-replicas") as pool:
+            others = pool.submit(lambda: {name: blake3.blake3(view).hexdigest() for name, view in hashed})
+            if self.publisher == "tree":
+                completion = self._publish_tree(prefix, regions, layout, own, wrote, others, group)
+            else:
+                completion = self._publish_star(prefix, regions, layout, own, wrote, others, group)
         if not completion["ok"]:
             if completion.get("code"):
                 raise Refusal(completion["code"], str(completion["reason"]))
@@ -294,9 +309,9 @@ class Checkpointer:
         return completion["root"]
 
     def _agree_layout(self, descriptor: dict, group) -> dict:
-        """Rank 0 gets every rank's descriptor (metadata and digests, no tensor bytes), checks that the
-        captures agree and merges them into one skeleton and region list; every rank gets that, or
-        raises the same Refusal."""
+        """Rank 0 gets every rank's descriptor (metadata, no tensor bytes), checks that the captures
+        agree and merges them into one skeleton and region list; every rank gets that, or raises
+        the same Refusal."""
         root0 = self._global(0)
         if self.rank != 0:
             send_bytes(canonical_json(descriptor), root0, group)
@@ -317,21 +332,34 @@ class Checkpointer:
             raise Refusal(layout["code"], layout["reason"])
         return layout
 
+    def _replica_digests(self, regions, wrote: Mapping[str, memoryview], written: Mapping[tuple, str],
+                         others) -> dict[str, str]:
+        """This rank's BLAKE3 of every replica: those it wrote as hashed by the write, and the others'."""
+        by_name = {r.name: r for r in regions}
+        digests = dict(others.result())
+        for name, view in wrote.items():
+            known = written.get((by_name[name].ordinal, 0, by_name[name].words))
+            digests[name] = known if known is not None else blake3.blake3(view).hexdigest()
+        return digests
+
     def _metadata(self, layout: dict) -> dict:
         meta = {**self.metadata, "identity": self.identity, "owners": self.world, "devices": layout["devices"]}
         if layout.get("layout") is not None:
             meta["layout"] = layout["layout"]
         return meta
 
-    def _publish_star(self, prefix, regions, layout, own, group) -> dict:
+    def _publish_star(self, prefix, regions, layout, own, wrote, others, group) -> dict:
         """Every rank's own bytes (per-rank and partitioned words) to rank 0, which writes everything.
 
-        Rank 0 writes its own shards while the others' bytes arrive, and each rank's as soon as it
-        has arrived (one writer thread beside the receives); the manifest and the ref come last.
+        Rank 0 writes its own shards (every replica among them) while the others' bytes arrive,
+        and each rank's as soon as it has arrived (one writer thread beside the receives). Each
+        other rank sends its replica digests after its bytes; rank 0 compares them with those its
+        writes computed, then writes the manifest and the ref.
         """
         root0 = self._global(0)
         if self.rank != 0:
-            send_views([v for *_, v in own], root0, group)
+            send_pieces([v for *_, v in own], root0, group)
+            send_bytes(canonical_json(others.result()), root0, group)
             ack = broadcast_json(None, root0, group)
             fault_point("publish", "before-completion")
             return ack
@@ -341,24 +369,30 @@ class Checkpointer:
             return [[(Piece(by_name[n].ordinal, lo, hi, DTYPES[by_name[n].dtype][0]), view, "raw")
                      for n, lo, hi, view in pieces]] if pieces else []
 
-        failure = None
+        digests: list[dict] = [{}]
+        written: dict[tuple, str] = {}
         lease = self.store.pending_publish(prefix.run, prefix.step)  # gc spares what this publish writes
-        writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="alpha-ckpt-star")
+        writer = ThreadPoolExecutor(max_workers=STAR_WRITERS, thread_name_prefix="alpha-ckpt-star")
+        writes: list = []
+
+        def write(pieces) -> None:
+            # One task per shard (every large region has its own): a rank's bytes that arrive
+            # while rank 0's own are being written do not wait for all of those.
+            for parts in isolate_large_pieces(shard(pieces)):
+                writes.append(writer.submit(write_shards, self.store, prefix, regions, [parts], carry=self._carry,
+                                            digests_out=written))
         try:
-            writes = [writer.submit(write_shards, self.store, prefix, regions, shard(own), carry=self._carry)]
+            write(own)
             for r in range(1, self.world):
-                data = recv_view(self._global(r), group)  # every rank is heard out, whatever failed before
-                try:
-                    pieces = _split(data, layout["pieces"][r], by_name)
-                except ValueError as exc:
-                    failure = failure or exc
-                    continue
-                writes.append(writer.submit(write_shards, self.store, prefix, regions, shard(pieces),
-                                            carry=self._carry))
+                declared = layout["pieces"][r]  # every rank is heard out, whatever failed before
+                views = recv_pieces([(hi - lo) * DTYPES[by_name[n].dtype][0] for n, lo, hi in declared],
+                                    self._global(r), group)
+                digests.append(json.loads(recv_bytes(self._global(r), group).decode("ascii")))
+                write([(n, lo, hi, view) for (n, lo, hi), view in zip(declared, views)])
             try:
                 shard_refs = [ref for w in writes for ref in w.result()]
-                if failure is not None:
-                    raise failure
+                digests[0] = self._replica_digests(regions, wrote, written, others)
+                check_replicas(digests)
                 root, size = write_manifest(self.store, prefix, regions, shard_refs, self.world,
                                             self._metadata(layout), state=layout["state"])
                 record = self.store.publish_ref(prefix, root, size, size + sum(s.size for s in shard_refs),
@@ -375,17 +409,49 @@ class Checkpointer:
         broadcast_json(ack, root0, group)
         return ack
 
-    def _publish_tree(self, prefix, regions, layout, own, group) -> dict:
-        """Every rank writes its own shards and group manifest; commitments go up, the completion down."""
+    def _publish_tree(self, prefix, regions, layout, own, wrote, others, group) -> dict:
+        """Every rank writes its own shards; the ranks agree that the writes succeeded and the replicas
+        match; then group manifests and commitments go up, the completion down."""
         by_name = {r.name: r for r in regions}
         parts = [(Piece(by_name[n].ordinal, lo, hi, DTYPES[by_name[n].dtype][0]), view, "raw") for n, lo, hi, view in own]
-        # Rank 0 compared every replica's digest already; the commitments carry the agreed layout's.
-        agreed = blake3.blake3(canonical_json([layout["state"], layout["regions"]])).hexdigest()
         metadata = self._metadata(layout) if self.rank == 0 else {"device": self.device}
         role = TreeRole(self.store, self.hierarchy, self.rank, GroupTransport(group), timeout=self.commit_timeout,
                         carry=self._carry, tamper=self.tree_tamper)
-        return role.complete(role.commit(prefix, regions, [parts] if parts else [], agreed, metadata,
+        written: dict[tuple, str] = {}
+        try:
+            failure = role.write_own(prefix, regions, [parts] if parts else [], digests_out=written)
+            verdict = self._agree_written(self._replica_digests(regions, wrote, written, others), failure, group)
+        except BaseException:
+            role.release()
+            raise
+        if not verdict["ok"]:
+            role.release()
+            return verdict
+        # The commitments carry the agreed layout's digest (the replicas were compared just above).
+        agreed = blake3.blake3(canonical_json([layout["state"], layout["regions"]])).hexdigest()
+        return role.complete(role.commit(prefix, regions, None, agreed, metadata,
                                          follows=self.follows, state=layout["state"]))
+
+    def _agree_written(self, digests: dict[str, str], failure: tuple[str, str | None] | None, group) -> dict:
+        """Tree: rank 0 hears every rank's replica digests and write outcome; every rank gets one verdict."""
+        root0 = self._global(0)
+        mine = {"replicas": digests, "failure": list(failure) if failure else None}
+        if self.rank != 0:
+            send_bytes(canonical_json(mine), root0, group)
+            return broadcast_json(None, root0, group)
+        reports = [mine] + [json.loads(recv_bytes(self._global(r), group).decode("ascii"))
+                            for r in range(1, self.world)]
+        verdict: dict = {"ok": True}
+        failed = [r["failure"] for r in reports if r["failure"]]
+        if failed:
+            reason, code = failed[0]
+            verdict = {"ok": False, "reason": reason, **({"code": code} if code else {})}
+        else:
+            try:
+                check_replicas([r["replicas"] for r in reports])
+            except Refusal as refusal:
+                verdict = {"ok": False, "code": refusal.code.value, "reason": refusal.message}
+        return broadcast_json(verdict, root0, group)
 
     def _retain(self) -> None:
         """Rank 0, after a publish: keep=K newest complete generations of this run/step."""
@@ -593,10 +659,9 @@ def merge_captures(descriptors: list[dict]) -> tuple[Any, tuple[RegionDecl, ...]
     for r, d in enumerate(descriptors):
         if d["prefix"] != first["prefix"]:
             raise Refusal(RefusalCode.MIXED_CAPTURE, f"rank {r} captured {d['prefix']}, rank 0 {first['prefix']}")
-        for name, digest in d["replicas"].items():
-            if first["replicas"].get(name) != digest:
-                raise Refusal(RefusalCode.MIXED_CAPTURE, f"rank {r}'s replica of {name!r} differs from rank 0's "
-                              "(a replicated entry diverged; wrap what differs per rank in PerRank)")
+        if d["replicated"] != first["replicated"]:
+            raise Refusal(RefusalCode.MIXED_CAPTURE, f"rank {r} replicates {_short(d['replicated'])}, rank 0 "
+                          f"{_short(first['replicated'])}")
     skeleton = merge_skeletons([d["skeleton"] for d in descriptors])
     declared: dict[str, dict] = {}
     for d in descriptors:
@@ -605,6 +670,18 @@ def merge_captures(descriptors: list[dict]) -> tuple[Any, tuple[RegionDecl, ...]
     names = [name for name, _ in dotted_leaves(decode_value(skeleton, "merged skeleton"))]
     return skeleton, tuple(RegionDecl(i, n, declared[n]["dtype"], tuple(declared[n]["shape"]),
                                       bool(declared[n].get("nonfinite"))) for i, n in enumerate(names))
+
+
+def check_replicas(digests: Sequence[Mapping[str, str]]) -> None:
+    """Rank 0 (pure): every rank's BLAKE3 of every replica must be rank 0's."""
+    for r, d in enumerate(digests):
+        if set(d) != set(digests[0]):
+            raise Refusal(RefusalCode.MIXED_CAPTURE, f"rank {r} hashed replicas {_short(sorted(d))}, rank 0 "
+                          f"{_short(sorted(digests[0]))}")
+        for name in sorted(d):
+            if d[name] != digests[0][name]:
+                raise Refusal(RefusalCode.MIXED_CAPTURE, f"rank {r}'s replica of {name!r} differs from rank 0's "
+                              "(a replicated entry diverged; wrap what differs per rank in PerRank)")
 
 
 def saved_layout(descriptors: list[dict], regions: Sequence[RegionDecl]) -> dict | None:
@@ -616,13 +693,14 @@ def saved_layout(descriptors: list[dict], regions: Sequence[RegionDecl]) -> dict
     on the paths to the ranks that hold its words.
     """
     world = len(descriptors)
+    replicated = set(descriptors[0]["replicated"])
     held: dict[str, list[tuple[int, int, int]]] = {}
     for rank, d in enumerate(descriptors):
         for name, lo, hi in d["pieces"]:
             held.setdefault(name, []).append((rank, lo, hi))
     partitioned, own = [], []
     for region in regions:
-        if region.name in descriptors[0]["replicas"]:
+        if region.name in replicated:
             writer = [rank for rank, _, _ in held.get(region.name, [])]
             if writer and writer[0] != 0:  # a tree spreads its replicas: the rank that wrote this one
                 own.append([region.ordinal, writer[0]])
@@ -670,18 +748,6 @@ def roles_holding(manifest, wanted: Sequence[WantedSlice]) -> list[int] | None:
         elif w.ordinal in own:
             roles.add(own[w.ordinal])
     return sorted(r for r in roles if 0 <= r < manifest.owners) if manifest.owners else None
-
-
-def _split(data: bytes, pieces: list, by_name: Mapping[str, RegionDecl]) -> list:
-    """A rank's own bytes, cut into its declared pieces by the regions' dtypes."""
-    out, offset, view = [], 0, memoryview(data)
-    for name, lo, hi in pieces:
-        n = (hi - lo) * DTYPES[by_name[name].dtype][0]
-        out.append((name, lo, hi, view[offset:offset + n]))
-        offset += n
-    if offset != len(data):
-        raise ValueError(f"a capture of {len(data)} bytes does not hold the {offset} its pieces declare")
-    return out
 
 
 def _short(value: Any) -> str:

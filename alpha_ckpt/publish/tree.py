@@ -237,7 +237,9 @@ class TreeRole:
         self.parent = path[-2][0] if len(path) > 1 else None
         self.children = hierarchy.children(role, self.size)
         self.stats = RoleStats()
-        self._lease = None  # the pending-publish lease, held from commit() to complete()
+        self._lease = None  # the pending-publish lease, held from commit() (or write_own()) to complete()
+        self._written: list | None = None  # this role's shard records, once written
+        self._write_failure: tuple[str, str | None] | None = None
 
     def _send(self, dst: int, obj: dict) -> None:
         self.stats.messages_sent += 1
@@ -252,26 +254,52 @@ class TreeRole:
         the root's ref names them, gc must spare them. A refusal anywhere (a NaN in a role's words, a
         fenced history at the root) travels with its code, so every owner raises that refusal.
         ``follows`` (the root's): see :func:`alpha_ckpt.store.check_fence`. ``state``: the typed
-        skeleton, recorded by the root manifest only.
+        skeleton, recorded by the root manifest only. After :meth:`write_own`, ``own_shards`` is
+        not used (pass None).
         """
-        self._lease = self.store.pending_publish(prefix.run, prefix.step)
+        if self._written is None:
+            self.write_own(prefix, regions, own_shards)
         try:
-            return self._commit(prefix, regions, own_shards, replicas, metadata, follows, state)
+            return self._commit(prefix, regions, replicas, metadata, follows, state)
         except BaseException:
-            self._lease.release()
+            self.release()
             raise
 
-    def _commit(self, prefix: CapturePrefix, regions: Sequence[RegionDecl],
-                own_shards: Sequence[Sequence[tuple[Piece, memoryview, str]]], replicas: str,
-                metadata: Any, follows: int | None, state: Any = None) -> dict | None:
-        failure, code = None, None  # the first failure, and its refusal code when it is a refusal
-        shard_refs = []
+    def write_own(self, prefix: CapturePrefix, regions: Sequence[RegionDecl],
+                  own_shards: Sequence[Sequence[tuple[Piece, memoryview, str]]],
+                  digests_out: dict | None = None) -> tuple[str, str | None] | None:
+        """Step 1 alone: take the lease and write this role's shards; the failure (reason, refusal code) or None.
+
+        A caller that must check something between the shards and the manifests (the
+        Checkpointer compares replica digests the writes computed) calls this, then
+        :meth:`commit` (which then writes nothing), or :meth:`release` to give up.
+        """
+        self._lease = self.store.pending_publish(prefix.run, prefix.step)
+        self._written, self._write_failure = [], None
         try:
-            shard_refs = write_shards(self.store, prefix, regions, own_shards, self.pool, carry=self.carry)
+            self._written = write_shards(self.store, prefix, regions, own_shards, self.pool, carry=self.carry,
+                                         digests_out=digests_out)
         except (OSError, DurableWriteError) as exc:
-            failure = f"role {self.role} could not write its shards: {exc}"
+            self._write_failure = (f"role {self.role} could not write its shards: {exc}", None)
         except Refusal as refusal:
-            failure, code = f"role {self.role}: {refusal.message}", refusal.code.value
+            self._write_failure = (f"role {self.role}: {refusal.message}", refusal.code.value)
+        except BaseException:
+            self.release()
+            raise
+        return self._write_failure
+
+    def release(self) -> None:
+        """Give back the pending-publish lease (idempotent); the role may then commit a next publication."""
+        self._written, self._write_failure = None, None
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+
+    def _commit(self, prefix: CapturePrefix, regions: Sequence[RegionDecl], replicas: str,
+                metadata: Any, follows: int | None, state: Any = None) -> dict | None:
+        # the first failure, and its refusal code when it is a refusal
+        failure, code = self._write_failure if self._write_failure is not None else (None, None)
+        shard_refs = self._written
         # Always hear every child out, so none is left blocked in its send. A child
         # reports its own subtree's failure only after its own waits: allow it
         # one timeout per level below it, so the first failure's reason arrives.
@@ -341,8 +369,7 @@ class TreeRole:
         try:
             return self._complete(at_root)
         finally:
-            if self._lease is not None:
-                self._lease.release()
+            self.release()
 
     def _complete(self, at_root: dict | None) -> dict:
         if self.parent is None:

@@ -37,6 +37,61 @@ def recv_bytes(src: int, group=None) -> bytes:
     return recv_view(src, group).tobytes()
 
 
+BATCH_BYTES = 1 << 20  # pieces this large travel alone, straight from their memory; smaller ones together
+
+
+def batches(sizes: list[int], batch_bytes: int = BATCH_BYTES) -> list[list[int]]:
+    """Which pieces travel in one message (pure; sender and receiver compute it from the same sizes):
+    a piece of ``batch_bytes`` or more alone, runs of smaller ones together up to about that much."""
+    out: list[list[int]] = []
+    run: list[int] = []
+    run_bytes = 0
+    for i, size in enumerate(sizes):
+        if size >= batch_bytes:
+            if run:
+                out.append(run)
+                run, run_bytes = [], 0
+            out.append([i])
+            continue
+        run.append(i)
+        run_bytes += size
+        if run_bytes >= batch_bytes:
+            out.append(run)
+            run, run_bytes = [], 0
+    if run:
+        out.append(run)
+    return out
+
+
+def send_pieces(views, dst: int, group=None) -> None:
+    """Point to point, pieces whose sizes the receiver knows: a large piece is sent from its own
+    memory (no copy on gloo), small ones concatenated by :func:`batches`. Empty pieces send nothing."""
+    device = _wire_device(group)
+    with warnings.catch_warnings():  # read-only views are only read here
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        for batch in batches([len(v) for v in views]):
+            parts = [torch.frombuffer(views[i], dtype=torch.uint8) for i in batch if len(views[i])]
+            if parts:
+                dist.send((torch.cat(parts) if len(parts) > 1 else parts[0]).to(device), dst, group=group)
+
+
+def recv_pieces(sizes: list[int], src: int, group=None) -> list[memoryview]:
+    """What :func:`send_pieces` sent, one view per piece (views of the received buffers)."""
+    device = _wire_device(group)
+    out: list[memoryview] = [memoryview(b"")] * len(sizes)
+    for batch in batches(sizes):
+        total = sum(sizes[i] for i in batch)
+        if not total:
+            continue
+        buf = torch.empty(total, dtype=torch.uint8, device=device)
+        dist.recv(buf, src, group=group)
+        view, offset = memoryview(buf.cpu().numpy()).cast("B"), 0
+        for i in batch:
+            out[i] = view[offset:offset + sizes[i]]
+            offset += sizes[i]
+    return out
+
+
 def send_views(views, dst: int, group=None) -> None:
     """Point to point: an 8-byte length, then the views' bytes one after another (copied once)."""
     with warnings.catch_warnings():  # read-only views are only read here
