@@ -176,7 +176,9 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
 
 _DIRECT_BLOCK = 16 << 20        # bytes per O_DIRECT write, from a reused page-aligned buffer
 _DIRECT_ALIGN = 4096            # O_DIRECT offsets and lengths: multiples of the logical block size
-DIRECT_MIN_BYTES = 32 << 20     # smaller files are written buffered: too short to win anything
+DIRECT_MIN_BYTES = 16 << 20     # smaller files are written buffered: too short to win anything
+# (16 MiB, not 32: the pieces of a region split over 4+ ranks are often that small, and where fresh
+# page-cache pages are dear a 4-rank save ran 15-40 % faster with them measured for O_DIRECT too)
 _direct_buffers = threading.local()
 
 

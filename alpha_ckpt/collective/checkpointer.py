@@ -41,6 +41,7 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Sequence
@@ -57,7 +58,9 @@ from ..format import CapturePrefix, DTYPES, RegionDecl, canonical_json, check_na
 from ..gc import retain_newest
 from ..planner import Hierarchy, Piece, WantedSlice, owners_holding, shares
 from ..publish.tree import GroupTransport, TreeRole
-from ..publish.wire import broadcast_json, recv_bytes, recv_pieces, send_bytes, send_pieces
+from ..publish.wire import (
+    ReceiveBuffers, broadcast_json, recv_batches, recv_bytes, send_bytes, send_pieces, wire_device,
+)
 from ..restore import Counters, open_generation, prepare_fill
 from ..state.capture import capture_state, dotted_leaves
 from ..state.load import plan_load
@@ -76,6 +79,7 @@ COST_ENV = "ALPHA_CKPT_CHECKPOINT_COST"
 _FROM_ENV = object()
 SPREAD_BYTES = 1 << 20  # the tree spreads replicated regions this large over the ranks
 STAR_WRITERS = 2  # threads with which the star's rank 0 writes shards (beside its receives)
+STAR_RECEIVE_BYTES = 256 << 20  # the most of other ranks' bytes the star's rank 0 holds at once
 # Refusals of a generation's bytes: under "latest" the next older generation is tried. Any other
 # refusal (a binding, a destination that does not match) would refuse the older ones too.
 DAMAGE = frozenset({RefusalCode.CORRUPT_SHARD, RefusalCode.MISSING_SHARD, RefusalCode.FORMAT, RefusalCode.COVERAGE,
@@ -375,20 +379,27 @@ class Checkpointer:
         writer = ThreadPoolExecutor(max_workers=STAR_WRITERS, thread_name_prefix="alpha-ckpt-star")
         writes: list = []
 
-        def write(pieces) -> None:
+        def write(pieces) -> list:
             # One task per shard (every large region has its own): a rank's bytes that arrive
             # while rank 0's own are being written do not wait for all of those.
-            for parts in isolate_large_pieces(shard(pieces)):
-                writes.append(writer.submit(write_shards, self.store, prefix, regions, [parts], carry=self._carry,
-                                            digests_out=written))
+            tasks = [writer.submit(write_shards, self.store, prefix, regions, [parts], carry=self._carry,
+                                   digests_out=written) for parts in isolate_large_pieces(shard(pieces))]
+            writes.extend(tasks)
+            return tasks
+
+        # Each message is received into a reused buffer, given back once its shards are written:
+        # rank 0 holds at most STAR_RECEIVE_BYTES of the others' bytes (or one message, if larger).
+        buffers = ReceiveBuffers(STAR_RECEIVE_BYTES, wire_device(group))
         try:
             write(own)
             for r in range(1, self.world):
                 declared = layout["pieces"][r]  # every rank is heard out, whatever failed before
-                views = recv_pieces([(hi - lo) * DTYPES[by_name[n].dtype][0] for n, lo, hi in declared],
-                                    self._global(r), group)
+                sizes = [(hi - lo) * DTYPES[by_name[n].dtype][0] for n, lo, hi in declared]
+                for batch, views, buf in recv_batches(sizes, self._global(r), group, buffers):
+                    tasks = write([(*declared[i], view) for i, view in zip(batch, views)])
+                    if buf is not None:
+                        give_back_when_done(tasks, buf, buffers)
                 digests.append(json.loads(recv_bytes(self._global(r), group).decode("ascii")))
-                write([(n, lo, hi, view) for (n, lo, hi), view in zip(declared, views)])
             try:
                 shard_refs = [ref for w in writes for ref in w.result()]
                 digests[0] = self._replica_digests(regions, wrote, written, others)
@@ -748,6 +759,24 @@ def roles_holding(manifest, wanted: Sequence[WantedSlice]) -> list[int] | None:
         elif w.ordinal in own:
             roles.add(own[w.ordinal])
     return sorted(r for r in roles if 0 <= r < manifest.owners) if manifest.owners else None
+
+
+def give_back_when_done(tasks: list, buf, buffers: ReceiveBuffers) -> None:
+    """Give ``buf`` back to ``buffers`` once every one of ``tasks`` (futures) has finished, failed or not."""
+    if not tasks:
+        buffers.give(buf)
+        return
+    remaining = [len(tasks)]
+    lock = threading.Lock()
+
+    def one_done(_future) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            buffers.give(buf)
+    for task in tasks:
+        task.add_done_callback(one_done)
 
 
 def _short(value: Any) -> str:
