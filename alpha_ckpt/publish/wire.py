@@ -93,10 +93,9 @@ class ReceiveBuffers:
     def take(self, size: int) -> torch.Tensor:
         with self._cond:
             while True:
-                fits = [b for b in self._free if b.numel() >= size]
-                if fits:
-                    buf = min(fits, key=torch.Tensor.numel)
-                    self._free.remove(buf)
+                fits = [i for i, b in enumerate(self._free) if b.numel() >= size]
+                if fits:  # by index: list.remove would compare tensors with ==, elementwise
+                    buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
                     return buf[:size]
                 if self.held + size <= self.limit or self.held == 0:
                     self.held += size

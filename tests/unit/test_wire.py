@@ -73,3 +73,14 @@ def test_take_waits_for_a_buffer_given_back_and_reuses_it():
     waiter.join(5)
     assert not waiter.is_alive()
     assert got[0].numel() == 60 and got[0].data_ptr() == first.data_ptr() and buffers.held == 80
+
+
+def test_take_picks_the_smallest_free_buffer_that_fits_among_several_of_other_sizes():
+    buffers = ReceiveBuffers(limit=1000)
+    big, small, middle = buffers.take(300), buffers.take(100), buffers.take(200)
+    for buf in (big, small, middle):
+        buffers.give(buf)
+    got = buffers.take(150)  # fits the middle one, which is neither first nor last in the free list
+    assert got.numel() == 150 and got.data_ptr() == middle.data_ptr() and buffers.held == 600
+    assert buffers.take(250).data_ptr() == big.data_ptr()
+    assert buffers.take(50).data_ptr() == small.data_ptr()
