@@ -356,7 +356,7 @@ class Checkpointer:
         """Every rank's own bytes (per-rank and partitioned words) to rank 0, which writes everything.
 
         Rank 0 writes its own shards (every replica among them) while the others' bytes arrive,
-        and each rank's as soon as it has arrived (one writer thread beside the receives). Each
+        and each rank's as soon as it has arrived (STAR_WRITERS threads beside the receives). Each
         other rank sends its replica digests after its bytes; rank 0 compares them with those its
         writes computed, then writes the manifest and the ref.
         """
