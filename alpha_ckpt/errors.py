@@ -40,6 +40,10 @@ class Refusal(Exception):
         self.message = message
         super().__init__(f"[{self.code.value}] {message}")
 
+    def __reduce__(self):
+        # DCP carries a rank's exception to every rank with gather_object (pickle): rebuild it whole.
+        return (type(self), (self.code.value, self.message))
+
 
 class DurableWriteError(OSError):
     """A durable write failed at a named stage; nothing was published.

@@ -1,0 +1,377 @@
+"""torch.distributed.checkpoint (dcp.save / async_save / load) with alpha_ckpt's StorageWriter and StorageReader."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from alpha_ckpt import RefusalCode
+from alpha_ckpt.dcp import StorageReader, StorageWriter, box_words, decode_metadata, encode_metadata
+from alpha_ckpt.errors import Refusal
+from alpha_ckpt.format import MAGIC
+from alpha_ckpt.restore import verify_generation
+from alpha_ckpt.store import Store
+from ranks import run_ranks
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class Counter:
+    """A Stateful object of the training script (DCP calls state_dict / load_state_dict)."""
+
+    def __init__(self, n: int = 0):
+        self.n, self.history = n, [n]
+
+    def state_dict(self):
+        return {"n": self.n, "history": list(self.history)}
+
+    def load_state_dict(self, sd):
+        self.n, self.history = sd["n"], list(sd["history"])
+
+
+def _full(seed: int, *shape) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _values_state(counter_n: int) -> dict:
+    return {"model": {"w": _full(1, 6, 5), "b": _full(2, 5), "steps": torch.tensor(7, dtype=torch.int64)},
+            "optim": {"param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "params": [0, 1],
+                                        "foreach": None, "name": "decay"}]},
+            "progress": {"step": 12, "tokens": 2 ** 70, "tag": "nightly"},
+            "app": Counter(counter_n)}
+
+
+def _save_and_load_values(rank, world, store):
+    state = _values_state(5)
+    meta = dcp.save(state, storage_writer=StorageWriter(store, run="r", update=1))
+    root = meta.storage_meta.checkpoint_id
+    dest = {"model": {"w": torch.zeros(6, 5), "b": torch.zeros(5), "steps": torch.tensor(0, dtype=torch.int64)},
+            "optim": {"param_groups": [{"lr": 0.0, "betas": (0.0, 0.0), "eps": 0.0, "params": [], "foreach": True,
+                                        "name": ""}]},
+            "progress": {"step": 0, "tokens": 0, "tag": ""}, "app": Counter(0)}  # DCP loads the keys it is given
+    dcp.load(dest, storage_reader=StorageReader(store, run="r"))
+    want = _values_state(5)
+    same_tensors = all(torch.equal(dest["model"][k], want["model"][k]) for k in want["model"])
+    return {"root": root, "tensors": same_tensors, "optim": dest["optim"] == want["optim"],
+            "progress": dest["progress"] == want["progress"], "app": dest["app"].state_dict()}
+
+
+def test_a_nested_state_with_values_and_a_stateful_round_trips_through_dcp_as_one_generation(tmp_path):
+    store = str(tmp_path / "store")
+    results = run_ranks(2, _save_and_load_values, store, tmp=tmp_path)
+    assert results[0]["root"] == results[1]["root"] and len(results[0]["root"]) == 64
+    for r in results:
+        assert r["tensors"] and r["optim"] and r["progress"], r
+        assert r["app"] == {"n": 5, "history": [5]}
+    with Store(store, create=False) as s:
+        (ref,) = s.list_refs("r", "train")
+        assert ref.root == results[0]["root"] and ref.owners == 2
+        with verify_generation(s, ref.root) as generation:  # every byte validates
+            assert {r.name for r in generation.manifest.regions} == {"model.w", "model.b", "model.steps"}
+    # Nothing pickled on disk: every object is a shard or manifest of our format, values included.
+    objects = [p for p in (Path(store) / "objects").rglob("*") if p.is_file()]
+    assert objects and all(p.read_bytes().startswith(MAGIC) for p in objects)
+
+
+def _mesh(world):
+    return init_device_mesh("cpu", (world,))
+
+
+def _sharded(world, placement):
+    mesh = _mesh(world)
+    return {"emb": distribute_tensor(_full(3, 10, 6), mesh, [placement]),  # 10 rows: uneven on 3 and 4 ranks
+            "proj": distribute_tensor(_full(4, 4, 9), mesh, [Shard(1)]),
+            "norm": distribute_tensor(_full(5, 6), mesh, [Replicate()]),
+            "step": torch.tensor(3.0)}
+
+
+def _save_sharded(rank, world, store):
+    # One row of "emb" per slice: a resharded load reads the slices of its rows only.
+    writer = StorageWriter(store, run="r", update=1, slice_bytes=6 * 4)
+    meta = dcp.save(_sharded(world, Shard(0)), storage_writer=writer)
+    return meta.storage_meta.checkpoint_id
+
+
+def _load_sharded(rank, world, store, root, placement):
+    if world == 1:
+        dest = {"emb": torch.zeros(10, 6), "proj": torch.zeros(4, 9), "norm": torch.zeros(6), "step": torch.tensor(0.0)}
+    else:
+        mesh = _mesh(world)
+        dest = {"emb": distribute_tensor(torch.zeros(10, 6), mesh, [placement]),
+                "proj": distribute_tensor(torch.zeros(4, 9), mesh, [Shard(0)]),
+                "norm": distribute_tensor(torch.zeros(6), mesh, [Replicate()]), "step": torch.tensor(0.0)}
+    reader = StorageReader(store, root)
+    dcp.load(dest, storage_reader=reader)
+    full = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in dest.items()}
+    want = {"emb": _full(3, 10, 6), "proj": _full(4, 4, 9), "norm": _full(5, 6), "step": torch.tensor(3.0)}
+    # A load of "emb" alone: what this rank read of it.
+    reader = StorageReader(store, root)
+    dcp.load({"emb": dest["emb"]}, storage_reader=reader)
+    return {"equal": all(torch.equal(full[k], want[k]) for k in want), "emb_bytes_read": reader.bytes_read}
+
+
+@pytest.mark.parametrize("world,placement", [(1, None), (4, Shard(0)), (4, Shard(1)), (3, Replicate())])
+def test_dtensors_saved_on_two_ranks_load_bit_for_bit_on_any_world_size_and_placement(tmp_path, world, placement):
+    store = str(tmp_path / "store")
+    roots = run_ranks(2, _save_sharded, store, tmp=tmp_path)
+    assert roots[0] == roots[1]
+    results = run_ranks(world, _load_sharded, store, roots[0], placement, tmp=tmp_path)
+    assert all(r["equal"] for r in results), results
+    if world == 4 and placement == Shard(0):
+        # Each rank reads exactly its rows of "emb": DTensor splits 10 rows as 3, 3, 3, 1 (saved as 5 + 5).
+        assert [r["emb_bytes_read"] for r in results] == [rows * 6 * 4 for rows in (3, 3, 3, 1)]
+
+
+def _save_twice_then_flip(rank, world, store):
+    state = {"w": _full(1, 64, 8), "v": _full(2, 16)}
+    dcp.save(state, storage_writer=StorageWriter(store, run="r", update=1))
+    state["w"].add_(1)
+    meta = dcp.save(state, storage_writer=StorageWriter(store, run="r", update=2))
+    return meta.storage_meta.checkpoint_id
+
+
+def _load_flipped(rank, world, store, root):
+    dest = {"w": torch.full((64, 8), 7.0), "v": torch.full((16,), 7.0)}
+    try:
+        dcp.load(dest, storage_reader=StorageReader(store, root))
+    except CheckpointException as exc:
+        codes = sorted({e.code.value for e, _ in exc.failures.values() if isinstance(e, Refusal)})
+        untouched = bool((dest["w"] == 7.0).all() and (dest["v"] == 7.0).all())
+        return {"raised": True, "codes": codes, "untouched": untouched}
+    return {"raised": False}
+
+
+def test_a_flipped_byte_in_any_object_makes_dcp_load_raise_on_every_rank_with_nothing_copied(tmp_path):
+    store = str(tmp_path / "store")
+    roots = run_ranks(2, _save_twice_then_flip, store, tmp=tmp_path)
+    with Store(store, create=False) as s:
+        refs = s.list_refs("r", "train")
+        assert [r.generation for r in refs] == [1, 2]  # the previous generation is kept
+        with verify_generation(s, roots[0]) as generation:
+            shard = generation.manifest.shards[-1].digest
+        path = Path(s.object_path(shard))
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01  # a payload byte of the last shard
+    os.chmod(path, 0o644)
+    path.write_bytes(bytes(data))
+    results = run_ranks(2, _load_flipped, store, roots[0], tmp=tmp_path)
+    for r in results:
+        assert r["raised"] and r["codes"] == [RefusalCode.CORRUPT_SHARD.value], results
+        assert r["untouched"], results
+
+
+def test_a_save_at_an_update_that_goes_backwards_is_refused_and_the_history_is_unchanged(tmp_path):
+    store = str(tmp_path / "store")
+    run_ranks(1, _save_twice_then_flip, store, tmp=tmp_path)
+    results = run_ranks(1, _save_at, store, 2, tmp=tmp_path)
+    assert results == [[RefusalCode.RESET_CURSOR.value]]
+    with Store(store, create=False) as s:
+        assert [r.generation for r in s.list_refs("r", "train")] == [1, 2]
+
+
+def _save_at(rank, world, store, update):
+    try:
+        dcp.save({"w": torch.ones(3)}, storage_writer=StorageWriter(store, run="r", update=update))
+    except CheckpointException as exc:
+        return sorted({e.code.value for e, _ in exc.failures.values() if isinstance(e, Refusal)})
+    return []
+
+
+def _async_save(rank, world, store):
+    state = {"w": _full(1, 32, 4), "progress": {"step": 1}}
+    future = dcp.async_save(state, storage_writer=StorageWriter(store, run="r", update=1))
+    state["w"].add_(100)  # after the call: the staged copy is what is saved
+    root = future.result().storage_meta.checkpoint_id
+    dest = {"w": torch.zeros(32, 4), "progress": {"step": 0}}
+    dcp.load(dest, storage_reader=StorageReader(store, root))
+    return {"root": root, "equal": torch.equal(dest["w"], _full(1, 32, 4)), "progress": dest["progress"]}
+
+
+def test_async_save_publishes_the_state_staged_at_the_call(tmp_path):
+    results = run_ranks(2, _async_save, str(tmp_path / "store"), tmp=tmp_path)
+    assert results[0]["root"] == results[1]["root"]
+    assert all(r["equal"] and r["progress"] == {"step": 1} for r in results), results
+
+
+def test_dcp_metadata_round_trips_through_typed_json_and_hostile_json_is_refused():
+    from torch.distributed.checkpoint.default_planner import create_default_global_save_plan, create_default_local_save_plan
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    sd, mappings = flatten_state_dict({"a": {"w": torch.ones(2, 3, dtype=torch.bfloat16)}, "n": 3})
+    plan = create_default_local_save_plan(sd, True)
+    _, metadata = create_default_global_save_plan([plan.__class__(plan.items, planner_data=mappings)])
+    decoded = decode_metadata(encode_metadata(metadata))
+    assert decoded.state_dict_metadata == metadata.state_dict_metadata
+    assert decoded.planner_data == metadata.planner_data
+    for hostile in ({}, {"state_dict_metadata": [["x", {"tensor": {"dtype": "complex64"}}]]},
+                    {**encode_metadata(metadata), "storage_data": [[["x", [-1]], {}]]}):
+        with pytest.raises(Refusal) as raised:
+            decode_metadata(hostile)
+        assert raised.value.code == RefusalCode.FORMAT
+
+
+def test_box_words_is_the_first_to_last_word_of_a_box_and_exact_for_row_blocks():
+    assert box_words((10, 6), (3, 0), (3, 6)) == (18, 36)
+    assert box_words((4, 9), (0, 5), (4, 4)) == (5, 36)
+    assert box_words((4, 9), (1, 0), (0, 9)) == (0, 0)
+    assert box_words((), (), ()) == (0, 1)
+
+
+_KILLED_SAVE = textwrap.dedent('''
+    import os, signal, sys
+    from datetime import timedelta
+    import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+    from alpha_ckpt.dcp import StorageWriter
+
+    class DiesAfterWriting(StorageWriter):
+        def write_data(self, plan, planner):
+            written = super().write_data(plan, planner)
+            os.kill(os.getpid(), signal.SIGKILL)  # its shards are durable; the ref is not out
+
+    rank, store, rendezvous = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo", init_method="file://" + rendezvous, rank=rank, world_size=2,
+                            timeout=timedelta(seconds=20))
+    state = {"w": torch.arange(4096, dtype=torch.float32).reshape(64, 64) + rank * 0, "step": torch.tensor(1)}
+    dcp.save(state, storage_writer=StorageWriter(store, run="r", update=1))
+    state["w"].add_(1)
+    writer = DiesAfterWriting if rank == 1 else StorageWriter
+    try:
+        dcp.save(state, storage_writer=writer(store, run="r", update=2))
+    except BaseException as exc:  # rank 0: its peer is gone
+        print("rank 0 failed:", type(exc).__name__, flush=True)
+        os._exit(9)
+    os._exit(0)
+''')
+
+
+def test_a_rank_killed_during_dcp_save_leaves_the_previous_generation_newest_and_verifiable(tmp_path):
+    store, script = str(tmp_path / "store"), tmp_path / "killed_save.py"
+    script.write_text(_KILLED_SAVE)
+    rendezvous = str(tmp_path / "rendezvous")
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), store, rendezvous]) for r in range(2)]
+    codes = [p.wait(timeout=120) for p in procs]
+    assert codes[1] == -signal.SIGKILL and codes[0] != 0
+    with Store(store, create=False) as s:
+        refs = s.list_refs("r", "train")
+        assert [r.generation for r in refs] == [1] and refs[0].prefix.update == 1
+        with verify_generation(s, refs[0].root):
+            pass
+    # The store goes on: the next save publishes generation 2 after generation 1.
+    results = run_ranks(2, _save_at, store, 2, tmp=tmp_path)
+    assert results == [[], []]
+    with Store(store, create=False) as s:
+        assert [r.prefix.update for r in s.list_refs("r", "train")] == [1, 2]
+
+
+def _fsdp2_gpt(world):
+    from torch.distributed.fsdp import fully_shard
+    from gpt_training import GPT
+    torch.manual_seed(0)
+    model = GPT()
+    if world > 1:
+        mesh = _mesh(world)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    params = list(model.named_parameters())
+    optim = torch.optim.AdamW([{"params": [p for n, p in params if p.dim() >= 2], "weight_decay": 0.1},
+                               {"params": [p for n, p in params if p.dim() < 2], "weight_decay": 0.0}], lr=3e-3)
+    return model, optim
+
+
+def _train(model, optim, steps, first):
+    from gpt_training import optimizer_step
+    data = torch.randint(0, 32, (64, 17), generator=torch.Generator().manual_seed(7))
+    torch.manual_seed(1000 + first)  # dropout: the same draws on every rank and in every run
+    return [optimizer_step(model, optim, data[4 * s:4 * s + 4]) for s in range(first, first + steps)]
+
+
+def _full_state(model, optim):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    msd, osd = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
+    flat = {f"model.{k}": v for k, v in msd.items()}
+    for pid, st in osd["state"].items():
+        flat.update({f"optim.{pid}.{k}": v for k, v in st.items()})
+    return {k: v.detach().clone() for k, v in flat.items()}  # "step" is the optimizer's live tensor
+
+
+def _fsdp2_save(rank, world, store, out):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model, optim = _fsdp2_gpt(world)
+    _train(model, optim, 3, 0)
+    msd, osd = get_state_dict(model, optim)
+    dcp.save({"model": msd, "optim": osd},
+             storage_writer=StorageWriter(store, run="gpt", update=3, allow_nonfinite=["*.causal_mask"]))
+    full = _full_state(model, optim)
+    losses = _train(model, optim, 2, 3)
+    if rank == 0:
+        torch.save({"full": full, "losses": losses}, out)  # the test's own expectation, not a checkpoint
+    return losses
+
+
+def _fsdp2_load(rank, world, store, expected):
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model, optim = _fsdp2_gpt(world)
+    _train(model, optim, 1, 40)  # another state (and optimizer moments to overwrite)
+    msd, osd = get_state_dict(model, optim)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, storage_reader=StorageReader(store, run="gpt"))
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    want = torch.load(expected, weights_only=True)
+    full = _full_state(model, optim)
+    differ = sorted(set(full) ^ set(want["full"])) + [k for k in full if k in want["full"]
+                                                        and not torch.equal(full[k], want["full"][k])]
+    losses = _train(model, optim, 2, 3)
+    return {"equal": not differ, "differ": differ[:5], "continued": losses == want["losses"]}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_an_fsdp2_gpt_with_adamw_saved_through_dcp_on_two_ranks_restores_bit_for_bit_on_any_world(tmp_path, world):
+    store, expected = str(tmp_path / "store"), str(tmp_path / "expected.pt")
+    run_ranks(2, _fsdp2_save, store, expected, tmp=tmp_path)
+    results = run_ranks(world, _fsdp2_load, store, expected, tmp=tmp_path)
+    assert all(r["equal"] for r in results), results
+    if world == 2:  # the same sharding: training goes on exactly as the uninterrupted run did
+        assert all(r["continued"] for r in results), results
+
+
+def test_verify_inspect_and_export_work_on_a_dcp_checkpoint_and_export_gives_whole_tensors(tmp_path):
+    from safetensors.torch import load_file
+    store = str(tmp_path / "store")
+    root = run_ranks(2, _save_sharded, store, tmp=tmp_path)[0]
+    cli = [sys.executable, "-m", "alpha_ckpt.cli"]
+    assert subprocess.run(cli + ["verify", "--store", store, root], capture_output=True).returncode == 0
+    assert subprocess.run(cli + ["inspect", "--store", store, "--json", root], capture_output=True).returncode == 0
+    out = tmp_path / "model.safetensors"
+    assert subprocess.run(cli + ["export", "--store", store, "--to", str(out), root], capture_output=True).returncode == 0
+    tensors = load_file(out)
+    want = {"emb": _full(3, 10, 6), "proj": _full(4, 4, 9), "norm": _full(5, 6), "step": torch.tensor(3.0)}
+    assert sorted(tensors) == sorted(want) and all(torch.equal(tensors[k], want[k]) for k in want)
+
+
+def test_a_nan_in_one_ranks_chunk_refuses_the_dcp_save_on_every_rank_and_publishes_nothing(tmp_path):
+    store = str(tmp_path / "store")
+    results = run_ranks(2, _save_nan_sharded, store, tmp=tmp_path)
+    assert results == [[RefusalCode.NON_FINITE.value]] * 2
+    with Store(store, create=False) as s:
+        assert [r.prefix.update for r in s.list_refs("r", "train")] == [1]
+
+
+def _save_nan_sharded(rank, world, store):
+    state = {"w": distribute_tensor(_full(1, 8, 4), _mesh(world), [Shard(0)]), "mask": torch.full((4,), float("-inf"))}
+    dcp.save(state, storage_writer=StorageWriter(store, run="r", update=1, allow_nonfinite=["mask"]))
+    if rank == 1:
+        state["w"].to_local()[0, 3] = float("nan")
+    try:
+        dcp.save(state, storage_writer=StorageWriter(store, run="r", update=2, allow_nonfinite=["mask"]))
+    except CheckpointException as exc:
+        return sorted({e.code.value for e, _ in exc.failures.values() if isinstance(e, Refusal)})
+    return []
