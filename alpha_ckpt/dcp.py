@@ -382,7 +382,8 @@ class StorageReader(_DcpStorageReader):
         self.run, self.step = (None if run is None else check_name(run, "run")), check_name(step, "step")
         self.wanted_root, self.group = root, group
         self._store_arg, self._store = store, store if isinstance(store, Store) else None
-        self.root: str | None = None
+        self.root: str | None = None  # the generation read_metadata chose; ``prefix`` its run/step/update/cursor/epoch
+        self.prefix: CapturePrefix | None = None
         self.regions: tuple[RegionDecl, ...] = ()
         self.bytes_read = 0  # stored bytes of the chunks the last read_data validated
 
@@ -427,7 +428,7 @@ class StorageReader(_DcpStorageReader):
         if not isinstance(manifest.metadata, dict) or DCP_KEY not in manifest.metadata:
             raise Refusal(RefusalCode.FORMAT, f"generation {self.root[:16]}... was not written by DCP (no "
                           f"{DCP_KEY!r} metadata): restore it with alpha_ckpt.Checkpointer or alpha_ckpt.load")
-        self.regions = manifest.regions
+        self.regions, self.prefix = manifest.regions, manifest.prefix
         return decode_metadata(manifest.metadata[DCP_KEY], f"generation {self.root[:16]}... DCP metadata")
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
