@@ -62,7 +62,7 @@ def capture_state(state: Mapping[str, Any], rank: int = 0, world: int = 1) -> Ca
     entry for what a state cannot hold, and for two entries whose dotted names
     coincide (``{"a.b": x}`` beside ``{"a": {"b": y}}``, or keys ``0`` and ``"0"``).
     """
-    from .placement import Partitioned, PerRank
+    from .placement import Partitioned, PerRank, dtensor_part, is_dtensor
     if not isinstance(state, Mapping):
         raise ValueError(f"a state is a dict, not a {type(state).__name__}")
     named: list[tuple[str, torch.Tensor]] = []
@@ -84,6 +84,13 @@ def capture_state(state: Mapping[str, Any], rank: int = 0, world: int = 1) -> Ca
             if per_rank_depth[0]:
                 raise ValueError(f"state entry {name!r}: Partitioned inside PerRank")
             return {"tensor": add(name, obj.tensor, (obj.lo, obj.hi, obj.shape))}
+        if is_dtensor(obj):  # its local shard, as a Partitioned range of the global tensor (or whole if replicated)
+            part = dtensor_part(obj, name)
+            if isinstance(part, Partitioned):
+                if per_rank_depth[0]:
+                    raise ValueError(f"state entry {name!r}: a sharded DTensor inside PerRank")
+                return {"tensor": add(name, part.tensor, (part.lo, part.hi, part.shape))}
+            return {"tensor": add(name, part)}
         if isinstance(obj, torch.Tensor):
             return {"tensor": add(name, obj)}
         if isinstance(obj, np.ndarray):

@@ -32,7 +32,7 @@ import torch
 from ..format import RegionDecl
 from ..manifest import describe_region, dtype_name, refuse_mismatch, torch_dtype
 from .capture import capture_state, dotted_leaves as _refs, is_stateful
-from .placement import Partitioned, PerRank
+from .placement import Partitioned, PerRank, dtensor_part, is_dtensor
 from .values import PerRankSaved, RegionRef, decode_value
 
 _ABSENT = object()
@@ -119,6 +119,8 @@ class _Matcher:
         if isinstance(dest, Partitioned) and isinstance(saved, RegionRef):
             fill = self.region(dest.tensor, saved, name, (dest.lo, dest.hi, dest.shape))
             return lambda: (fill(), dest)[1]  # the state keeps its Partitioned entry, its tensor filled in place
+        if is_dtensor(dest) and isinstance(saved, RegionRef):
+            return self.dtensor(dest, saved, name)
         if is_stateful(dest):
             return self.stateful(dest, saved, name)
         if isinstance(saved, RegionRef):
@@ -134,6 +136,22 @@ class _Matcher:
             return self.sequence(dest, saved, name)
         self.kind_differs(name, saved, dest)
         return lambda: dest
+
+    def dtensor(self, dest: Any, ref: RegionRef, name: str) -> Callable[[], Any]:
+        """A DTensor is filled in its local shard: the words of the global tensor that shard holds."""
+        part = dtensor_part(dest, name)
+        if not isinstance(part, Partitioned):
+            fill = self.region(part, ref, name)
+            return lambda: (fill(), dest)[1]
+        local = dest.to_local()
+        fill = self.region(part.tensor, ref, name, (part.lo, part.hi, part.shape))
+
+        def finish() -> Any:
+            fill()
+            if not local.is_contiguous():  # part.tensor was a contiguous copy: the words go back in place
+                local.copy_(part.tensor.view(local.shape))
+            return dest
+        return finish
 
     def kind_differs(self, name: str, saved: Any, dest: Any) -> None:
         self.plan.dtype_only = False

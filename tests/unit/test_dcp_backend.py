@@ -21,6 +21,7 @@ from alpha_ckpt.format import MAGIC
 from alpha_ckpt.restore import verify_generation
 from alpha_ckpt.store import Store
 from ranks import run_ranks
+from sharded_training import differing, fsdp2_gpt, full_state, train
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -271,47 +272,15 @@ def test_a_rank_killed_during_dcp_save_leaves_the_previous_generation_newest_and
         assert [r.prefix.update for r in s.list_refs("r", "train")] == [1, 2]
 
 
-def _fsdp2_gpt(world):
-    from torch.distributed.fsdp import fully_shard
-    from gpt_training import GPT
-    torch.manual_seed(0)
-    model = GPT()
-    if world > 1:
-        mesh = _mesh(world)
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    params = list(model.named_parameters())
-    optim = torch.optim.AdamW([{"params": [p for n, p in params if p.dim() >= 2], "weight_decay": 0.1},
-                               {"params": [p for n, p in params if p.dim() < 2], "weight_decay": 0.0}], lr=3e-3)
-    return model, optim
-
-
-def _train(model, optim, steps, first):
-    from gpt_training import optimizer_step
-    data = torch.randint(0, 32, (64, 17), generator=torch.Generator().manual_seed(7))
-    torch.manual_seed(1000 + first)  # dropout: the same draws on every rank and in every run
-    return [optimizer_step(model, optim, data[4 * s:4 * s + 4]) for s in range(first, first + steps)]
-
-
-def _full_state(model, optim):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-    msd, osd = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
-    flat = {f"model.{k}": v for k, v in msd.items()}
-    for pid, st in osd["state"].items():
-        flat.update({f"optim.{pid}.{k}": v for k, v in st.items()})
-    return {k: v.detach().clone() for k, v in flat.items()}  # "step" is the optimizer's live tensor
-
-
 def _fsdp2_save(rank, world, store, out):
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    model, optim = _fsdp2_gpt(world)
-    _train(model, optim, 3, 0)
+    model, optim = fsdp2_gpt(world)
+    train(model, optim, 3, 0)
     msd, osd = get_state_dict(model, optim)
     dcp.save({"model": msd, "optim": osd},
              storage_writer=StorageWriter(store, run="gpt", update=3, allow_nonfinite=["*.causal_mask"]))
-    full = _full_state(model, optim)
-    losses = _train(model, optim, 2, 3)
+    full = full_state(model, optim)
+    losses = train(model, optim, 2, 3)
     if rank == 0:
         torch.save({"full": full, "losses": losses}, out)  # the test's own expectation, not a checkpoint
     return losses
@@ -319,24 +288,30 @@ def _fsdp2_save(rank, world, store, out):
 
 def _fsdp2_load(rank, world, store, expected):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    model, optim = _fsdp2_gpt(world)
-    _train(model, optim, 1, 40)  # another state (and optimizer moments to overwrite)
+    model, optim = fsdp2_gpt(world)
+    train(model, optim, 1, 40)  # another state (and optimizer moments to overwrite)
     msd, osd = get_state_dict(model, optim)
     state = {"model": msd, "optim": osd}
     dcp.load(state, storage_reader=StorageReader(store, run="gpt"))
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     want = torch.load(expected, weights_only=True)
-    full = _full_state(model, optim)
-    differ = sorted(set(full) ^ set(want["full"])) + [k for k in full if k in want["full"]
-                                                        and not torch.equal(full[k], want["full"][k])]
-    losses = _train(model, optim, 2, 3)
+    differ = differing(full_state(model, optim), want["full"])
+    losses = train(model, optim, 2, 3)
     return {"equal": not differ, "differ": differ[:5], "continued": losses == want["losses"]}
 
 
+@pytest.fixture(scope="module")
+def fsdp2_saved(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fsdp2-dcp")
+    store, expected = str(tmp / "store"), str(tmp / "expected.pt")
+    run_ranks(2, _fsdp2_save, store, expected, tmp=tmp)
+    return store, expected
+
+
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_an_fsdp2_gpt_with_adamw_saved_through_dcp_on_two_ranks_restores_bit_for_bit_on_any_world(tmp_path, world):
-    store, expected = str(tmp_path / "store"), str(tmp_path / "expected.pt")
-    run_ranks(2, _fsdp2_save, store, expected, tmp=tmp_path)
+def test_an_fsdp2_gpt_with_adamw_saved_through_dcp_on_two_ranks_restores_bit_for_bit_on_any_world(tmp_path, fsdp2_saved,
+                                                                                                   world):
+    store, expected = fsdp2_saved
     results = run_ranks(world, _fsdp2_load, store, expected, tmp=tmp_path)
     assert all(r["equal"] for r in results), results
     if world == 2:  # the same sharding: training goes on exactly as the uninterrupted run did

@@ -1,4 +1,4 @@
-"""examples/train_fsdp2_dcp_backend.py: an FSDP2 script on DCP with alpha_ckpt's storage, resumed on 2 and 3 ranks."""
+"""The FSDP2 examples (Checkpointer, and DCP with alpha_ckpt's storage), resumed on 2 and 3 ranks."""
 import json
 import subprocess
 import sys
@@ -6,13 +6,14 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLE = Path(__file__).parents[2] / "examples" / "train_fsdp2_dcp_backend.py"
+EXAMPLES = Path(__file__).parents[2] / "examples"
 pytestmark = pytest.mark.timeout(300)
 
 
-def _run(store, nproc, steps):
+def _run(store, nproc, steps, example="train_fsdp2_dcp_backend.py", resume=()):
     proc = subprocess.run([sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", str(nproc), "--store", str(store),
-                           str(EXAMPLE), "--steps", str(steps)], capture_output=True, text=True, timeout=240)
+                           *resume, str(EXAMPLES / example), "--steps", str(steps)],
+                          capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -26,4 +27,14 @@ def test_the_fsdp2_dcp_example_resumed_from_its_newest_checkpoint_ends_as_an_uni
     # Resharded 2 -> 3 ranks: it goes on from step 8 (FSDP2 on 3 ranks sums in another order, so only the
     # continuation is checked here; the bit-for-bit reshard is tests/unit/test_dcp_backend.py).
     more = _run(tmp_path / "b", 3, 10)
+    assert more["step"] == 10 and len(more["losses"]) == 2
+
+
+def test_the_fsdp2_checkpointer_example_resumed_from_latest_ends_as_an_uninterrupted_run(tmp_path):
+    whole = _run(tmp_path / "a", 2, 8, "train_fsdp2.py")
+    first = _run(tmp_path / "b", 2, 4, "train_fsdp2.py")
+    resumed = _run(tmp_path / "b", 2, 8, "train_fsdp2.py", ("--resume", "latest"))
+    assert resumed["state_sha256"] == whole["state_sha256"]
+    assert first["losses"] + resumed["losses"] == whole["losses"]
+    more = _run(tmp_path / "b", 3, 10, "train_fsdp2.py", ("--resume", "latest"))  # resharded 2 -> 3
     assert more["step"] == 10 and len(more["losses"]) == 2

@@ -1,0 +1,145 @@
+"""The Checkpointer with sharded state: FSDP2 (DTensor) parameters and AdamW moments, resharded to any world size."""
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+import alpha_ckpt
+from alpha_ckpt import Checkpointer
+from alpha_ckpt.state.placement import contiguous_words
+from alpha_ckpt.store import Store
+from ranks import run_ranks
+from sharded_training import differing, fsdp2_gpt, full_state, train
+
+pytestmark = pytest.mark.timeout(240)
+MASKS = ["*.causal_mask"]
+
+
+def _state(model, optim, step):
+    msd, osd = get_state_dict(model, optim)
+    return {"model": msd, "optim": osd, "progress": {"step": step}}
+
+
+def _save(rank, world, store, expected, fsdp):
+    model, optim = fsdp2_gpt(world, fsdp)
+    train(model, optim, 3, 0)
+    ckpt = Checkpointer(store, run="gpt", allow_nonfinite=MASKS)
+    root = ckpt.save(_state(model, optim, 3), update=3)
+    full = full_state(model, optim)
+    losses = train(model, optim, 2, 3)
+    if rank == 0:
+        torch.save({"full": full, "losses": losses}, expected)  # the test's expectation, not a checkpoint
+    ckpt.close()
+    return {"root": root, "bytes_written": ckpt.last_save["bytes_written"]}
+
+
+def _restore(rank, world, store, expected, fsdp):
+    model, optim = fsdp2_gpt(world, fsdp)
+    train(model, optim, 1, 9)  # another state, and optimizer moments to overwrite
+    state = _state(model, optim, 0)
+    ckpt = Checkpointer(store, run="gpt", allow_nonfinite=MASKS)
+    counters = ckpt.restore(state, root="latest")
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    want = torch.load(expected, weights_only=True)
+    differ = differing(full_state(model, optim), want["full"])
+    losses = train(model, optim, 2, 3)
+    read = ckpt.last_restore
+    ckpt.close()
+    return {"update": counters.update, "step": state["progress"]["step"], "differ": differ[:5],
+            "continued": losses == want["losses"], "bytes": read["bytes_read"] if read else None}
+
+
+@pytest.fixture(scope="module")
+def fsdp2_saved(tmp_path_factory):
+    """One FSDP2 checkpoint on 2 ranks (restores only read it): (store, expected, root)."""
+    tmp = tmp_path_factory.mktemp("fsdp2")
+    store, expected = str(tmp / "store"), str(tmp / "expected.pt")
+    saved = run_ranks(2, _save, store, expected, True, tmp=tmp)
+    assert saved[0]["root"] == saved[1]["root"]
+    return store, expected, saved[0]["root"]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_an_fsdp2_gpt_saved_on_two_ranks_restores_bit_for_bit_on_one_to_four_ranks(tmp_path, fsdp2_saved, world):
+    store, expected, _ = fsdp2_saved
+    results = run_ranks(world, _restore, store, expected, True, tmp=tmp_path)
+    for r in results:
+        assert r["differ"] == [] and r["update"] == 3 and r["step"] == 3, results
+    if world in (1, 2):  # the same summation order as the uninterrupted run: training goes on identically
+        assert all(r["continued"] for r in results), results
+
+
+def test_a_ddp_checkpoint_restores_under_fsdp2_and_an_fsdp2_one_under_ddp(tmp_path, fsdp2_saved):
+    store, expected = str(tmp_path / "store"), str(tmp_path / "expected.pt")
+    run_ranks(2, _save, store, expected, False, tmp=tmp_path)  # DDP: plain replicated tensors
+    results = run_ranks(2, _restore, store, expected, True, tmp=tmp_path)
+    assert all(r["differ"] == [] for r in results), results
+    store, expected, _ = fsdp2_saved
+    results = run_ranks(2, _restore, store, expected, False, tmp=tmp_path)
+    assert all(r["differ"] == [] for r in results), results
+
+
+def test_an_fsdp2_checkpoint_loads_whole_in_one_process_and_exports_full_tensors(tmp_path, fsdp2_saved):
+    from safetensors.torch import load_file
+    store, expected, root = fsdp2_saved
+    want = torch.load(expected, weights_only=True)["full"]
+    model, optim = fsdp2_gpt(1)
+    train(model, optim, 1, 9)
+    state = _state(model, optim, 0)
+    alpha_ckpt.load(state, store=store, digest=root)  # one process, no process group: the logical tensors
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert differing(full_state(model, optim), want) == []
+    out = tmp_path / "gpt.safetensors"
+    from alpha_ckpt.export import export_generation
+    export_generation(store, root, out)
+    exported = load_file(out)
+    assert all(torch.equal(exported[k], want[k]) for k in want if k.startswith("model."))
+
+
+def _rows(rank, world, store, placement, save):
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(12 * 5, dtype=torch.float32).reshape(12, 5)
+    ckpt = Checkpointer(store, run="rows")
+    if save:
+        ckpt.save({"w": distribute_tensor(full, mesh, [Shard(0)]), "b": distribute_tensor(full[0], mesh, [Replicate()])},
+                  update=1)
+        return {}
+    dest = {"w": distribute_tensor(torch.zeros(12, 5), mesh, [placement]), "b": torch.zeros(5)}
+    ckpt.restore(dest, root="latest")
+    return {"equal": torch.equal(dest["w"].full_tensor(), full) and torch.equal(dest["b"], full[0]),
+            "bytes": ckpt.last_restore["bytes_read"]}
+
+
+def test_a_resharded_restore_reads_the_saved_slices_of_its_rows_plus_the_replicated_ones(tmp_path):
+    store = str(tmp_path / "store")
+    run_ranks(4, _rows, store, None, True, tmp=tmp_path)
+    results = run_ranks(2, _rows, store, Shard(0), False, tmp=tmp_path)
+    assert all(r["equal"] for r in results), results
+    # 12 rows of 5 float32 saved by 4 ranks (3 rows each), restored on 2: 6 rows (120 bytes) each, read
+    # from exactly two saved slices, plus the replicated 5 words (20 bytes). (A saved slice is read whole:
+    # on 3 ranks rank 1's rows 4-7 would read the slices of rows 3-8.)
+    assert [r["bytes"] for r in results] == [120 + 20] * 2
+
+
+def test_a_dtensor_shard_that_is_not_one_word_range_is_refused_on_every_rank_naming_it(tmp_path):
+    results = run_ranks(2, _column_shards, str(tmp_path / "store"), tmp=tmp_path)
+    assert [r["refusal"] for r in results] == ["format", "format"], results
+    assert all("'w'" in r["message"] and "alpha_ckpt.dcp" in r["message"] for r in results), results
+    with Store(str(tmp_path / "store"), create=False) as s:
+        assert s.list_refs("cols", "train") == []
+
+
+def _column_shards(rank, world, store):
+    mesh = init_device_mesh("cpu", (world,))
+    Checkpointer(store, run="cols").save({"w": distribute_tensor(torch.ones(4, 6), mesh, [Shard(1)])}, update=1)
+    return {}
+
+
+def test_contiguous_words_is_the_flat_range_of_a_box_or_none():
+    assert contiguous_words((12, 5), (4, 0), (4, 5)) == (20, 40)
+    assert contiguous_words((12, 5), (4, 0), (0, 5)) == (0, 0)
+    assert contiguous_words((4, 6), (0, 3), (4, 3)) is None
+    assert contiguous_words((1, 6), (0, 3), (1, 3)) == (3, 6)
+    assert contiguous_words((2, 3, 4), (1, 1, 0), (1, 2, 4)) == (16, 24)
+    assert contiguous_words((), (), ()) == (0, 1)
