@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Benchmark: save and restore one float32 state with alpha_ckpt, torch.save and DCP, against raw disk.
 
-Four sections, chosen with ``--section`` (default ``store``; ``all`` runs the
-four in turn, in one invocation):
+Five sections, chosen with ``--section`` (default ``store``; ``all`` runs the
+five in turn, in one invocation):
 
   store    one process: save and restore, ours against torch.save, DCP and raw disk
   stall    one process, a simulated training loop: the training stall of
@@ -12,6 +12,9 @@ four in turn, in one invocation):
   checkpointer  2 and 4 ranks: the collective ``alpha_ckpt.Checkpointer`` (star and
            tree publishers) against DCP with a process group, on a state that is
            half replicated and half partitioned
+  sharded  2 and 4 ranks: FSDP2-style sharded state (DTensors, Shard(0)): the
+           Checkpointer (star, tree) and DCP with alpha_ckpt's storage
+           (``alpha_ckpt.dcp``) against DCP's own FileSystemWriter/Reader
 
 Section "store"
 ---------------
@@ -182,9 +185,28 @@ the bytes each method left on disk. Ratios: ckpt-star and ckpt-tree throughput
 over dcp's and dcp-t2's, save and load (target: at least 1.0; reported, never
 enforced), and every method's save throughput over raw write.
 
+Section "sharded"
+-----------------
+As the checkpointer section, on another state and with one more method. The
+state is ``--tensors`` float32 matrices of 1024 columns (``--size-mib`` in all),
+each a DTensor placed ``Shard(0)`` on a 1-D mesh of the n ranks (built with
+``DTensor.from_local`` from this rank's rows), which is how FSDP2 holds
+parameters and AdamW moments. Every method saves and restores these same
+DTensors: ckpt-star and ckpt-tree as ``{"model": {name: dtensor}}`` (each rank
+writes the word range its rows are), dcp and dcp-t2 as DCP's flat state dict,
+and
+
+  dcp-alpha  ``dcp.save(state, storage_writer=alpha_ckpt.dcp.StorageWriter(DIR,
+             run="bench", step="fit", update=u, group=...))``, then
+             ``dcp.load(dest, storage_reader=alpha_ckpt.dcp.StorageReader(DIR,
+             root, group=...))``: DCP's planning, alpha_ckpt's store (BLAKE3,
+             durable commit, the ref, validation before any copy).
+
+Ratios: ckpt-star, ckpt-tree and dcp-alpha over dcp and dcp-t2.
+
 Every section ends with its tables; the last line is one JSON object with
 every median and ratio (the store section's keys at the top level, as before
-the other sections existed; ``stall``, ``owners`` and ``checkpointer`` beside them).
+the other sections existed; ``stall``, ``owners``, ``checkpointer`` and ``sharded`` beside them).
 
 Usage::
 
@@ -193,6 +215,7 @@ Usage::
     python scripts/bench_store.py --reps 5 --cold                     # restores from the device
     python scripts/bench_store.py --reps 5 --section all              # store, stall, owners and checkpointer
     python scripts/bench_store.py --reps 3 --section checkpointer     # Checkpointer against DCP, 2 and 4 ranks
+    python scripts/bench_store.py --reps 3 --section sharded          # DTensor state: Checkpointer, alpha_ckpt.dcp, DCP
     python scripts/bench_store.py --size-mib 64 --reps 1 --warmup 0 --section all   # smoke run of all
 """
 from __future__ import annotations
@@ -227,6 +250,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 import alpha_ckpt
+import alpha_ckpt.dcp as alpha_dcp
 from alpha_ckpt.format import CapturePrefix, RegionDecl
 from alpha_ckpt.planner import Hierarchy, Piece, WantedSlice, pack_shards, shares
 from alpha_ckpt.publish.tree import GroupTransport, TreeRole
@@ -1060,7 +1084,14 @@ def report_owners(args: argparse.Namespace, result: dict) -> dict:
 # its time is the slowest rank's.
 
 CKPT_METHODS = ("ckpt-star", "ckpt-tree", "dcp", "dcp-t2", "raw")
+# The sharded section adds DCP with alpha_ckpt's storage (alpha_ckpt.dcp) as "dcp-alpha".
+SHARDED_METHODS = ("ckpt-star", "ckpt-tree", "dcp-alpha", "dcp", "dcp-t2", "raw")
+SHARDED_COLS = 1024  # columns of every sharded matrix (rows: what the size leaves)
 CKPT_RESULT = "checkpointer_result.json"
+
+
+def section_methods(config_or_result: dict) -> tuple[str, ...]:
+    return SHARDED_METHODS if config_or_result.get("sharded") else CKPT_METHODS
 
 
 def reset_peak_rss() -> int | None:
@@ -1116,21 +1147,28 @@ def byte_views(tensors: list[torch.Tensor], nbytes: int) -> dict[str, torch.Tens
     return out
 
 
-def run_checkpointer(args: argparse.Namespace, top: str) -> dict:
+def run_checkpointer(args: argparse.Namespace, top: str, sharded: bool = False) -> dict:
     counts = sorted(set(args.ckpt_ranks))
     world = counts[-1]
-    workdir = os.path.join(top, "checkpointer")
+    name = "sharded" if sharded else "checkpointer"
+    workdir = os.path.join(top, name)
     os.mkdir(workdir)
     config = {"world": world, "counts": counts, "port": free_port(), "dir": workdir, "size_mib": args.size_mib,
               "tensors": args.tensors, "seed": args.seed, "reps": args.reps, "warmup": args.warmup,
-              "prefault": args.prefault, "cold": args.cold, "fanout": args.fanout}
+              "prefault": args.prefault, "cold": args.cold, "fanout": args.fanout, "sharded": sharded}
     print()
-    print(f"== section checkpointer: alpha_ckpt.Checkpointer against DCP, {', '.join(map(str, counts))} rank(s), gloo "
-          f"on 127.0.0.1; per rep, for each rank count, every method in turn: {', '.join(CKPT_METHODS)} (the order "
-          "rotated by one each round)")
-    print(f"  state: {args.tensors // 2} replicated tensors (model) + {args.tensors // 2} partitioned regions (moments, "
-          "shares() of the ranks); times are the slowest rank's; each restore verified with torch.equal (raw: not "
-          f"compared); restores on a {'COLD' if args.cold else 'HOT'} page cache", flush=True)
+    print(f"== section {name}: alpha_ckpt.Checkpointer{' and alpha_ckpt.dcp' if sharded else ''} against DCP, "
+          f"{', '.join(map(str, counts))} rank(s), gloo on 127.0.0.1; per rep, for each rank count, every method in "
+          f"turn: {', '.join(section_methods(config))} (the order rotated by one each round)")
+    if sharded:
+        print(f"  state: {args.tensors} float32 matrices of {SHARDED_COLS} columns as DTensors placed Shard(0) on a 1-D "
+              "mesh of the ranks, as FSDP2 holds parameters and AdamW moments; every method saves and restores the "
+              "same DTensors")
+    else:
+        print(f"  state: {args.tensors // 2} replicated tensors (model) + {args.tensors // 2} partitioned regions "
+              "(moments, shares() of the ranks)")
+    print(f"  times are the slowest rank's; each restore verified with torch.equal (raw: not compared); restores on a "
+          f"{'COLD' if args.cold else 'HOT'} page cache", flush=True)
     result = launch_ranks(args, config, "checkpointer", CKPT_RESULT)
     return report_checkpointer(args, result)
 
@@ -1148,6 +1186,7 @@ def checkpointer_process(config: dict) -> None:
     replicated_bytes = half * numel * 4
     seed = config["seed"] * 100_003
     member_of = [n for n in counts if rank < n]
+    sharded, methods = bool(config.get("sharded")), section_methods(config)
 
     # model: the same values on every rank (the same seeds). moments: region j is one random
     # vector of ``numel`` words; at count n this rank keeps its share of it.
@@ -1174,6 +1213,35 @@ def checkpointer_process(config: dict) -> None:
     raws = {n: RawDisk(rep_src, raw_bytes[n]) for n in member_of}
     raw_dest = {n: byte_views(list(rep_dest.values()) + list(part_dest[n].values()), raw_bytes[n]) for n in member_of}
 
+    # The sharded section: every tensor a (rows, SHARDED_COLS) matrix, a DTensor placed Shard(0) on the
+    # ranks of count n (this rank's rows of it), as FSDP2 holds parameters and AdamW moments.
+    dts: dict[str, dict[int, dict[str, torch.Tensor]]] = {"src": {}, "dest": {}}
+    if sharded:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        cols = SHARDED_COLS if numel % SHARDED_COLS == 0 else 1
+        shape = (numel // cols, cols)
+        rep_src, rep_dest, replicated_bytes = {}, {}, 0
+        meshes = {n: DeviceMesh.from_group(groups[n], "cpu") for n in member_of}
+        for n in member_of:
+            dts["src"][n], dts["dest"][n] = {}, {}
+        for i in range(tensors):
+            if not member_of:
+                break
+            full = torch.randn(shape, generator=torch.Generator().manual_seed(seed + 90_000 + i))
+            for n in member_of:
+                (local_rows, _), (row0, _) = compute_local_shape_and_global_offset(shape, meshes[n], [Shard(0)])
+                local = full[row0:row0 + local_rows].clone()
+                for which, data in (("src", local), ("dest", torch.full_like(local, float("nan")))):
+                    dts[which][n][f"w{i:02d}"] = DTensor.from_local(data, meshes[n], [Shard(0)], run_check=False,
+                                                                     shape=torch.Size(shape), stride=(cols, 1))
+            del full
+        own_bytes = {n: sum(t.to_local().nbytes for t in dts["src"][n].values()) for n in member_of}
+        raw_bytes = dict(own_bytes)
+        raws = {n: RawDisk({k: t.to_local() for k, t in dts["src"][n].items()}, raw_bytes[n]) for n in member_of}
+        raw_dest = {n: byte_views([t.to_local() for t in dts["dest"][n].values()], raw_bytes[n]) for n in member_of}
+
     def ckpt_state(n: int, rep: dict, part: dict) -> dict:
         lo, hi = ranges[n]
         return {"model": dict(rep),
@@ -1184,9 +1252,21 @@ def checkpointer_process(config: dict) -> None:
         # this rank's share of each region as a plain tensor under a key of its own.
         return {**{f"model.{k}": t for k, t in rep.items()}, **{f"moments.{k}.rank{rank}": t for k, t in part.items()}}
 
+    def ours(n: int, which: str) -> dict:
+        """The state the Checkpointer saves (``which`` "src") or restores into ("dest")."""
+        if sharded:
+            return {"model": dict(dts[which][n])}
+        return ckpt_state(n, *((rep_src, part_src[n]) if which == "src" else (rep_dest, part_dest[n])))
+
+    def theirs(n: int, which: str) -> dict:
+        """The same state as DCP's flat state dict."""
+        if sharded:
+            return {f"model.{k}": t for k, t in dts[which][n].items()}
+        return dcp_state(*((rep_src, part_src[n]) if which == "src" else (rep_dest, part_dest[n])))
+
     gc.freeze()  # the per-step gc.collect() then scans only what the methods left, not torch's own objects
-    times = {str(n): {m: {"save": [], "load": []} for m in CKPT_METHODS} for n in counts}
-    rss = {str(n): {m: {"save": [], "load": []} for m in CKPT_METHODS} for n in counts}
+    times = {str(n): {m: {"save": [], "load": []} for m in methods} for n in counts}
+    rss = {str(n): {m: {"save": [], "load": []} for m in methods} for n in counts}
     bytes_read = {str(n): {} for n in counts}
     disk_bytes = {str(n): {} for n in counts}
     verified = 0
@@ -1207,13 +1287,21 @@ def checkpointer_process(config: dict) -> None:
         return t.tolist()
 
     def poison_dest(n: int) -> None:
-        for t in list(rep_dest.values()) + list(part_dest[n].values()):
+        dest = [t.to_local() for t in dts["dest"][n].values()] if sharded else \
+            list(rep_dest.values()) + list(part_dest[n].values())
+        for t in dest:
             t.fill_(float("nan"))
+
+    def differing(n: int) -> int:
+        if sharded:
+            return sum(1 for k, t in dts["src"][n].items() if not torch.equal(t.to_local(), dts["dest"][n][k].to_local()))
+        bad = sum(1 for k in rep_src if not torch.equal(rep_src[k], rep_dest[k]))
+        return bad + sum(1 for k in part_src[n] if not torch.equal(part_src[n][k], part_dest[n][k]))
 
     for rnd in range(config["warmup"] + config["reps"]):
         timed = rnd >= config["warmup"]
         label = f"rep {rnd - config['warmup']}" if timed else "warm-up"
-        order = CKPT_METHODS[rnd % len(CKPT_METHODS):] + CKPT_METHODS[:rnd % len(CKPT_METHODS)]
+        order = methods[rnd % len(methods):] + methods[:rnd % len(methods)]
         for n in counts:
             member = rank < n
             group = groups[n]
@@ -1228,7 +1316,7 @@ def checkpointer_process(config: dict) -> None:
                     # Untimed: open the store and declare a fresh start of this run (collective).
                     ckpt = alpha_ckpt.Checkpointer(directory, run="bench", step="fit", group=group,
                                                    publisher=method[len("ckpt-"):], fanout=config["fanout"])
-                    ckpt.restore(ckpt_state(n, rep_src, part_src[n]), root=None)
+                    ckpt.restore(ours(n, "src"), root=None)
                 gc.collect()
                 if member:
                     prefault(int(config["prefault"] * own_bytes[n]))
@@ -1238,12 +1326,16 @@ def checkpointer_process(config: dict) -> None:
                 handle = None
                 if member:
                     if ckpt is not None:
-                        handle = ckpt.save(ckpt_state(n, rep_src, part_src[n]), update=rnd + 1, cursor=rnd + 1)
+                        handle = ckpt.save(ours(n, "src"), update=rnd + 1, cursor=rnd + 1)
                     elif method == "dcp":
-                        dcp.save(dcp_state(rep_src, part_src[n]), checkpoint_id=directory, process_group=group)
+                        dcp.save(theirs(n, "src"), checkpoint_id=directory, process_group=group)
                     elif method == "dcp-t2":
-                        dcp.save(dcp_state(rep_src, part_src[n]), process_group=group,
+                        dcp.save(theirs(n, "src"), process_group=group,
                                  storage_writer=FileSystemWriter(directory, thread_count=2))
+                    elif method == "dcp-alpha":
+                        writer = alpha_dcp.StorageWriter(directory, run="bench", step="fit", update=rnd + 1, group=group)
+                        handle = dcp.save(theirs(n, "src"), process_group=group,
+                                          storage_writer=writer).storage_meta.checkpoint_id
                     else:
                         handle = raws[n].save(None, directory, rnd, name=f"raw-{rank}.bin")
                 elapsed = time.perf_counter() - t if member else 0.0
@@ -1265,9 +1357,12 @@ def checkpointer_process(config: dict) -> None:
                 t = time.perf_counter()
                 if member:
                     if ckpt is not None:
-                        ckpt.restore(ckpt_state(n, rep_dest, part_dest[n]), root=handle)
+                        ckpt.restore(ours(n, "dest"), root=handle)
                     elif method in ("dcp", "dcp-t2"):
-                        dcp.load(dcp_state(rep_dest, part_dest[n]), checkpoint_id=directory, process_group=group)
+                        dcp.load(theirs(n, "dest"), checkpoint_id=directory, process_group=group)
+                    elif method == "dcp-alpha":
+                        dcp.load(theirs(n, "dest"), process_group=group,
+                                 storage_reader=alpha_dcp.StorageReader(directory, handle, group=group))
                     else:
                         RawDisk.restore(raw_dest[n], directory, handle)
                 elapsed = time.perf_counter() - t if member else 0.0
@@ -1277,8 +1372,7 @@ def checkpointer_process(config: dict) -> None:
 
                 bad = 0
                 if member and method != "raw":
-                    bad = sum(1 for k in rep_src if not torch.equal(rep_src[k], rep_dest[k]))
-                    bad += sum(1 for k in part_src[n] if not torch.equal(part_src[n][k], part_dest[n][k]))
+                    bad = differing(n)
                 bad_total = torch.tensor([bad], dtype=torch.int64)
                 dist.all_reduce(bad_total)
                 if int(bad_total.item()):
@@ -1308,7 +1402,7 @@ def checkpointer_process(config: dict) -> None:
     if rank == 0:
         out = {"bytes": state_bytes, "replicated_bytes": replicated_bytes, "partitioned_bytes": state_bytes -
                replicated_bytes, "counts": counts, "times": times, "rss": rss, "bytes_read": bytes_read,
-               "disk_bytes": disk_bytes, "verified_restores": verified, "fanout": config["fanout"]}
+               "disk_bytes": disk_bytes, "verified_restores": verified, "fanout": config["fanout"], "sharded": sharded}
         path = os.path.join(top, CKPT_RESULT)
         with open(path + ".tmp", "w") as f:
             json.dump(out, f)
@@ -1318,22 +1412,24 @@ def checkpointer_process(config: dict) -> None:
 
 def report_checkpointer(args: argparse.Namespace, result: dict) -> dict:
     nbytes, counts, times = result["bytes"], result["counts"], result["times"]
-    med = {n: {m: {k: median(v) for k, v in times[str(n)][m].items()} for m in CKPT_METHODS} for n in counts}
-    gbps = {n: {m: {k: nbytes / v / 1e9 for k, v in med[n][m].items()} for m in CKPT_METHODS} for n in counts}
+    methods, name = section_methods(result), "sharded" if result.get("sharded") else "checkpointer"
+    ours = [m for m in methods if m not in ("dcp", "dcp-t2", "raw")]
+    med = {n: {m: {k: median(v) for k, v in times[str(n)][m].items()} for m in methods} for n in counts}
+    gbps = {n: {m: {k: nbytes / v / 1e9 for k, v in med[n][m].items()} for m in methods} for n in counts}
 
     def rss_median(n: int, m: str, phase: str) -> list[float]:
         samples = result["rss"][str(n)][m][phase]  # one list per rep, one value per rank
         return [median([s[r] for s in samples]) for r in range(n)]
 
-    rss = {n: {m: {p: rss_median(n, m, p) for p in ("save", "load")} for m in CKPT_METHODS} for n in counts}
+    rss = {n: {m: {p: rss_median(n, m, p) for p in ("save", "load")} for m in methods} for n in counts}
     print()
-    print(f"checkpointer: medians over {args.reps} rep(s), {nbytes / 1e9:.3f} GB per save in all "
+    print(f"{name}: medians over {args.reps} rep(s), {nbytes / 1e9:.3f} GB per save in all "
           f"({result['replicated_bytes'] / 1e9:.3f} GB replicated on every rank, {result['partitioned_bytes'] / 1e9:.3f}"
           f" GB partitioned), time = slowest rank, restores on a {'COLD' if args.cold else 'HOT'} page cache")
     print(f"{'ranks':>5} {'method':<9} {'save s':>8} {'save GB/s':>10} {'(min-max s)':>17}   {'restore s':>9} "
           f"{'rest. GB/s':>10} {'(min-max s)':>17}   {'peak RSS +MiB save r0/others':>28} {'restore r0/others':>18}")
     for n in counts:
-        for m in CKPT_METHODS:
+        for m in methods:
             s, l = times[str(n)][m]["save"], times[str(n)][m]["load"]
             rs, rl = rss[n][m]["save"], rss[n][m]["load"]
             print(f"{n:>5} {m:<9} {med[n][m]['save']:8.3f} {gbps[n][m]['save']:10.2f} "
@@ -1346,28 +1442,28 @@ def report_checkpointer(args: argparse.Namespace, result: dict) -> dict:
           "it counts mapped file pages too)")
     print("  bytes on disk after one save, and bytes each rank's Checkpointer restore read (MiB):")
     for n in counts:
-        on_disk = ", ".join(f"{m} {result['disk_bytes'][str(n)].get(m, 0) / MiB:.0f}" for m in CKPT_METHODS)
+        on_disk = ", ".join(f"{m} {result['disk_bytes'][str(n)].get(m, 0) / MiB:.0f}" for m in methods)
         read = "; ".join(f"{m} [{', '.join(f'{b / MiB:.0f}' for b in result['bytes_read'][str(n)].get(m, []))}]"
                          for m in ("ckpt-star", "ckpt-tree"))
         print(f"    {n} rank(s): on disk {on_disk}; read per rank {read}")
 
     targets = {}
-    for m in ("ckpt-star", "ckpt-tree"):
+    for m in ours:
         for d in ("dcp", "dcp_t2"):
             targets[f"{m}_save_GBps/{d}_save_GBps"] = (">=", 1.0)
             targets[f"{m}_load_GBps/{d}_load_GBps"] = (">=", 1.0)
     ratios: dict[str, dict[str, float]] = {}
     met: dict[str, dict[str, bool]] = {}
     print()
-    print("checkpointer: throughput ratios (of medians); target: at least DCP's throughput, save and load")
+    print(f"{name}: throughput ratios (of medians); target: at least DCP's throughput, save and load")
     for n in counts:
         g = gbps[n]
         r = {}
-        for m in ("ckpt-star", "ckpt-tree"):
+        for m in ours:
             for d, key in (("dcp", "dcp"), ("dcp-t2", "dcp_t2")):
                 r[f"{m}_save_GBps/{key}_save_GBps"] = g[m]["save"] / g[d]["save"]
                 r[f"{m}_load_GBps/{key}_load_GBps"] = g[m]["load"] / g[d]["load"]
-        for m, key in (("ckpt-star", "ckpt-star"), ("ckpt-tree", "ckpt-tree"), ("dcp", "dcp"), ("dcp-t2", "dcp_t2")):
+        for m, key in [(m, m) for m in ours] + [("dcp", "dcp"), ("dcp-t2", "dcp_t2")]:
             r[f"{key}_save_GBps/raw_write_GBps"] = g[m]["save"] / g["raw"]["save"]
         ratios[str(n)], met[str(n)] = r, targets_met(r, targets)
         print(f"  {n} rank(s)   (raw disk this run: write {g['raw']['save']:.2f} GB/s, readinto "
@@ -1376,7 +1472,8 @@ def report_checkpointer(args: argparse.Namespace, result: dict) -> dict:
     return {"bytes": nbytes, "replicated_bytes": result["replicated_bytes"],
             "partitioned_bytes": result["partitioned_bytes"], "counts": counts, "reps": args.reps,
             "warmup": args.warmup, "cache": "cold" if args.cold else "hot", "fanout": result["fanout"],
-            "dcp_partitions": "plain tensors under per-rank keys moments.<region>.rank<r>",
+            "dcp_partitions": "the same DTensors" if result.get("sharded") else
+            "plain tensors under per-rank keys moments.<region>.rank<r>", "sharded": bool(result.get("sharded")),
             "median_s": {str(n): v for n, v in med.items()}, "median_GBps": {str(n): v for n, v in gbps.items()},
             "raw_GBps": {str(n): {"write": gbps[n]["raw"]["save"], "read": gbps[n]["raw"]["load"]} for n in counts},
             "peak_rss_growth_MiB": {str(n): v for n, v in rss.items()}, "bytes_read": result["bytes_read"],
@@ -1386,7 +1483,7 @@ def report_checkpointer(args: argparse.Namespace, result: dict) -> dict:
 
 # ---------------------------------------------------------------- driver
 
-SECTIONS = ("store", "stall", "owners", "checkpointer")
+SECTIONS = ("store", "stall", "owners", "checkpointer", "sharded")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -1439,6 +1536,10 @@ def run(args: argparse.Namespace) -> dict:
             state = dest = None
             gc.collect()
             result["checkpointer"] = run_checkpointer(args, top)
+        if "sharded" in sections:
+            state = dest = None
+            gc.collect()
+            result["sharded"] = run_checkpointer(args, top, sharded=True)
     finally:
         shutil.rmtree(top, ignore_errors=True)
     print()
@@ -1451,7 +1552,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     p.add_argument("--section", nargs="+", choices=SECTIONS + ("all",), default=["store"],
                    help="what to measure: store (one process, save/restore against torch, DCP and raw disk), stall "
                         "(training stall of synchronous and asynchronous saves), owners (1/2/4 owner processes), "
-                        "checkpointer (the collective Checkpointer against DCP on 2/4 ranks), or all (default: store)")
+                        "checkpointer (the collective Checkpointer against DCP on 2/4 ranks), sharded (DTensor state: "
+                        "Checkpointer and alpha_ckpt.dcp against DCP on 2/4 ranks), or all (default: store)")
     p.add_argument("--reps", type=int, default=5, help="repetitions of the alternating method sequence (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds of every method before the timed ones (default 1)")
     p.add_argument("--size-mib", type=int, default=1024, help="total state size in MiB (default 1024)")
