@@ -478,21 +478,30 @@ class StorageReader(_DcpStorageReader):
             future.set_result(None)  # another rank refused: DCP raises its refusal here too; nothing copied
             return future
         try:
-            buffers = [torch.empty((w.hi - w.lo) * DTYPES[r.dtype][0], dtype=torch.uint8)
-                       for w, (_, r, _) in zip(wanted, boxes)]
+            # A box that is one word range, bound for a contiguous CPU destination of its dtype (row
+            # blocks, FSDP2's shards), is copied straight into it; any other goes through a buffer.
+            targets, buffers = [], []
+            for w, (item, region, _) in zip(wanted, boxes):
+                dest = planner.resolve_tensor(item).detach()
+                direct = (dest.device.type == "cpu" and dest.is_contiguous() and dest.numel() == w.hi - w.lo
+                          and dest.dtype == torch_dtype(region.dtype))
+                buf = dest.reshape(-1).view(torch.uint8) if direct else \
+                    torch.empty((w.hi - w.lo) * DTYPES[region.dtype][0], dtype=torch.uint8)
+                targets.append((dest, direct))
+                buffers.append(buf)
             self.bytes_read = prepared.bytes_read
             prepared.copy_into(buffers)
         finally:
             generation.close()
-        for buf, (item, region, lo) in zip(buffers, boxes):
-            words = buf.view(torch_dtype(region.dtype))
-            strides = [math.prod(region.shape[d + 1:]) for d in range(len(region.shape))]
-            start = sum(o * s for o, s in zip(item.storage_offsets, strides)) - lo
-            source = words.as_strided(tuple(item.lengths), strides, start) if words.numel() else \
-                torch.empty(tuple(item.lengths), dtype=words.dtype)
-            target = planner.resolve_tensor(item).detach()
-            target.copy_(source)
-            planner.commit_tensor(item, target)
+        for buf, (dest, direct), (item, region, lo) in zip(buffers, targets, boxes):
+            if not direct:
+                words = buf.view(torch_dtype(region.dtype))
+                strides = [math.prod(region.shape[d + 1:]) for d in range(len(region.shape))]
+                start = sum(o * s for o, s in zip(item.storage_offsets, strides)) - lo
+                source = words.as_strided(tuple(item.lengths), strides, start) if words.numel() else \
+                    torch.empty(tuple(item.lengths), dtype=words.dtype)
+                dest.copy_(source)
+            planner.commit_tensor(item, dest)
         for item, value in values:
             _load_value(planner, item, value)
         future = Future()
