@@ -280,8 +280,8 @@ class Checkpointer:
                 else:
                     hashed.append((region.name, view))
             else:
-                lo, hi = (where[0], where[1]) if isinstance(where, tuple) else (0, region.words)
-                own.append((region.name, lo, hi, view[:(hi - lo) * size]))
+                for lo, hi, at in words_held(where, region.words):
+                    own.append((region.name, lo, hi, view[at * size:(at + hi - lo) * size]))
         descriptor = {"prefix": prefix.to_json(), "skeleton": captured.skeleton, "replicated": replicated,
                       "regions": [r.to_json() for r in regions], "pieces": [[n, lo, hi] for n, lo, hi, _ in own],
                       "device": self.device}
@@ -724,6 +724,15 @@ def saved_layout(descriptors: list[dict], regions: Sequence[RegionDecl]) -> dict
         else:
             return None
     return {"rule": "shares", "partitioned": partitioned, "own": own}
+
+
+def words_held(where: Any, words: int) -> tuple[tuple[int, int, int], ...]:
+    """(lo, hi, at) of the region's words a rank holds, by its placement (pure): at is where in the rank's flat tensor."""
+    if isinstance(where, tuple) and where[0] == "ranges":
+        return where[1]
+    if isinstance(where, tuple):
+        return ((where[0], where[1], 0),)
+    return ((0, words, 0),)
 
 
 def replica_writers(regions: Sequence[RegionDecl], placement: Sequence[Any], world: int) -> dict[str, int]:

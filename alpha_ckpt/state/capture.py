@@ -38,8 +38,10 @@ class CapturedState:
     """A state as regions (``named``: dotted name and tensor, in declaration order) and a typed skeleton.
 
     ``placement[i]`` says where region i lives: "replicated" (every rank holds it
-    whole), "per-rank" (this rank's own, inside a :class:`PerRank`), or
-    (lo, hi, shape): this rank's words of a :class:`Partitioned` region.
+    whole), "per-rank" (this rank's own, inside a :class:`PerRank`),
+    (lo, hi, shape): this rank's words of a :class:`Partitioned` region, or
+    ("ranges", ((lo, hi, at), ...), shape): a sharded DTensor's local shard as several word
+    ranges (its flat words [at, at + hi - lo) are the region's [lo, hi)).
     """
 
     named: tuple[tuple[str, torch.Tensor], ...]
@@ -84,13 +86,15 @@ def capture_state(state: Mapping[str, Any], rank: int = 0, world: int = 1) -> Ca
             if per_rank_depth[0]:
                 raise ValueError(f"state entry {name!r}: Partitioned inside PerRank")
             return {"tensor": add(name, obj.tensor, (obj.lo, obj.hi, obj.shape))}
-        if is_dtensor(obj):  # its local shard, as a Partitioned range of the global tensor (or whole if replicated)
+        if is_dtensor(obj):  # its local shard, as word ranges of the global tensor (or whole if replicated)
             part = dtensor_part(obj, name)
+            if isinstance(part, torch.Tensor):
+                return {"tensor": add(name, part)}
+            if per_rank_depth[0]:
+                raise ValueError(f"state entry {name!r}: a sharded DTensor inside PerRank")
             if isinstance(part, Partitioned):
-                if per_rank_depth[0]:
-                    raise ValueError(f"state entry {name!r}: a sharded DTensor inside PerRank")
                 return {"tensor": add(name, part.tensor, (part.lo, part.hi, part.shape))}
-            return {"tensor": add(name, part)}
+            return {"tensor": add(name, part.tensor, ("ranges", part.ranges, part.shape))}
         if isinstance(obj, torch.Tensor):
             return {"tensor": add(name, obj)}
         if isinstance(obj, np.ndarray):

@@ -32,7 +32,7 @@ import torch
 from ..format import RegionDecl
 from ..manifest import describe_region, dtype_name, refuse_mismatch, torch_dtype
 from .capture import capture_state, dotted_leaves as _refs, is_stateful
-from .placement import Partitioned, PerRank, dtensor_part, is_dtensor
+from .placement import Partitioned, PerRank, is_dtensor, restore_ranges
 from .values import PerRankSaved, RegionRef, decode_value
 
 _ABSENT = object()
@@ -139,17 +139,23 @@ class _Matcher:
 
     def dtensor(self, dest: Any, ref: RegionRef, name: str) -> Callable[[], Any]:
         """A DTensor is filled in its local shard: the words of the global tensor that shard holds."""
-        part = dtensor_part(dest, name)
-        if not isinstance(part, Partitioned):
+        part = restore_ranges(dest, name)
+        if isinstance(part, torch.Tensor):
             fill = self.region(part, ref, name)
             return lambda: (fill(), dest)[1]
         local = dest.to_local()
-        fill = self.region(part.tensor, ref, name, (part.lo, part.hi, part.shape))
+        ranges = part.ranges or ((0, 0, 0),)
+        before = len(self.plan.targets)
+        lo, hi, at = ranges[0]
+        fill = self.region(part.tensor[at:at + hi - lo], ref, name, (lo, hi, part.shape))
+        if len(self.plan.targets) > before:  # the region matched: every other range of the shard too
+            ordinal = self.plan.targets[-1][0]
+            self.plan.targets.extend((ordinal, part.tensor[at:at + hi - lo], lo, hi) for lo, hi, at in ranges[1:])
 
         def finish() -> Any:
             fill()
-            if not local.is_contiguous():  # part.tensor was a contiguous copy: the words go back in place
-                local.copy_(part.tensor.view(local.shape))
+            if part.tensor.data_ptr() != local.data_ptr() or not local.is_contiguous():
+                local.copy_(part.tensor.view(local.shape))  # part.tensor was a contiguous copy: the words go back
             return dest
         return finish
 

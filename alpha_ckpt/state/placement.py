@@ -6,6 +6,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -60,31 +61,73 @@ def contiguous_words(shape: tuple[int, ...], offsets: tuple[int, ...], lengths: 
     return lo, lo + math.prod(lengths)
 
 
-def dtensor_part(value: Any, name: str) -> "Partitioned | torch.Tensor":
-    """A DTensor as the Checkpointer stores it: a replicated one as its local (whole) tensor, a sharded one
-    as the Partitioned word range its local shard is of the global tensor (FSDP2's ``Shard(0)``, any
-    ``Shard(d)`` whose shard is one contiguous range). Raises ValueError, naming the entry, for a
-    ``Partial`` placement, a shard that is not one range, or replicas across mesh dimensions."""
+@dataclass
+class ShardRanges:
+    """A DTensor's local shard as word ranges of its global tensor: ``ranges`` are (lo, hi, at): global
+    words [lo, hi) are the local shard's flat words [at, at + hi - lo). None of them on a rank that
+    only holds a replica of words another rank saves (HSDP)."""
+
+    tensor: torch.Tensor  # the local shard, flat and contiguous
+    ranges: tuple[tuple[int, int, int], ...]
+    shape: tuple[int, ...]
+
+
+def box_ranges(shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
+    """Pure: the row-major box at ``offsets`` of ``lengths`` in a tensor of ``shape`` as (lo, hi, at)
+    word ranges, in the box's own row-major order (``at``: where the range starts in the box)."""
+    if any(n == 0 for n in lengths):
+        return ()
+    one = contiguous_words(shape, offsets, lengths)
+    if one is not None:
+        return ((one[0], one[1], 0),)
+    partial = [d for d in range(len(shape)) if lengths[d] != shape[d]][-1]
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    run = lengths[partial] * strides[partial]
+    starts = np.zeros(1, dtype=np.int64) + offsets[partial] * strides[partial]
+    for d in range(partial):  # every index of the leading box dimensions, row-major
+        starts = (starts[:, None] + (offsets[d] + np.arange(lengths[d], dtype=np.int64))[None, :] * strides[d]).T
+        starts = starts.reshape(-1)
+    starts = np.sort(starts)  # row-major in the tensor is row-major in the box
+    return tuple((int(lo), int(lo) + run, i * run) for i, lo in enumerate(starts))
+
+
+def dtensor_part(value: Any, name: str) -> "torch.Tensor | Partitioned | ShardRanges":
+    """A DTensor as the Checkpointer stores it: a replicated one as its local (whole) tensor; a sharded one
+    as the word ranges of the global tensor its local shard is: a Partitioned range when it is one
+    (FSDP2's ``Shard(0)``), else :class:`ShardRanges` (``Shard(1)`` of a matrix, a box of a 2-D mesh:
+    one range per row of the box). Sharded on one mesh dimension and replicated on another (HSDP),
+    only the ranks at index 0 of the replicating dimensions store their shard. Raises ValueError,
+    naming the entry, for ``Partial`` and for ``_StridedShard`` (FSDP2 over a tensor-parallel shard)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     placements, mesh = tuple(value.placements), value.device_mesh
     local = value.to_local()
     if all(isinstance(p, Replicate) for p in placements):
         return local
-    strided = any(type(p).__name__ == "_StridedShard" for p in placements)  # FSDP2 over tensor parallel
-    if not strided and not all(isinstance(p, (Shard, Replicate)) for p in placements):
+    if any(type(p).__name__ == "_StridedShard" for p in placements):
+        raise ValueError(f"state entry {name!r} is a DTensor placed {placements} on mesh {tuple(mesh.shape)}: a "
+                         "strided shard (FSDP2 over a tensor-parallel Shard) is not stored by the Checkpointer yet; "
+                         "save it through alpha_ckpt.dcp")
+    if not all(isinstance(p, (Shard, Replicate)) for p in placements):
         raise ValueError(f"state entry {name!r} is a DTensor placed {placements}: partial (unreduced) values are not "
                          "a checkpoint; reduce them first")
-    if any(isinstance(p, Replicate) and mesh.size(d) > 1 for d, p in enumerate(placements)):
-        raise ValueError(f"state entry {name!r} is a DTensor placed {placements} on mesh {tuple(mesh.shape)}: "
-                         "sharded and replicated across mesh dimensions (HSDP) is not stored by the Checkpointer "
-                         "yet; save it through alpha_ckpt.dcp")
     shape = tuple(int(d) for d in value.shape)
     lengths, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
-    words = None if strided else contiguous_words(shape, tuple(offsets), tuple(lengths))
-    if words is None or strided:
-        raise ValueError(f"state entry {name!r} is a DTensor placed {placements} on mesh {tuple(mesh.shape)}: its "
-                         f"local shard {list(lengths)} at {list(offsets)} is not one contiguous word range of "
-                         f"{list(shape)}; the Checkpointer stores row-wise (Shard(0)) and replicated DTensors "
-                         "today; save it through alpha_ckpt.dcp")
-    return Partitioned(local.reshape(-1), words[0], words[1], shape)
+    lengths, offsets = tuple(int(n) for n in lengths), tuple(int(o) for o in offsets)
+    stores = all(mesh.get_local_rank(d) == 0 for d, p in enumerate(placements) if isinstance(p, Replicate))
+    words = contiguous_words(shape, offsets, lengths)
+    if words is not None and stores:
+        return Partitioned(local.reshape(-1), words[0], words[1], shape)
+    return ShardRanges(local.reshape(-1), box_ranges(shape, offsets, lengths) if stores else (), shape)
+
+
+def restore_ranges(value: Any, name: str) -> "torch.Tensor | ShardRanges":
+    """Where a DTensor destination's words go: its local shard (replicated), or every range of it
+    (a replica's too: each rank restores what it holds, whoever saved it)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    part = dtensor_part(value, name)
+    if isinstance(part, torch.Tensor):
+        return part
+    lengths, offsets = compute_local_shape_and_global_offset(tuple(value.shape), value.device_mesh, value.placements)
+    return ShardRanges(part.tensor, box_ranges(part.shape, tuple(int(o) for o in offsets),
+                                               tuple(int(n) for n in lengths)), part.shape)

@@ -7,7 +7,8 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import alpha_ckpt
 from alpha_ckpt import Checkpointer
-from alpha_ckpt.state.placement import contiguous_words
+from alpha_ckpt.state.placement import box_ranges, contiguous_words
+from alpha_ckpt.restore import open_generation, payload_bytes
 from alpha_ckpt.store import Store
 from ranks import run_ranks
 from sharded_training import differing, fsdp2_gpt, full_state, train
@@ -122,17 +123,18 @@ def test_a_resharded_restore_reads_the_saved_slices_of_its_rows_plus_the_replica
     assert [r["bytes"] for r in results] == [120 + 20] * 2
 
 
-def test_a_dtensor_shard_that_is_not_one_word_range_is_refused_on_every_rank_naming_it(tmp_path):
-    results = run_ranks(2, _column_shards, str(tmp_path / "store"), tmp=tmp_path)
+def test_a_partial_dtensor_is_refused_on_every_rank_naming_it_and_nothing_is_published(tmp_path):
+    results = run_ranks(2, _partial, str(tmp_path / "store"), tmp=tmp_path)
     assert [r["refusal"] for r in results] == ["format", "format"], results
-    assert all("'w'" in r["message"] and "alpha_ckpt.dcp" in r["message"] for r in results), results
+    assert all("'w'" in r["message"] and "partial" in r["message"] for r in results), results
     with Store(str(tmp_path / "store"), create=False) as s:
-        assert s.list_refs("cols", "train") == []
+        assert s.list_refs("partial", "train") == []
 
 
-def _column_shards(rank, world, store):
+def _partial(rank, world, store):
+    from torch.distributed.tensor import DTensor, Partial
     mesh = init_device_mesh("cpu", (world,))
-    Checkpointer(store, run="cols").save({"w": distribute_tensor(torch.ones(4, 6), mesh, [Shard(1)])}, update=1)
+    Checkpointer(store, run="partial").save({"w": DTensor.from_local(torch.ones(4, 6), mesh, [Partial()])}, update=1)
     return {}
 
 
@@ -143,3 +145,47 @@ def test_contiguous_words_is_the_flat_range_of_a_box_or_none():
     assert contiguous_words((1, 6), (0, 3), (1, 3)) == (3, 6)
     assert contiguous_words((2, 3, 4), (1, 1, 0), (1, 2, 4)) == (16, 24)
     assert contiguous_words((), (), ()) == (0, 1)
+
+
+def test_box_ranges_are_the_rows_of_a_box_in_order_with_where_each_starts_in_the_box():
+    assert box_ranges((12, 5), (4, 0), (4, 5)) == ((20, 40, 0),)
+    assert box_ranges((4, 6), (0, 3), (4, 3)) == ((3, 6, 0), (9, 12, 3), (15, 18, 6), (21, 24, 9))
+    assert box_ranges((2, 4, 6), (1, 2, 0), (1, 2, 3)) == ((36, 39, 0), (42, 45, 3))
+    assert box_ranges((4, 6), (2, 0), (0, 6)) == ()
+
+
+def _meshed(rank, world, store, mesh_shape, placements, save, publisher="star"):
+    mesh = init_device_mesh("cpu", mesh_shape)
+    full = {"w": torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6), "v": torch.arange(6, dtype=torch.float32).reshape(3, 2) - 7,
+            "b": torch.arange(5 * 4 * 3, dtype=torch.float64).reshape(5, 4, 3)}
+    ckpt = Checkpointer(store, run="mesh", publisher=publisher)
+    if save:
+        ckpt.save({k: distribute_tensor(t, mesh, placements) for k, t in full.items()}, update=1)
+        return {}
+    dest = {k: distribute_tensor(torch.zeros_like(t), mesh, placements) for k, t in full.items()}
+    ckpt.restore(dest, root="latest")
+    return {"equal": all(torch.equal(dest[k].full_tensor(), full[k]) for k in full)}
+
+
+@pytest.mark.parametrize("publisher", ["star", "tree"])
+def test_a_2d_mesh_checkpoint_of_row_and_column_shards_restores_bit_for_bit_on_a_1d_mesh(tmp_path, publisher):
+    store = str(tmp_path / "store")
+    # FSDP x TP on a 2 x 2 mesh: rows over the first dimension, columns (TP row-wise) over the second.
+    run_ranks(4, _meshed, store, (2, 2), [Shard(0), Shard(1)], True, publisher, tmp=tmp_path)
+    for placements in ([Shard(0)], [Shard(1)], [Replicate()]):
+        results = run_ranks(2, _meshed, store, (2,), placements, False, publisher, tmp=tmp_path)
+        assert all(r["equal"] for r in results), (placements, results)
+    results = run_ranks(3, _meshed, store, (3,), [Shard(0)], False, publisher, tmp=tmp_path)  # 5 rows over 3: 2, 2, 1
+    assert all(r["equal"] for r in results), results
+
+
+def test_an_hsdp_checkpoint_is_saved_once_per_shard_and_restores_on_any_mesh(tmp_path):
+    store = str(tmp_path / "store")
+    # Replicated over the first mesh dimension, sharded over the second: ranks 2 and 3 hold replicas.
+    run_ranks(4, _meshed, store, (2, 2), [Replicate(), Shard(0)], True, tmp=tmp_path)
+    results = run_ranks(4, _meshed, store, (4,), [Shard(1)], False, tmp=tmp_path)  # "v": 2 columns over 4 ranks
+    assert all(r["equal"] for r in results), results
+    with Store(store, create=False) as s:
+        (ref,) = s.list_refs("mesh", "train")
+        with open_generation(s, ref.root) as generation:  # each word stored once, not once per replica
+            assert payload_bytes(generation) == 8 * 6 * 4 + 6 * 4 + 5 * 4 * 3 * 8
