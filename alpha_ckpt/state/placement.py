@@ -94,21 +94,19 @@ def box_ranges(shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[
 def dtensor_part(value: Any, name: str) -> "torch.Tensor | Partitioned | ShardRanges":
     """A DTensor as the Checkpointer stores it: a replicated one as its local (whole) tensor; a sharded one
     as the word ranges of the global tensor its local shard is: a Partitioned range when it is one
-    (FSDP2's ``Shard(0)``), else :class:`ShardRanges` (``Shard(1)`` of a matrix, a box of a 2-D mesh:
-    one range per row of the box). Sharded on one mesh dimension and replicated on another (HSDP),
-    only the ranks at index 0 of the replicating dimensions store their shard. Raises ValueError,
-    naming the entry, for ``Partial`` and for ``_StridedShard`` (FSDP2 over a tensor-parallel shard)."""
+    (FSDP2's ``Shard(0)``), else :class:`ShardRanges` (``Shard(1)`` of a matrix, a box of a 2-D mesh,
+    FSDP2 over tensor parallel: one range per row of the box). Sharded on one mesh dimension and
+    replicated on another (HSDP), only the ranks at index 0 of the replicating dimensions store
+    their shard. Raises ValueError, naming the entry, for ``Partial``."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     placements, mesh = tuple(value.placements), value.device_mesh
     local = value.to_local()
     if all(isinstance(p, Replicate) for p in placements):
         return local
-    if any(type(p).__name__ == "_StridedShard" for p in placements):
-        raise ValueError(f"state entry {name!r} is a DTensor placed {placements} on mesh {tuple(mesh.shape)}: a "
-                         "strided shard (FSDP2 over a tensor-parallel Shard) is not stored by the Checkpointer yet; "
-                         "save it through alpha_ckpt.dcp")
-    if not all(isinstance(p, (Shard, Replicate)) for p in placements):
+    # _StridedShard (FSDP2 over a tensor-parallel Shard) leaves each rank one box too: its offsets come
+    # from the same function DCP takes its chunk offsets from.
+    if not all(isinstance(p, (Shard, Replicate)) or type(p).__name__ == "_StridedShard" for p in placements):
         raise ValueError(f"state entry {name!r} is a DTensor placed {placements}: partial (unreduced) values are not "
                          "a checkpoint; reduce them first")
     shape = tuple(int(d) for d in value.shape)

@@ -189,3 +189,45 @@ def test_an_hsdp_checkpoint_is_saved_once_per_shard_and_restores_on_any_mesh(tmp
         (ref,) = s.list_refs("mesh", "train")
         with open_generation(s, ref.root) as generation:  # each word stored once, not once per replica
             assert payload_bytes(generation) == 8 * 6 * 4 + 6 * 4 + 5 * 4 * 3 * 8
+
+
+def _tp_model(mesh_shape):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    if len(mesh_shape) == 2:  # FSDP2 over tensor parallel, as torchtitan builds it
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["dp"])
+    else:
+        fully_shard(model, mesh=init_device_mesh("cpu", mesh_shape))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, optim
+
+
+def _fsdp_tp(rank, world, store, mesh_shape, save, expected):
+    model, optim = _tp_model(mesh_shape)
+    ckpt = Checkpointer(store, run="fsdp-tp")
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
+    if save:
+        for _ in range(2):
+            model(x).square().mean().backward()
+            optim.step()
+            optim.zero_grad()
+        ckpt.save(_state(model, optim, 2), update=2)
+        full = full_state(model, optim)
+        if rank == 0:
+            torch.save(full, expected)
+        return {}
+    state = _state(model, optim, 0)
+    ckpt.restore(state, root="latest")
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return {"differ": differing(full_state(model, optim), torch.load(expected, weights_only=True))}
+
+
+def test_an_fsdp2_over_tensor_parallel_checkpoint_on_a_2x2_mesh_restores_bit_for_bit_on_a_1d_mesh(tmp_path):
+    store, expected = str(tmp_path / "store"), str(tmp_path / "expected.pt")
+    run_ranks(4, _fsdp_tp, store, (2, 2), True, expected, tmp=tmp_path)  # _StridedShard and Shard(1) parameters
+    results = run_ranks(2, _fsdp_tp, store, (2,), False, expected, tmp=tmp_path)
+    assert all(r["differ"] == [] for r in results), results
