@@ -60,6 +60,7 @@ from .planner import Piece, WantedSlice
 from .publish.wire import broadcast_json
 from .restore import PreparedRestore, latest_generation, open_generation
 from .state.capture import matches_any
+from .state.placement import box_ranges
 from .state.values import decode_value, encode_value
 from .store import RefRecord, Store
 from .writer import word_bytes, write_manifest, write_shards
@@ -207,12 +208,8 @@ def _chunk_key(fqn: str, offsets) -> str:
 def box_words(chunk_shape: tuple[int, ...], offsets, lengths) -> tuple[int, int]:
     """Pure: the flat word range [lo, hi) of a row-major chunk that holds the box at ``offsets`` of
     ``lengths`` (first to last word of the box; exactly the box when it is contiguous)."""
-    if any(n == 0 for n in lengths):
-        return 0, 0
-    strides = [math.prod(chunk_shape[d + 1:]) for d in range(len(chunk_shape))]
-    first = sum(o * s for o, s in zip(offsets, strides))
-    last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides))
-    return first, last + 1
+    ranges = box_ranges(tuple(chunk_shape), tuple(int(o) for o in offsets), tuple(int(n) for n in lengths))
+    return (ranges[0][0], ranges[-1][1]) if ranges else (0, 0)
 
 
 # ---------------------------------------------------------------- the writer
