@@ -37,7 +37,6 @@ from __future__ import annotations
 import io
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
