@@ -9,6 +9,7 @@ its final offset and the head last.
 """
 from __future__ import annotations
 
+import bisect
 import fcntl
 import mmap
 import os
@@ -190,16 +191,27 @@ def _aligned_buffers() -> list[mmap.mmap]:
     return bufs
 
 
-def _fill(buf: mmap.mmap, start: int, end: int, segments: Sequence[tuple[int, memoryview]]) -> int:
-    """Copy the file bytes [start, end) into ``buf`` (gaps zero); returns the length to write (aligned)."""
+def _fill(buf: mmap.mmap, start: int, end: int, segments: Sequence[tuple[int, memoryview]],
+          starts: Sequence[int] | None = None) -> int:
+    """Copy the file bytes [start, end) into ``buf`` (gaps zero); returns the length to write (aligned).
+
+    ``segments`` are in file order; ``starts`` (their offsets) lets a block find its first
+    segment by bisection instead of scanning them all (a shard may hold thousands of slices).
+    """
     out = np.frombuffer(buf, dtype=np.uint8)
     length = end - start
     padded = length + (-length % _DIRECT_ALIGN)
-    out[:padded] = 0
-    for offset, view in segments:
+    first = max(0, bisect.bisect_right(starts, start) - 1) if starts is not None else 0
+    pos = start  # bytes of the block before pos are filled
+    for offset, view in segments[first:]:
+        if offset >= end:
+            break
         lo, hi = max(start, offset), min(end, offset + len(view))
         if lo < hi:
+            out[pos - start:lo - start] = 0
             out[lo - start:hi - start] = np.frombuffer(view[lo - offset:hi - offset], dtype=np.uint8)
+            pos = hi
+    out[pos - start:padded] = 0
     return padded
 
 
@@ -219,15 +231,16 @@ def write_direct(fd: int, total: int, segments: Sequence[tuple[int, memoryview]]
     except OSError:
         return False
     first, *spare = _aligned_buffers()
+    starts = [offset for offset, _ in segments]
     try:
         pending = []
         for i, start in enumerate(range(_DIRECT_BLOCK, total, _DIRECT_BLOCK)):
             buf = spare[i % 2]
             if len(pending) == 2:
                 pending.pop(0).result()  # the buffer is free again
-            n = _fill(buf, start, min(total, start + _DIRECT_BLOCK), segments)
+            n = _fill(buf, start, min(total, start + _DIRECT_BLOCK), segments, starts)
             pending.append(writer.submit(_pwrite_all, fd, memoryview(buf)[:n], start))
-        n = _fill(first, 0, min(total, _DIRECT_BLOCK), segments)
+        n = _fill(first, 0, min(total, _DIRECT_BLOCK), segments, starts)
         for f in pending:
             f.result()
         head_bytes = head()
