@@ -37,6 +37,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import weakref
 from typing import Any
 
 import torch
@@ -52,12 +53,13 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from .collective.verdict import any_rank
 from .errors import Refusal, RefusalCode
 from .format import DTYPES, CapturePrefix, RegionDecl, ShardRef, check_name
 from .manifest import dtype_name, torch_dtype
 from .planner import Piece, WantedSlice
 from .publish.wire import broadcast_json
-from .restore import PreparedRestore, latest_generation, open_generation
+from .restore import PreparedRestore, check_structure, latest_generation, open_generation
 from .state.capture import matches_any
 from .state.placement import box_ranges
 from .state.values import decode_value, encode_value
@@ -261,7 +263,11 @@ class StorageWriter(_DcpStorageWriter):
         self.is_coordinator = is_coordinator
         store = self._open_store()
         if is_coordinator:  # gc spares every object this save writes until the ref is out
-            self._lease = store.pending_publish(self.run, self.step)
+            self._release()
+            lease = store.pending_publish(self.run, self.step)
+            # A save that fails before finish() gives the lease back: at the agreement in write_data,
+            # at the next reset(), or (planning failed) when the writer is dropped.
+            self._lease = weakref.finalize(self, lease.release)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -301,7 +307,17 @@ class StorageWriter(_DcpStorageWriter):
             results.append(WriteResult(item.index, flat.numel(), {"region": ordinal}))
         # One shard per rank (its slices keep their own digests): large enough for the measured
         # O_DIRECT path, one durable commit instead of one per slice.
-        shards = write_shards(self._open_store(), prefix, regions, [parts] if parts else [])
+        failure: BaseException | None = None
+        try:
+            shards = write_shards(self._open_store(), prefix, regions, [parts] if parts else [])
+        except BaseException as exc:  # noqa: BLE001 - every rank must reach the agreement below
+            failure = exc
+        # DCP calls no hook on the coordinator when another rank's writes fail: the ranks agree here,
+        # so the coordinator gives its lease back at once (DCP then raises every rank's failure).
+        if _any_rank_failed(failure is not None, self.group):
+            self._release()
+            if failure is not None:
+                raise failure
         records = [s.to_json() for s in shards]
         # The shards travel with the first result: finish() names every rank's in the manifest.
         if results:
@@ -344,7 +360,7 @@ class StorageWriter(_DcpStorageWriter):
 
     def _release(self) -> None:
         if self._lease is not None:
-            self._lease.release()
+            self._lease()  # the finalizer: releases once, and never again when the writer is dropped
             self._lease = None
 
 
@@ -407,7 +423,8 @@ class StorageReader(_DcpStorageReader):
         chosen = None
         if not distributed or dist.get_rank(self.group) == 0:
             try:
-                record, _ = latest_generation(self._open_store(), self.run, self.step)
+                # Heads only: each rank validates the payload bytes it reads, in read_data.
+                record, _ = latest_generation(self._open_store(), self.run, self.step, check=check_structure)
                 chosen = {"root": record.root} if record else {
                     "code": RefusalCode.MISSING_SHARD.value, "reason": f"{self.run}/{self.step} has no complete generation"}
             except Refusal as refusal:
@@ -465,7 +482,7 @@ class StorageReader(_DcpStorageReader):
                               f"({type(exc).__name__}: {exc})")
         except Exception as exc:  # noqa: BLE001 - an I/O error too: every rank must reach the agreement
             failure = exc
-        if self._any_rank_failed(failure is not None):
+        if _any_rank_failed(failure is not None, self.group):
             if prepared is not None:
                 prepared.release()
             if generation is not None:
@@ -506,12 +523,10 @@ class StorageReader(_DcpStorageReader):
         future.set_result(None)
         return future
 
-    def _any_rank_failed(self, failed: bool) -> bool:
-        if not dist.is_initialized():
-            return failed
-        flag = torch.tensor([int(failed)], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())
+
+
+def _any_rank_failed(failed: bool, group) -> bool:
+    return any_rank(failed, group) if dist.is_initialized() else failed
 
 
 def _load_value(planner: LoadPlanner, item, value: Any) -> None:

@@ -718,10 +718,25 @@ def check_complete(store: Store, record: RefRecord) -> Refusal | None:
     return None
 
 
-def latest_generation(store: Store, run: str, step: str) -> tuple[RefRecord | None, list[tuple[str, Refusal]]]:
+def check_structure(store: Store, record: RefRecord) -> Refusal | None:
+    """Why generation ``record``'s ref, manifests or shard heads are damaged or missing, or None.
+
+    Reads every head and no payload byte: O(objects), not O(bytes). A payload byte that does not
+    match its digest is found by whoever reads it, before anything is copied.
+    """
+    try:
+        with open_generation(store, record.root, record):
+            pass
+    except Refusal as refusal:
+        return refusal
+    return None
+
+
+def latest_generation(store: Store, run: str, step: str, check: Callable[[Store, RefRecord], Refusal | None] | None = None,
+                      ) -> tuple[RefRecord | None, list[tuple[str, Refusal]]]:
     """The newest complete generation of (run, step) that is not stale, and the newer ones skipped with why.
 
-    Complete is :func:`check_complete`; stale is of an older epoch than the
+    Complete is ``check`` (default :func:`check_complete`); stale is of an older epoch than the
     newest readable generation's (a continuation has published since, so a
     resume of it would be refused as ``stale-epoch``). A damaged or stale
     newer generation never hides an intact older one of the newest epoch.
@@ -739,7 +754,7 @@ def latest_generation(store: Store, run: str, step: str) -> tuple[RefRecord | No
                                                  f"epoch {record.prefix.epoch}; {run}/{step} has published in "
                                                  f"epoch {newest_epoch} since")))
             continue
-        refusal = check_complete(store, record)
+        refusal = (check or check_complete)(store, record)
         if refusal is not None:
             skipped.append((record.root, refusal))
             continue

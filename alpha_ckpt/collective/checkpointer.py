@@ -68,7 +68,7 @@ from ..state.values import decode_value
 from ..store import RefRecord, Store
 from ..writer import ShardCarry, isolate_large_pieces, word_bytes, write_manifest, write_shards
 from .schedule import Schedule
-from .verdict import agree
+from .verdict import agree, any_rank
 
 logger = logging.getLogger("alpha_ckpt")
 
@@ -255,9 +255,7 @@ class Checkpointer:
             self.schedule.apply(update, decision["every"])
 
     def _any_rank(self, flag: bool) -> bool:
-        value = torch.tensor([int(flag)], dtype=torch.int64)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self._control)
-        return bool(value.item())
+        return any_rank(flag, self._control)
 
     def _exchange(self, prefix: CapturePrefix, captured, regions, tensors, group) -> str:
         """Agree on one layout (rank 0 checks every capture), then publish it by star or tree.

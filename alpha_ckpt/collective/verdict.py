@@ -27,5 +27,14 @@ def agree(refusal: Refusal | None, group=None) -> None:
     raise Refusal(verdict["code"], verdict["message"])
 
 
+def any_rank(flag: bool, group=None) -> bool:
+    """Collective: whether ``flag`` holds on any rank of ``group`` (the same answer on every rank)."""
+    value = torch.tensor([int(flag)], dtype=torch.int64)
+    if dist.get_backend(group) == "nccl":
+        value = value.cuda()
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
+
+
 def _global(rank: int, group) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)

@@ -170,6 +170,40 @@ def test_a_flipped_byte_in_any_object_makes_dcp_load_raise_on_every_rank_with_no
         assert r["untouched"], results
 
 
+def test_latest_skips_a_newest_generation_missing_an_object_and_refuses_one_whose_payload_is_damaged(tmp_path):
+    # "latest" is chosen from refs and heads alone (no rank hashes a whole generation to choose):
+    # a newest generation whose object is gone is skipped by every rank together; a damaged payload
+    # byte is found by the rank that reads it, and every rank refuses before copying anything.
+    store = str(tmp_path / "store")
+    roots = run_ranks(2, _save_twice_then_flip, store, tmp=tmp_path)
+    with Store(store, create=False) as s:
+        with verify_generation(s, roots[0]) as generation:
+            path = Path(s.object_path(generation.manifest.shards[-1].digest))
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01
+    os.chmod(path, 0o644)
+    path.write_bytes(bytes(data))
+    refused = run_ranks(2, _load_latest, store, tmp=tmp_path)
+    assert refused == [{"codes": [RefusalCode.CORRUPT_SHARD.value], "untouched": True}] * 2, refused
+    path.unlink()
+    fell_back = run_ranks(2, _load_latest, store, tmp=tmp_path)
+    assert fell_back == [{"update": 1, "equal": True}] * 2, fell_back
+    with Store(store, create=False) as s:
+        assert [r.generation for r in s.list_refs("r", "train")] == [1, 2]  # nothing removed or rewritten
+
+
+def _load_latest(rank, world, store):
+    dest = {"w": torch.full((64, 8), 7.0), "v": torch.full((16,), 7.0)}
+    reader = StorageReader(store, "latest", run="r")
+    try:
+        dcp.load(dest, storage_reader=reader)
+    except CheckpointException as exc:
+        codes = sorted({e.code.value for e, _ in exc.failures.values() if isinstance(e, Refusal)})
+        return {"codes": codes, "untouched": bool((dest["w"] == 7.0).all() and (dest["v"] == 7.0).all())}
+    return {"update": reader.prefix.update,
+            "equal": torch.equal(dest["w"], _full(1, 64, 8)) and torch.equal(dest["v"], _full(2, 16))}
+
+
 def test_a_save_at_an_update_that_goes_backwards_is_refused_and_the_history_is_unchanged(tmp_path):
     store = str(tmp_path / "store")
     run_ranks(1, _save_twice_then_flip, store, tmp=tmp_path)
@@ -335,7 +369,9 @@ def test_verify_inspect_and_export_work_on_a_dcp_checkpoint_and_export_gives_who
 def test_a_nan_in_one_ranks_chunk_refuses_the_dcp_save_on_every_rank_and_publishes_nothing(tmp_path):
     store = str(tmp_path / "store")
     results = run_ranks(2, _save_nan_sharded, store, tmp=tmp_path)
-    assert results == [[RefusalCode.NON_FINITE.value]] * 2
+    assert [r["codes"] for r in results] == [[RefusalCode.NON_FINITE.value]] * 2
+    # The coordinator's lease (gc spares objects while one is held) is given back with the failed save.
+    assert [r["leases"] for r in results] == [[], []]
     with Store(store, create=False) as s:
         assert [r.prefix.update for r in s.list_refs("r", "train")] == [1]
 
@@ -345,8 +381,10 @@ def _save_nan_sharded(rank, world, store):
     dcp.save(state, storage_writer=StorageWriter(store, run="r", update=1, allow_nonfinite=["mask"]))
     if rank == 1:
         state["w"].to_local()[0, 3] = float("nan")
+    codes = []
     try:
         dcp.save(state, storage_writer=StorageWriter(store, run="r", update=2, allow_nonfinite=["mask"]))
     except CheckpointException as exc:
-        return sorted({e.code.value for e, _ in exc.failures.values() if isinstance(e, Refusal)})
-    return []
+        codes = sorted({e.code.value for e, _ in exc.failures.values() if isinstance(e, Refusal)})
+    dist.barrier()
+    return {"codes": codes, "leases": os.listdir(os.path.join(store, "pending"))}
