@@ -59,7 +59,7 @@ from ..gc import retain_newest
 from ..planner import Hierarchy, Piece, WantedSlice, owners_holding, shares
 from ..publish.tree import GroupTransport, TreeRole
 from ..publish.wire import (
-    ReceiveBuffers, broadcast_json, recv_batches, recv_bytes, send_bytes, send_pieces, wire_device,
+    ReceiveBuffers, broadcast_json, gather_json, recv_batches, recv_bytes, send_bytes, send_pieces, wire_device,
 )
 from ..restore import Counters, open_generation, prepare_fill
 from ..state.capture import capture_state, dotted_leaves
@@ -315,12 +315,10 @@ class Checkpointer:
         agree and merges them into one skeleton and region list; every rank gets that, or raises
         the same Refusal."""
         root0 = self._global(0)
+        descriptors = gather_json(descriptor, root0, group)
         if self.rank != 0:
-            send_bytes(canonical_json(descriptor), root0, group)
             layout = broadcast_json(None, root0, group)
         else:
-            descriptors = [descriptor] + [json.loads(recv_bytes(self._global(r), group).decode("ascii"))
-                                          for r in range(1, self.world)]
             try:
                 skeleton, regions = merge_captures(descriptors)
                 layout = {"ok": True, "state": skeleton, "regions": [r.to_json() for r in regions],
@@ -444,12 +442,9 @@ class Checkpointer:
     def _agree_written(self, digests: dict[str, str], failure: tuple[str, str | None] | None, group) -> dict:
         """Tree: rank 0 hears every rank's replica digests and write outcome; every rank gets one verdict."""
         root0 = self._global(0)
-        mine = {"replicas": digests, "failure": list(failure) if failure else None}
+        reports = gather_json({"replicas": digests, "failure": list(failure) if failure else None}, root0, group)
         if self.rank != 0:
-            send_bytes(canonical_json(mine), root0, group)
             return broadcast_json(None, root0, group)
-        reports = [mine] + [json.loads(recv_bytes(self._global(r), group).decode("ascii"))
-                            for r in range(1, self.world)]
         verdict: dict = {"ok": True}
         failed = [r["failure"] for r in reports if r["failure"]]
         if failed:

@@ -176,11 +176,10 @@ def broadcast_json(obj, src: int = 0, group=None):
 
 
 def gather_json(obj, dst: int = 0, group=None):
-    """Owner ``dst`` gets every owner's JSON value in owner order; the others get None."""
+    """Rank ``dst`` (a global rank, as everywhere here) gets the JSON value of every rank of ``group``,
+    in group-rank order; the others get None."""
     if dist.get_rank() != dst:
         send_bytes(canonical_json(obj), dst, group)
         return None
-    out = []
-    for r in range(dist.get_world_size()):
-        out.append(obj if r == dst else json.loads(recv_bytes(r, group).decode("ascii")))
-    return out
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    return [obj if r == dst else json.loads(recv_bytes(r, group).decode("ascii")) for r in ranks]
