@@ -25,7 +25,7 @@ import zstandard
 from .destinations import check_destinations, check_tied_saved_alike, destination_layouts
 from .errors import Refusal, RefusalCode
 from .format import (
-    DTYPES, PREFIX_LEN, CapturePrefix, ChildRef, ManifestHead, RegionDecl, ShardHead, ShardRef, SliceRecord, decode_head,
+    BLOCK_BYTES, DTYPES, PREFIX_LEN, CapturePrefix, ChildRef, ManifestHead, RegionDecl, ShardHead, ShardRef, SliceRecord, decode_head,
     padding_ranges,
     parse_manifest_header, parse_shard_header, split_head,
 )
@@ -248,12 +248,32 @@ def _no_wait(upto: int) -> None:
     return None
 
 
+def _check_blocks(rec: SliceRecord, raw: memoryview, start: int, code: RefusalCode, what: str) -> None:
+    """Check raw bytes [start, start + len(raw)) of a slice (``start`` a block boundary; the range ends on
+    one or at the slice's end) against the slice's block digests."""
+    for at in range(0, len(raw), BLOCK_BYTES):
+        index = (start + at) // BLOCK_BYTES
+        if blake3.blake3(raw[at:at + BLOCK_BYTES]).hexdigest() != rec.block_digest(index):
+            raise Refusal(code, f"{what}: BLAKE3 of its bytes [{start + at}, {min(start + at + BLOCK_BYTES, rec.raw)}) "
+                          "does not match the header")
+
+
+def read_span(rec: SliceRecord, lo_byte: int, hi_byte: int) -> tuple[int, int]:
+    """The stored bytes of ``rec`` to read and verify for its raw bytes [lo_byte, hi_byte): the blocks
+    that hold them for a raw slice with block digests, else the whole slice."""
+    if rec.codec != "raw" or rec.blocks is None:
+        return 0, rec.stored
+    return lo_byte - lo_byte % BLOCK_BYTES, min(rec.stored, -(-hi_byte // BLOCK_BYTES) * BLOCK_BYTES)
+
+
 def decode_slice(rec: SliceRecord, stored: memoryview, what: str,
                  wait: Callable[[int], None] = _no_wait, keep: bool = True,
                  advance: Callable[[int], None] | None = None, finite: bool = True,
-                 region: str | None = None) -> memoryview | None:
+                 region: str | None = None, span: tuple[int, int] | None = None) -> memoryview | None:
     """Check a slice's stored bytes and return its raw words (a view, or a decompressed copy).
 
+    ``span`` (from :func:`read_span`) limits a raw slice with block digests to the stored bytes
+    [a, b): only they are checked (``wait`` then counts from a), and only they may be used.
     ``wait(n)`` returns once the first n stored bytes are in memory: raw slices
     are hashed chunk by chunk as they arrive. With ``keep=False`` (verification
     only) a zstd slice is checked through one bounded chunk buffer and nothing
@@ -266,18 +286,24 @@ def decode_slice(rec: SliceRecord, stored: memoryview, what: str,
     named = repr(region) if region is not None else f"ordinal {rec.ordinal}"
     w = f"{what} slice of region {named} words [{rec.lo}, {rec.hi})"
     if rec.codec == "raw":
-        hasher = blake3.blake3()
+        first, last = span if span is not None else (0, len(stored))
+        if (first, last) != (0, len(stored)) and (rec.blocks is None or (first, last) != read_span(rec, first, last)):
+            raise ValueError(f"{w}: span {span} is not whole blocks of a slice with block digests")
+        hasher = blake3.blake3() if rec.blocks is None else None
         bad = None
-        for start in range(0, len(stored), _CHUNK):
-            end = min(start + _CHUNK, len(stored))
-            wait(end)
-            hasher.update(stored[start:end])
+        for start in range(first, last, _CHUNK):
+            end = min(start + _CHUNK, last)
+            wait(end - first)
+            if hasher is None:
+                _check_blocks(rec, stored[start:end], start, RefusalCode.CORRUPT_SHARD, w)
+            else:
+                hasher.update(stored[start:end])
             if bad is None and finite:
                 bad = _first_non_finite(rec, stored, start, end)
             if advance is not None:
                 advance(end - start)
         # A damaged byte is reported as corrupt even where it also reads as NaN.
-        if hasher.hexdigest() != rec.blake3:
+        if hasher is not None and hasher.hexdigest() != rec.blake3:
             raise Refusal(RefusalCode.CORRUPT_SHARD, f"{w}: BLAKE3 of its bytes does not match the header")
         if bad is not None:
             raise _refuse_non_finite(rec, bad, _word_value(rec, stored, bad), w)
@@ -305,7 +331,10 @@ def decode_slice(rec: SliceRecord, stored: memoryview, what: str,
                 if filled < len(target):  # the frame ended early: refused below by the length check
                     pos += filled
                     break
-                hasher.update(target)
+                if rec.blocks is None:
+                    hasher.update(target)
+                else:
+                    _check_blocks(rec, target, pos, RefusalCode.FORMAT, f"{w}: decompressed")
                 if bad is None and finite:
                     local = _first_non_finite(rec, target)
                     if local is not None:
@@ -315,7 +344,7 @@ def decode_slice(rec: SliceRecord, stored: memoryview, what: str,
                 raise Refusal(RefusalCode.FORMAT, f"{w}: zstd frame decodes to more than the declared {rec.raw} bytes")
     except zstandard.ZstdError as exc:
         raise Refusal(RefusalCode.FORMAT, f"{w}: zstd frame does not decode ({exc})") from None
-    if pos != rec.raw or hasher.hexdigest() != rec.blake3:
+    if pos != rec.raw or (rec.blocks is None and hasher.hexdigest() != rec.blake3):
         raise Refusal(RefusalCode.FORMAT, f"{w}: decompressed bytes do not match the header's length and BLAKE3")
     if bad is not None:
         raise _refuse_non_finite(rec, bad[0], bad[1], w)
@@ -474,20 +503,30 @@ class _Payloads:
         check_zero_padding(self.shards[digest][1], self.payload(digest), f"shard {digest[:16]}...")
 
     def decode(self, wanted: Sequence[tuple[str, int]], *, keep: bool = True, workers: int = 2,
-               advance: Callable[[int], None] | None = None,
-               finite: bool = True) -> dict[tuple[str, int], memoryview | None]:
-        """Validate the wanted slices (all of them, or raise the first refusal in file order)."""
+               advance: Callable[[int], None] | None = None, finite: bool = True,
+               spans: Mapping[tuple[str, int], tuple[int, int]] | None = None,
+               ) -> dict[tuple[str, int], memoryview | None]:
+        """Validate the wanted slices (all of them, or raise the first refusal in file order).
+
+        ``spans`` may limit a slice to the stored bytes [a, b) of :func:`read_span`: only they are
+        read and checked (the returned view is the whole slice; only that span of it may be used).
+        """
+        spans = spans or {}
+
+        def span_of(key: tuple[str, int]) -> tuple[int, int]:
+            return spans.get(key) or (0, self.shards[key[0]][1].slices[key[1]].stored)
+
         def one(key: tuple[str, int], wait: Callable[[int], None]) -> memoryview | None:
             digest, index = key
             rec = self.shards[digest][1].slices[index]
             region = self.regions[rec.ordinal] if rec.ordinal < len(self.regions) else None
             return decode_slice(rec, self.payload(digest)[rec.offset:rec.offset + rec.stored], f"shard {digest[:16]}...",
                                 wait, keep=keep, advance=advance, finite=finite and not (region and region.nonfinite),
-                                region=region.name if region else None)
+                                region=region.name if region else None, span=spans.get(key))
 
         for digest in dict.fromkeys(d for d, _ in wanted):
             self.check_padding(digest)
-        total = sum(self.shards[d][1].slices[i].stored for d, i in wanted)
+        total = sum(b - a for a, b in map(span_of, wanted))
         if total <= _SMALL_RESTORE:
             # Small reads: starting threads would cost more than the reading and hashing.
             ordered = sorted(wanted, key=lambda k: (k[0], self.shards[k[0]][1].slices[k[1]].offset))
@@ -497,7 +536,8 @@ class _Payloads:
         for key in sorted(wanted, key=lambda k: (k[0], self.shards[k[0]][1].slices[k[1]].offset)):
             obj, head = self.shards[key[0]]
             rec = head.slices[key[1]]
-            jobs.append((key, obj, head.head_len + rec.offset, rec.stored))
+            first, last = span_of(key)
+            jobs.append((key, obj, head.head_len + rec.offset + first, last - first))
         prefetcher = _Prefetcher(jobs)
         order = prefetcher.order()
         order += [key for key, _, _, length in jobs if not length]  # empty slices: nothing to read
@@ -565,13 +605,14 @@ class PreparedRestore:
             raise Refusal(RefusalCode.COVERAGE, f"generation {generation.root[:16]}...: region {named} word "
                           f"{exc.word} is not saved") from None
         self._payloads = _Payloads(generation.shards, generation.manifest.regions)
-        self._raws = self._payloads.decode(list(dict.fromkeys((c.source, c.index) for c in self.plan.copies)),
-                                           advance=advance)
+        self._spans = read_spans(generation, self.plan.copies)
+        self._raws = self._payloads.decode(list(self._spans), advance=advance, spans=self._spans)
 
     @property
     def bytes_read(self) -> int:
-        """Stored bytes of every slice validated (what the restore read of the shards' payloads)."""
-        return sum(self.generation.shards[d][1].slices[i].stored for d, i in self._raws)
+        """Stored bytes validated (what the restore read of the shards' payloads): whole slices, or
+        the blocks that hold the words it restores."""
+        return sum(b - a for a, b in self._spans.values())
 
     def copy_into(self, targets: Sequence[torch.Tensor]) -> None:
         """Fill ``targets[w.dest]`` (flat uint8, exactly words [lo, hi) of its region) by the plan."""
@@ -581,6 +622,21 @@ class PreparedRestore:
     def release(self) -> None:
         self._raws.clear()
         self._payloads.release()
+
+
+def read_spans(generation: Generation, copies) -> dict[tuple[str, int], tuple[int, int]]:
+    """For each saved slice the copies read from, the stored bytes [a, b) to read and verify (pure)."""
+    words: dict[tuple[str, int], tuple[int, int]] = {}
+    for c in copies:
+        key = (c.source, c.index)
+        lo, hi = words.get(key, (c.src_word, c.src_word + c.words))
+        words[key] = (min(lo, c.src_word), max(hi, c.src_word + c.words))
+    out = {}
+    for (digest, index), (lo, hi) in words.items():
+        rec = generation.shards[digest][1].slices[index]
+        size = DTYPES[rec.dtype][0]
+        out[(digest, index)] = read_span(rec, lo * size, hi * size)
+    return out
 
 
 def restore_slices(generation: Generation, wanted: Sequence[WantedSlice], targets: Sequence[torch.Tensor]) -> None:

@@ -26,8 +26,9 @@ import zstandard
 
 from . import durable
 from .format import (
-    DTYPES, STAR, CapturePrefix, ChildRef, Publisher, RegionDecl, ShardRef, SliceRecord, aligned, canonical_json,
-    check_name, digest_bytes, encode_head, manifest_header, schema_digest_of, shard_header,
+    BLOCK_BYTES, DTYPES, STAR, CapturePrefix, ChildRef, Publisher, RegionDecl, ShardRef, SliceRecord, aligned,
+    block_count, block_digests, blocked, canonical_json, check_name, digest_bytes, encode_head, manifest_header,
+    schema_digest_of, shard_header,
 )
 from .errors import Refusal, RefusalCode
 from .manifest import first_non_finite, word_value
@@ -260,22 +261,29 @@ def _hash(view) -> str:
 _FINITE_CHUNK = 8 << 20  # hashed and checked together while the chunk is in cache
 
 
-def _hash_and_check(view: memoryview, dtype: str, digest: str | None) -> tuple[str, int | None]:
-    """A part's raw BLAKE3 (``digest`` when already known) and its first NaN/inf word, in one pass."""
+def _hash_and_check(view: memoryview, dtype: str, known: tuple[str, str | None] | None,
+                    ) -> tuple[str, str | None, int | None]:
+    """A raw part's (digest, block digests) as :func:`block_digests` defines them (``known`` when
+    already computed) and its first NaN/inf word, in one pass over the bytes."""
     if not DTYPES[dtype][1]:
-        return digest or _hash(view), None
-    hasher = None if digest else blake3.blake3()
+        return (*(known or block_digests(view)), None)
+    blocks: list[str] | None = None if known else []
     bad = None
     for start in range(0, len(view), _FINITE_CHUNK):
         chunk = view[start:start + _FINITE_CHUNK]
-        if hasher is not None:
-            hasher.update(chunk)
+        if blocks is not None:
+            blocks += [blake3.blake3(chunk[i:i + BLOCK_BYTES]).hexdigest() for i in range(0, len(chunk), BLOCK_BYTES)]
         if bad is None:
             index = first_non_finite(chunk, dtype)
             bad = None if index is None else start // DTYPES[dtype][0] + index
-            if bad is not None and hasher is None:
+            if bad is not None and blocks is None:
                 break
-    return digest or hasher.hexdigest(), bad
+    if known:
+        return (*known, bad)
+    if not blocked(len(view)):
+        return block_digests(view)[0], None, bad
+    listed = "".join(blocks)
+    return blake3.blake3(listed.encode("ascii")).hexdigest(), listed, bad
 
 
 def _refuse_non_finite(region: RegionDecl, piece: Piece, raw: memoryview, index: int) -> Refusal:
@@ -287,11 +295,12 @@ def _refuse_non_finite(region: RegionDecl, piece: Piece, raw: memoryview, index:
 
 def write_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regions: Sequence[RegionDecl],
                 parts: Sequence[tuple[Piece, memoryview, str]], pool: ThreadPoolExecutor,
-                raw_digests: Sequence[str | None] = (), digests_out: list[str] | None = None,
+                raw_digests: Sequence[tuple[str, str | None] | None] = (), digests_out: list[str] | None = None,
                 check_finite: bool = True) -> ShardRef:
     """Durably write one shard holding ``parts`` = (piece, its raw bytes, requested codec).
 
-    ``raw_digests`` may give parts' raw BLAKE3, already computed, so they are not hashed twice;
+    ``raw_digests`` may give parts' raw (digest, block digests) as :func:`block_digests` computes
+    them, so they are not hashed twice;
     ``digests_out``, if given, receives every part's raw BLAKE3 (replacing what it held).
     Every float word is checked while it is hashed: a NaN or inf raises a ``non-finite``
     :class:`Refusal` naming the region and word, and the shard is not committed.
@@ -311,6 +320,7 @@ def write_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regions
             ordinal=piece.ordinal, dtype=region.dtype, shape=region.shape, lo=piece.lo, hi=piece.hi, offset=offset,
             stored=len(stored), codec=codec, raw=len(raw), blake3=_PLACEHOLDER,
             stored_blake3=_PLACEHOLDER if codec == "zstd" else None,
+            blocks=_PLACEHOLDER * block_count(len(raw)) if blocked(len(raw)) else None,
         ))
         payloads.append(stored)
         offset += len(stored)
@@ -324,7 +334,8 @@ def write_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regions
             if check_finite and not regions[piece.ordinal].nonfinite:
                 raw_f = pool.submit(_hash_and_check, raw, record.dtype, digest)
             else:
-                raw_f = _done((digest, None)) if digest is not None else pool.submit(lambda v: (_hash(v), None), raw)
+                raw_f = _done((*digest, None)) if digest is not None else \
+                    pool.submit(lambda v: (*block_digests(v), None), raw)
             futures.append((raw_f, pool.submit(_hash, stored) if record.codec == "zstd" else None))
 
         encoded_head: list[bytes] = []
@@ -334,10 +345,10 @@ def write_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regions
                 return encoded_head[0]
             final = []
             for record, (raw_f, stored_f), (piece, raw, _) in zip(records, futures, parts):
-                raw_digest, bad = raw_f.result()
+                raw_digest, blocks, bad = raw_f.result()
                 if bad is not None:
                     raise _refuse_non_finite(regions[piece.ordinal], piece, raw, bad)
-                final.append(SliceRecord(**{**record.__dict__, "blake3": raw_digest,
+                final.append(SliceRecord(**{**record.__dict__, "blake3": raw_digest, "blocks": blocks,
                                             "stored_blake3": stored_f.result() if stored_f else None}))
             encoded = encode_head(shard_header(prefix, schema_digest, final))
             assert len(encoded) == head_len, "digest placeholders must not change the head length"
@@ -423,10 +434,11 @@ def _write_all(store, prefix, schema, regions, shards, pool, carry, check_finite
         key = ShardCarry.key(prefix, schema, piece, codec)
         # Hash first only where there is something to compare with; otherwise the
         # digest is computed while the shard is written, as for any shard.
-        digests = [_hash(raw)] if carry.knows(key) else []
+        known = [block_digests(raw)] if carry.knows(key) else []
+        digests = [known[0][0]] if known else []
         record = carry.find(key, prefix, digests[0], store) if digests else None
         if record is None:
-            record = write_shard(store, prefix, schema, regions, parts, pool, digests, digests_out=digests,
+            record = write_shard(store, prefix, schema, regions, parts, pool, known, digests_out=digests,
                                  check_finite=check_finite)
             carry.remember(key, digests[0], record, prefix)
         if digests_out is not None:

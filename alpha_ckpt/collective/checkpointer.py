@@ -54,7 +54,7 @@ from ..async_save import AsyncSaver
 from ..device import check_devices, current_device
 from ..durable import fault_point
 from ..errors import DurableWriteError, PublishConflict, PublishFailed, Refusal, RefusalCode, StoreUsageError
-from ..format import CapturePrefix, DTYPES, RegionDecl, canonical_json, check_name
+from ..format import CapturePrefix, DTYPES, RegionDecl, block_digests, canonical_json, check_name
 from ..gc import retain_newest
 from ..planner import Hierarchy, Piece, WantedSlice, owners_holding, shares
 from ..publish.tree import GroupTransport, TreeRole
@@ -289,7 +289,7 @@ class Checkpointer:
                                        bool(r.get("nonfinite"))) for r in layout["regions"])
         # Only digests of replicas travel, never their bytes; a diverged one refuses before any ref.
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="alpha-ckpt-replicas") as pool:
-            others = pool.submit(lambda: {name: blake3.blake3(view).hexdigest() for name, view in hashed})
+            others = pool.submit(lambda: {name: block_digests(view)[0] for name, view in hashed})
             if self.publisher == "tree":
                 completion = self._publish_tree(prefix, regions, layout, own, wrote, others, group)
             else:
@@ -339,7 +339,7 @@ class Checkpointer:
         digests = dict(others.result())
         for name, view in wrote.items():
             known = written.get((by_name[name].ordinal, 0, by_name[name].words))
-            digests[name] = known if known is not None else blake3.blake3(view).hexdigest()
+            digests[name] = known if known is not None else block_digests(view)[0]
         return digests
 
     def _metadata(self, layout: dict) -> dict:

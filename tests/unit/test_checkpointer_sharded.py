@@ -123,6 +123,50 @@ def test_a_resharded_restore_reads_the_saved_slices_of_its_rows_plus_the_replica
     assert [r["bytes"] for r in results] == [120 + 20] * 2
 
 
+MATRICES = {"w1": (3001, 2048), "w2": (2048, 4096)}  # 23 and 32 MiB of float32, Shard(0) as FSDP2 holds them
+
+
+def _large_rows(rank, world, store, save):
+    from torch.distributed.tensor import DTensor
+    mesh = init_device_mesh("cpu", (world,))
+
+    def local(name, rows, cols):  # this rank's rows as DTensor's Shard(0) cuts them, without any collective
+        lo, hi = _chunk_rows(rows, world, rank)
+        return torch.arange(lo * cols, hi * cols, dtype=torch.float64).to(torch.float32).reshape(-1, cols) + len(name)
+
+    ckpt = Checkpointer(store, run="large")
+    bias = torch.linspace(0, 1, 4096)
+    if save:
+        ckpt.save({"b": bias, **{n: DTensor.from_local(local(n, *shape), mesh, [Shard(0)], shape=torch.Size(shape),
+                                                      stride=(shape[1], 1)) for n, shape in MATRICES.items()}},
+                  update=1)
+        return {}
+    dest = {"b": torch.zeros(4096), **{n: DTensor.from_local(torch.zeros_like(local(n, *shape)), mesh, [Shard(0)],
+                                                             shape=torch.Size(shape), stride=(shape[1], 1))
+                                       for n, shape in MATRICES.items()}}
+    ckpt.restore(dest, root="latest")
+    equal = torch.equal(dest["b"], bias) and all(torch.equal(dest[n].to_local(), local(n, *shape))
+                                                 for n, shape in MATRICES.items())
+    share = sum(dest[n].to_local().numel() * 4 for n in MATRICES)
+    return {"equal": equal, "bytes": ckpt.last_restore["bytes_read"], "share": share, "replicated": 4096 * 4}
+
+
+def _chunk_rows(rows, world, rank):
+    per = -(-rows // world)  # torch.chunk: ceil-sized chunks, the last ones shorter or empty
+    return min(rows, rank * per), min(rows, (rank + 1) * per)
+
+
+@pytest.mark.timeout(300)
+def test_a_resharded_restore_reads_at_most_its_share_plus_one_percent_and_the_replicated_bytes(tmp_path):
+    store = str(tmp_path / "store")
+    run_ranks(2, _large_rows, store, True, tmp=tmp_path)
+    results = run_ranks(3, _large_rows, store, False, tmp=tmp_path)
+    assert all(r["equal"] for r in results), results
+    for rank, r in enumerate(results):
+        # Rank 1's rows straddle both saved halves: it reads only the saved slices that hold them.
+        assert r["share"] <= r["bytes"] - r["replicated"] <= r["share"] * 1.01, (rank, r)
+
+
 def test_a_partial_dtensor_is_refused_on_every_rank_naming_it_and_nothing_is_published(tmp_path):
     results = run_ranks(2, _partial, str(tmp_path / "store"), tmp=tmp_path)
     assert [r["refusal"] for r in results] == ["format", "format"], results

@@ -32,7 +32,7 @@ def two_partitions(draw):
     regions, tensors = [], []
     for i in range(draw(st.integers(1, 4))):
         dtype = draw(st.sampled_from(sorted(DTYPES)))
-        n = draw(st.integers(0, 40))
+        n = draw(st.integers(0, 40) | st.integers(9_000, 40_000))  # the large ones have block digests
         g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
         t = (torch.randn(n, generator=g) * 50).to(torch_dtype(dtype)) if DTYPES[dtype][1] or dtype == "bool" \
             else torch.randint(-100, 100, (n,), generator=g).to(torch_dtype(dtype))
@@ -70,12 +70,16 @@ def test_any_two_partitions_round_trip_bit_exactly(tmp_path_factory, case):
 
 
 def _valid_shard_bytes() -> bytes:
-    """A real shard with a raw and a zstd slice, built through the writer."""
+    """A real shard with a raw, a zstd and a raw slice with block digests, built through the writer."""
     import tempfile
-    regions = [RegionDecl(0, "a", "float32", (8,)), RegionDecl(1, "b", "int16", (300,))]
+    regions = [RegionDecl(0, "a", "float32", (8,)), RegionDecl(1, "b", "int16", (300,)),
+               RegionDecl(2, "c", "float32", (20_000,))]  # 80 KB: two block digests
     with tempfile.TemporaryDirectory() as d, Store(d) as store:
         a, b = word_bytes(torch.arange(8.0)), word_bytes(torch.zeros(300, dtype=torch.int16))
+        c = word_bytes(torch.arange(20_000.0))
+        # The zstd slice last: the frame tests below replace it at the payload's end.
         published = publish_slices(store, PREFIX, regions, [[(Piece(0, 0, 8, 4), memoryview(a.numpy()), "raw"),
+                                                               (Piece(2, 0, 20_000, 4), memoryview(c.numpy()), "raw"),
                                                                (Piece(1, 0, 300, 2), memoryview(b.numpy()), "zstd")]])
         return open(store.object_path(published.shards[0].digest), "rb").read()
 
