@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import blake3
+import numpy as np
 import torch
 import zstandard
 
@@ -710,16 +711,18 @@ def _saved_words(generation: Generation) -> dict[int, list[tuple[int, int, str]]
     return {ordinal: sorted(slices) for ordinal, slices in out.items()}
 
 
-@torch.no_grad()
 def _copy_by_plan(plan, generation: Generation, raws, targets) -> None:
+    # numpy copies on this thread. torch's copy_ of a large tensor starts an OpenMP team per call,
+    # which oversubscribes the cores when every rank is a process (measured: 512 MiB per rank, 2
+    # ranks on 2 cores, 0.15-0.86 s with copy_ against 0.065-0.086 s single-threaded).
+    dests = [t.numpy() for t in targets]
     for c in plan.copies:
         rec = generation.shards[c.source][1].slices[c.index]
         if not rec.raw:
             continue
         size = DTYPES[rec.dtype][0]
-        src = torch.frombuffer(raws[(c.source, c.index)], dtype=torch.uint8)
-        targets[c.dest][c.dst_word * size:(c.dst_word + c.words) * size].copy_(
-            src[c.src_word * size:(c.src_word + c.words) * size])
+        src = np.frombuffer(raws[(c.source, c.index)], dtype=np.uint8)
+        dests[c.dest][c.dst_word * size:(c.dst_word + c.words) * size] = src[c.src_word * size:(c.src_word + c.words) * size]
 
 
 def validate_object_bytes(data: bytes | memoryview, digest: str, what: str = "object") -> ShardHead | ManifestHead:
