@@ -64,7 +64,7 @@ from .state.capture import matches_any
 from .state.placement import box_ranges
 from .state.values import decode_value, encode_value
 from .store import RefRecord, Store
-from .writer import word_bytes, write_manifest, write_shards
+from .writer import DEFAULT_MAX_SHARD_BYTES, word_bytes, write_manifest, write_shards
 
 __all__ = ["StorageWriter", "StorageReader", "encode_metadata", "decode_metadata", "DCP_KEY"]
 
@@ -261,6 +261,7 @@ class StorageWriter(_DcpStorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
+        self._collective = _collective_call(kwargs, self.group)
         store = self._open_store()
         if is_coordinator:  # gc spares every object this save writes until the ref is out
             self._release()
@@ -305,16 +306,16 @@ class StorageWriter(_DcpStorageWriter):
                 hi = min(region.words, lo + step)
                 parts.append((Piece(ordinal, lo, hi, size), view[lo * size:hi * size], "raw"))
             results.append(WriteResult(item.index, flat.numel(), {"region": ordinal}))
-        # One shard per rank (its slices keep their own digests): large enough for the measured
-        # O_DIRECT path, one durable commit instead of one per slice.
+        # Few shards per rank (up to 2 GiB each; their slices keep their own digests): large enough
+        # for the measured O_DIRECT path, one durable commit per shard instead of one per slice.
         failure: BaseException | None = None
         try:
-            shards = write_shards(self._open_store(), prefix, regions, [parts] if parts else [])
+            shards = write_shards(self._open_store(), prefix, regions, _in_shards(parts, DEFAULT_MAX_SHARD_BYTES))
         except BaseException as exc:  # noqa: BLE001 - every rank must reach the agreement below
             failure = exc
         # DCP calls no hook on the coordinator when another rank's writes fail: the ranks agree here,
         # so the coordinator gives its lease back at once (DCP then raises every rank's failure).
-        if _any_rank_failed(failure is not None, self.group):
+        if _any_rank_failed(failure is not None, self.group, getattr(self, "_collective", True)):
             self._release()
             if failure is not None:
                 raise failure
@@ -362,6 +363,20 @@ class StorageWriter(_DcpStorageWriter):
         if self._lease is not None:
             self._lease()  # the finalizer: releases once, and never again when the writer is dropped
             self._lease = None
+
+
+def _in_shards(parts: list, max_bytes: int) -> list[list]:
+    """Consecutive parts grouped into shards of at most ``max_bytes`` (a larger part alone): few durable
+    commits, and heads that stay small (block digests are about 1/1024 of a shard's payload)."""
+    shards: list[list] = []
+    filled = 0
+    for part in parts:
+        if not shards or (filled + len(part[1]) > max_bytes and shards[-1]):
+            shards.append([])
+            filled = 0
+        shards[-1].append(part)
+        filled += len(part[1])
+    return shards
 
 
 def _region_decls(regions: list[dict]) -> tuple[RegionDecl, ...]:
@@ -447,6 +462,7 @@ class StorageReader(_DcpStorageReader):
         return decode_metadata(manifest.metadata[DCP_KEY], f"generation {self.root[:16]}... DCP metadata")
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._collective = _collective_call(kwargs, self.group)
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -482,7 +498,7 @@ class StorageReader(_DcpStorageReader):
                               f"({type(exc).__name__}: {exc})")
         except Exception as exc:  # noqa: BLE001 - an I/O error too: every rank must reach the agreement
             failure = exc
-        if _any_rank_failed(failure is not None, self.group):
+        if _any_rank_failed(failure is not None, self.group, getattr(self, "_collective", True)):
             if prepared is not None:
                 prepared.release()
             if generation is not None:
@@ -525,8 +541,17 @@ class StorageReader(_DcpStorageReader):
 
 
 
-def _any_rank_failed(failed: bool, group) -> bool:
-    return any_rank(failed, group) if dist.is_initialized() else failed
+def _collective_call(kwargs: dict, group) -> bool:
+    """Whether DCP runs this save or load on every rank of ``group`` (so the storage may agree over it):
+    not with ``use_collectives=False``, nor with ``no_dist=True`` beside a process group (DCP then
+    numbers this process rank 0, whatever its rank in the group)."""
+    if not dist.is_initialized() or not kwargs.get("use_collectives", True):
+        return False
+    return kwargs.get("rank", dist.get_rank(group)) == dist.get_rank(group)
+
+
+def _any_rank_failed(failed: bool, group, collective: bool = True) -> bool:
+    return any_rank(failed, group) if collective and dist.is_initialized() else failed
 
 
 def _load_value(planner: LoadPlanner, item, value: Any) -> None:

@@ -480,7 +480,7 @@ def parse_shard_header(header: Any, digest: str, head_len: int, what: str) -> Sh
                 raise _fail(w, "a raw slice stores exactly its raw bytes and has no stored_blake3")
         else:
             stored_digest = _digest(stored_digest, f"{w} stored_blake3")
-        digest = _digest(s["blake3"], f"{w} blake3")
+        slice_digest = _digest(s["blake3"], f"{w} blake3")
         blocks = s.get("blocks")
         # Optional on a large slice (one written before block digests has the BLAKE3 of its bytes).
         if blocks is not None and not blocked(raw):
@@ -489,12 +489,12 @@ def parse_shard_header(header: Any, digest: str, head_len: int, what: str) -> Sh
             if (not isinstance(blocks, str) or len(blocks) != 64 * block_count(raw)
                     or blocks.strip("0123456789abcdef")):
                 raise _fail(w, f"blocks must be {block_count(raw)} concatenated 64-hex digests")
-            if blake3.blake3(blocks.encode("ascii")).hexdigest() != digest:
+            if blake3.blake3(blocks.encode("ascii")).hexdigest() != slice_digest:
                 raise _fail(w, "blake3 is not the BLAKE3 of its block digests")
         slices.append(SliceRecord(
             ordinal=_uint(s["ordinal"], f"{w} ordinal"), dtype=dtype, shape=shape, lo=lo, hi=hi,
             offset=_uint(s["offset"], f"{w} offset"), stored=stored, codec=codec, raw=raw,
-            blake3=digest, stored_blake3=stored_digest, blocks=blocks,
+            blake3=slice_digest, stored_blake3=stored_digest, blocks=blocks,
         ))
     # The slices must tile [0, payload) in some order, each starting at the next
     # aligned offset: every payload byte is then either covered by exactly one

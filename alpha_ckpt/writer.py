@@ -217,7 +217,7 @@ def _fill(buf: mmap.mmap, start: int, end: int, segments: Sequence[tuple[int, me
 
 
 def write_direct(fd: int, total: int, segments: Sequence[tuple[int, memoryview]], head: Callable[[], bytes],
-                 writer: ThreadPoolExecutor) -> bool:
+                 writer: ThreadPoolExecutor, head_len: int = 0) -> bool:
     """Write a file with O_DIRECT from reused aligned buffers; False (nothing written) if refused.
 
     ``segments`` are (file offset, bytes) of the payload; ``head()`` gives the
@@ -232,16 +232,21 @@ def write_direct(fd: int, total: int, segments: Sequence[tuple[int, memoryview]]
     except OSError:
         return False
     first, *spare = _aligned_buffers()
+    # The first region, written last, holds the whole head: more than one block for a head
+    # over _DIRECT_BLOCK (block digests make a head about 1/1024 of its payload).
+    first_len = max(_DIRECT_BLOCK, -(-head_len // _DIRECT_BLOCK) * _DIRECT_BLOCK)
+    if first_len > len(first):
+        first = mmap.mmap(-1, first_len)
     starts = [offset for offset, _ in segments]
     try:
         pending = []
-        for i, start in enumerate(range(_DIRECT_BLOCK, total, _DIRECT_BLOCK)):
+        for i, start in enumerate(range(first_len, total, _DIRECT_BLOCK)):
             buf = spare[i % 2]
             if len(pending) == 2:
                 pending.pop(0).result()  # the buffer is free again
             n = _fill(buf, start, min(total, start + _DIRECT_BLOCK), segments, starts)
             pending.append(writer.submit(_pwrite_all, fd, memoryview(buf)[:n], start))
-        n = _fill(first, 0, min(total, _DIRECT_BLOCK), segments, starts)
+        n = _fill(first, 0, min(total, first_len), segments, starts)
         for f in pending:
             f.result()
         head_bytes = head()
@@ -359,7 +364,7 @@ def write_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regions
 
         segments = [(head_len + r.offset, stored) for r, stored in zip(records, payloads)]
         if mode == "direct":
-            if write_direct(fd, end, segments, head, _direct_writer()):
+            if write_direct(fd, end, segments, head, _direct_writer(), head_len):
                 return digest_bytes(head())
             refused.append(True)  # this file system refuses O_DIRECT: buffered from now on
         for offset, stored in segments:

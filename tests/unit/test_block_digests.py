@@ -45,6 +45,14 @@ def test_a_large_slice_records_its_block_digests_and_its_digest_is_their_blake3(
     assert slices[1].blocks is None and slices[1].blake3 == blake3.blake3(bytes(word_bytes(small).numpy())).hexdigest()
 
 
+def test_a_parsed_head_keeps_its_objects_name(tmp_path):
+    with Store(str(tmp_path)) as store:
+        published, _, _ = _publish(store)
+        name = published.shards[0].digest
+        data = open(store.object_path(name), "rb").read()
+    assert validate_object_bytes(data, name).digest == name
+
+
 def _restore_words(store, root, lo, hi):
     with open_generation(store, root) as generation:
         prepared = PreparedRestore(generation, [WantedSlice(0, lo, hi, 0)])

@@ -388,3 +388,10 @@ def _save_nan_sharded(rank, world, store):
         codes = sorted({e.code.value for e, _ in exc.failures.values() if isinstance(e, Refusal)})
     dist.barrier()
     return {"codes": codes, "leases": os.listdir(os.path.join(store, "pending"))}
+
+
+def test_a_ranks_chunks_go_into_shards_of_at_most_the_limit_and_a_larger_one_alone():
+    from alpha_ckpt.dcp import _in_shards
+    parts = [(i, b"x" * n, "raw") for i, n in enumerate([3, 4, 10, 2, 2])]
+    assert [[p[0] for p in shard] for shard in _in_shards(parts, 6)] == [[0], [1], [2], [3, 4]]
+    assert _in_shards([], 6) == []

@@ -2,6 +2,7 @@
 import errno
 import fcntl
 import os
+import threading
 
 import pytest
 import torch
@@ -90,3 +91,16 @@ def test_an_unknown_write_mode_is_a_usage_error(tmp_path, monkeypatch):
     monkeypatch.setenv("ALPHA_CKPT_WRITE_MODE", "fast")
     with pytest.raises(StoreUsageError, match="ALPHA_CKPT_WRITE_MODE"):
         Store(tmp_path)
+
+
+def test_a_head_larger_than_one_direct_block_is_written_whole(tmp_path, monkeypatch):
+    # Block digests make a head about 1/1024 of its payload: with 4 KiB blocks, this 4 MB region's
+    # head spans two of them, and a fresh thread's buffers are too small for it.
+    monkeypatch.setattr(writer, "_DIRECT_BLOCK", 4096)
+    monkeypatch.setattr(writer, "DIRECT_MIN_BYTES", 1 << 20)
+    monkeypatch.setattr(writer, "_direct_buffers", threading.local())
+    _, root_b = _save(tmp_path, "buffered", monkeypatch, "buffered")
+    store, root_d = _save(tmp_path, "direct", monkeypatch, "direct")
+    assert store.write_stats()["gbps"]["direct"], "the direct path was not taken"
+    assert root_b == root_d and _objects(tmp_path / "buffered") == _objects(tmp_path / "direct")
+    assert max(len(b) for b in _objects(tmp_path / "direct").values()) > 4_000_000
