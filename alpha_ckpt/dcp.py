@@ -240,6 +240,7 @@ class StorageWriter(_DcpStorageWriter):
         self.root: str | None = None
         self._lease = None
         self._planned: tuple | None = None  # the coordinator's: (regions, epoch, follows)
+        self._collective = True  # whether DCP runs this save on every rank (set_up_storage_writer)
 
     # DCP's call order: reset, set_up_storage_writer, prepare_local_plan, (coordinator)
     # prepare_global_plan, write_data, (coordinator) finish.
@@ -315,7 +316,7 @@ class StorageWriter(_DcpStorageWriter):
             failure = exc
         # DCP calls no hook on the coordinator when another rank's writes fail: the ranks agree here,
         # so the coordinator gives its lease back at once (DCP then raises every rank's failure).
-        if _any_rank_failed(failure is not None, self.group, getattr(self, "_collective", True)):
+        if _any_rank_failed(failure is not None, self.group, self._collective):
             self._release()
             if failure is not None:
                 raise failure
@@ -415,6 +416,7 @@ class StorageReader(_DcpStorageReader):
         self.prefix: CapturePrefix | None = None
         self.regions: tuple[RegionDecl, ...] = ()
         self.bytes_read = 0  # stored bytes of the chunks the last read_data validated
+        self._collective = True  # whether DCP runs this load on every rank (set_up_storage_reader)
 
     # DCP's call order: reset, read_metadata, set_up_storage_reader, prepare_local_plan,
     # (coordinator) prepare_global_plan, read_data.
@@ -498,7 +500,7 @@ class StorageReader(_DcpStorageReader):
                               f"({type(exc).__name__}: {exc})")
         except Exception as exc:  # noqa: BLE001 - an I/O error too: every rank must reach the agreement
             failure = exc
-        if _any_rank_failed(failure is not None, self.group, getattr(self, "_collective", True)):
+        if _any_rank_failed(failure is not None, self.group, self._collective):
             if prepared is not None:
                 prepared.release()
             if generation is not None:
@@ -538,7 +540,6 @@ class StorageReader(_DcpStorageReader):
         future = Future()
         future.set_result(None)
         return future
-
 
 
 def _collective_call(kwargs: dict, group) -> bool:

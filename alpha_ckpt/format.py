@@ -180,6 +180,16 @@ def block_count(raw_bytes: int) -> int:
     return -(-raw_bytes // BLOCK_BYTES)
 
 
+def hash_blocks(view: memoryview) -> list[str]:
+    """The hex BLAKE3 of each BLOCK_BYTES block of ``view`` (the last one shorter), in order."""
+    return [blake3.blake3(view[i:i + BLOCK_BYTES]).hexdigest() for i in range(0, len(view), BLOCK_BYTES)]
+
+
+def digest_of_blocks(blocks: str) -> str:
+    """A blocked slice's digest: the BLAKE3 of its concatenated block digests."""
+    return blake3.blake3(blocks.encode("ascii")).hexdigest()
+
+
 def block_digests(data) -> tuple[str, str | None]:
     """A raw slice's (digest, block digests): for a blocked slice, the BLAKE3 of its blocks' concatenated
     hex digests and that string; else the BLAKE3 of its bytes and None. The one definition every
@@ -187,8 +197,8 @@ def block_digests(data) -> tuple[str, str | None]:
     view = memoryview(data).cast("B")
     if not blocked(len(view)):
         return blake3.blake3(view).hexdigest(), None
-    blocks = "".join([blake3.blake3(view[i:i + BLOCK_BYTES]).hexdigest() for i in range(0, len(view), BLOCK_BYTES)])
-    return blake3.blake3(blocks.encode("ascii")).hexdigest(), blocks
+    blocks = "".join(hash_blocks(view))
+    return digest_of_blocks(blocks), blocks
 
 
 @dataclass(frozen=True)
@@ -489,7 +499,7 @@ def parse_shard_header(header: Any, digest: str, head_len: int, what: str) -> Sh
             if (not isinstance(blocks, str) or len(blocks) != 64 * block_count(raw)
                     or blocks.strip("0123456789abcdef")):
                 raise _fail(w, f"blocks must be {block_count(raw)} concatenated 64-hex digests")
-            if blake3.blake3(blocks.encode("ascii")).hexdigest() != slice_digest:
+            if digest_of_blocks(blocks) != slice_digest:
                 raise _fail(w, "blake3 is not the BLAKE3 of its block digests")
         slices.append(SliceRecord(
             ordinal=_uint(s["ordinal"], f"{w} ordinal"), dtype=dtype, shape=shape, lo=lo, hi=hi,

@@ -27,7 +27,7 @@ from .destinations import check_destinations, check_tied_saved_alike, destinatio
 from .errors import Refusal, RefusalCode
 from .format import (
     BLOCK_BYTES, DTYPES, PREFIX_LEN, CapturePrefix, ChildRef, ManifestHead, RegionDecl, ShardHead, ShardRef, SliceRecord, decode_head,
-    padding_ranges,
+    hash_blocks, padding_ranges,
     parse_manifest_header, parse_shard_header, split_head,
 )
 from .manifest import (
@@ -252,10 +252,10 @@ def _no_wait(upto: int) -> None:
 def _check_blocks(rec: SliceRecord, raw: memoryview, start: int, code: RefusalCode, what: str) -> None:
     """Check raw bytes [start, start + len(raw)) of a slice (``start`` a block boundary; the range ends on
     one or at the slice's end) against the slice's block digests."""
-    for at in range(0, len(raw), BLOCK_BYTES):
-        index = (start + at) // BLOCK_BYTES
-        if blake3.blake3(raw[at:at + BLOCK_BYTES]).hexdigest() != rec.block_digest(index):
-            raise Refusal(code, f"{what}: BLAKE3 of its bytes [{start + at}, {min(start + at + BLOCK_BYTES, rec.raw)}) "
+    for i, digest in enumerate(hash_blocks(raw)):
+        at = start + i * BLOCK_BYTES
+        if digest != rec.block_digest(at // BLOCK_BYTES):
+            raise Refusal(code, f"{what}: BLAKE3 of its bytes [{at}, {min(at + BLOCK_BYTES, rec.raw)}) "
                           "does not match the header")
 
 

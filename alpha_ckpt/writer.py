@@ -26,9 +26,9 @@ import zstandard
 
 from . import durable
 from .format import (
-    BLOCK_BYTES, DTYPES, STAR, CapturePrefix, ChildRef, Publisher, RegionDecl, ShardRef, SliceRecord, aligned,
-    block_count, block_digests, blocked, canonical_json, check_name, digest_bytes, encode_head, manifest_header,
-    schema_digest_of, shard_header,
+    DTYPES, STAR, CapturePrefix, ChildRef, Publisher, RegionDecl, ShardRef, SliceRecord, aligned, block_count,
+    block_digests, blocked, canonical_json, check_name, digest_bytes, digest_of_blocks, encode_head, hash_blocks,
+    manifest_header, schema_digest_of, shard_header,
 )
 from .errors import Refusal, RefusalCode
 from .manifest import first_non_finite, word_value
@@ -193,7 +193,7 @@ def _aligned_buffers() -> list[mmap.mmap]:
 
 
 def _fill(buf: mmap.mmap, start: int, end: int, segments: Sequence[tuple[int, memoryview]],
-          starts: Sequence[int] | None = None) -> int:
+          starts: Sequence[int]) -> int:
     """Copy the file bytes [start, end) into ``buf`` (gaps zero); returns the length to write (aligned).
 
     ``segments`` are in file order; ``starts`` (their offsets) lets a block find its first
@@ -202,7 +202,7 @@ def _fill(buf: mmap.mmap, start: int, end: int, segments: Sequence[tuple[int, me
     out = np.frombuffer(buf, dtype=np.uint8)
     length = end - start
     padded = length + (-length % _DIRECT_ALIGN)
-    first = max(0, bisect.bisect_right(starts, start) - 1) if starts is not None else 0
+    first = max(0, bisect.bisect_right(starts, start) - 1)
     pos = start  # bytes of the block before pos are filled
     for offset, view in segments[first:]:
         if offset >= end:
@@ -277,7 +277,7 @@ def _hash_and_check(view: memoryview, dtype: str, known: tuple[str, str | None] 
     for start in range(0, len(view), _FINITE_CHUNK):
         chunk = view[start:start + _FINITE_CHUNK]
         if blocks is not None:
-            blocks += [blake3.blake3(chunk[i:i + BLOCK_BYTES]).hexdigest() for i in range(0, len(chunk), BLOCK_BYTES)]
+            blocks += hash_blocks(chunk)
         if bad is None:
             index = first_non_finite(chunk, dtype)
             bad = None if index is None else start // DTYPES[dtype][0] + index
@@ -288,7 +288,7 @@ def _hash_and_check(view: memoryview, dtype: str, known: tuple[str, str | None] 
     if not blocked(len(view)):
         return block_digests(view)[0], None, bad
     listed = "".join(blocks)
-    return blake3.blake3(listed.encode("ascii")).hexdigest(), listed, bad
+    return digest_of_blocks(listed), listed, bad
 
 
 def _refuse_non_finite(region: RegionDecl, piece: Piece, raw: memoryview, index: int) -> Refusal:
