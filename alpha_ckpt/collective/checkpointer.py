@@ -79,7 +79,7 @@ COST_ENV = "ALPHA_CKPT_CHECKPOINT_COST"
 _FROM_ENV = object()
 SPREAD_BYTES = 1 << 20  # the tree spreads replicated regions this large over the ranks
 STAR_WRITERS = 2  # threads with which the star's rank 0 writes shards (beside its receives)
-STAR_RECEIVE_BYTES = 256 << 20  # the most of other ranks' bytes the star's rank 0 holds at once
+STAR_RECEIVE_BYTES = 64 << 20  # the most of other ranks' bytes the star's rank 0 holds at once
 # Refusals of a generation's bytes: under "latest" the next older generation is tried. Any other
 # refusal (a binding, a destination that does not match) would refuse the older ones too.
 DAMAGE = frozenset({RefusalCode.CORRUPT_SHARD, RefusalCode.MISSING_SHARD, RefusalCode.FORMAT, RefusalCode.COVERAGE,
