@@ -26,7 +26,7 @@ import zstandard
 from .destinations import check_destinations, check_tied_saved_alike, destination_layouts
 from .errors import Refusal, RefusalCode
 from .format import (
-    BLOCK_BYTES, DTYPES, PREFIX_LEN, CapturePrefix, ChildRef, ManifestHead, RegionDecl, ShardHead, ShardRef, SliceRecord, decode_head,
+    BLOCK_BYTES, DTYPES, CapturePrefix, ChildRef, ManifestHead, RegionDecl, ShardHead, ShardRef, SliceRecord, decode_head,
     hash_blocks, padding_ranges,
     parse_manifest_header, parse_shard_header, split_head,
 )

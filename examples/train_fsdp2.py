@@ -11,7 +11,6 @@ the end: the SHA-256 of the full state and the losses.
 import argparse
 import hashlib
 import json
-import os
 
 import torch
 import torch.distributed as dist

@@ -8,7 +8,6 @@ deliberately excluded: a continuation changes it without changing the state.
 from __future__ import annotations
 
 import blake3
-import torch
 
 from ..format import canonical_json
 from ..manifest import dtype_name, flatten_state

@@ -11,7 +11,7 @@ import zstandard
 
 import alpha_ckpt
 from alpha_ckpt import Refusal, RefusalCode, durable
-from alpha_ckpt.format import CapturePrefix, RegionDecl, ShardRef, encode_head
+from alpha_ckpt.format import ShardRef, encode_head
 from alpha_ckpt.planner import WantedSlice
 from alpha_ckpt.restore import open_generation, restore_slices, validate_object_bytes
 from alpha_ckpt.writer import write_manifest

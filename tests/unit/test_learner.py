@@ -1,5 +1,4 @@
 """The learner and the oracle: keyed data, shares, partitioned == replicated, resume through the store."""
-import copy
 import json
 import subprocess
 import sys

@@ -1,5 +1,4 @@
 """Refs, mixed captures and names that must never escape the store."""
-import os
 
 import pytest
 import torch
