@@ -65,11 +65,16 @@ and it swamps the differences measured here. So (both untimed):
 
 Warm-up and prefault apply to every section (an owner or rank prefaults
 ``--prefault`` times its own bytes); ``--cold`` applies to the restores of
-store, owners and checkpointer.
+store, owners, checkpointer and sharded.
 
-Restores run on a hot page cache by default (the file was just written). With
-``--cold`` the script runs ``sync`` and ``echo 3 > /proc/sys/vm/drop_caches``
-before every restore (root only), so restores read from the device.
+Restores run on a hot page cache by default (the files were just written, and
+stay cached, except what alpha_ckpt wrote with O_DIRECT: that is never in the
+page cache, so its "hot" restore already reads from the device). With
+``--cold`` the script runs ``sync`` and drops the cached pages of every file
+of the checkpoint about to be restored (``posix_fadvise(DONTNEED)``; no root
+needed; the run stops if any page stays cached) before every restore, so every
+method's restore reads from the device, as a resume in fresh processes on
+another node, or long after the save, does.
 
 The destination tensors are allocated once and overwritten with NaN before
 every restore (outside the timing): their pages are resident, so no method's
@@ -221,6 +226,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import gc
 import hashlib
@@ -260,7 +266,6 @@ from alpha_ckpt.writer import DEFAULT_MAX_SHARD_BYTES
 
 MiB = 1 << 20
 RAW_BUFFER_BYTES = 16 * MiB
-DROP_CACHES = "/proc/sys/vm/drop_caches"
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METHODS = ("ours", "torch", "dcp", "dcp-t2", "raw")
 
@@ -280,19 +285,52 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def can_drop_caches() -> bool:
-    try:
-        with open(DROP_CACHES, "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
-def drop_caches() -> None:
+def evict_page_cache(path: str) -> int:
+    """Write back everything, then drop the cached pages of every file under ``path`` (a method's
+    checkpoint): its restore reads from the device. Needs no root, unlike drop_caches, and leaves
+    the rest of the page cache (Python, torch) as it was. Returns the bytes still cached (0 when
+    the kernel dropped them all; it keeps pages that are dirty or mapped)."""
     os.sync()
-    with open(DROP_CACHES, "w") as f:
-        f.write("3\n")
+    left = 0
+    for where, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(where, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                left += cached_bytes(fd)
+            finally:
+                os.close(fd)
+    return left
+
+
+def evicted(path: str) -> None:
+    """:func:`evict_page_cache`, or stop the run if the kernel kept any page (the restore would not be cold)."""
+    left = evict_page_cache(path)
+    if left:
+        raise SystemExit(f"--cold: {left} bytes of {path} stayed in the page cache after fadvise(DONTNEED)")
+
+
+def cached_bytes(fd: int) -> int:
+    """How many bytes of the open file are in the page cache (mincore of a read-only mapping)."""
+    size = os.fstat(fd).st_size
+    if not size:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), "mmap for mincore failed")
+    try:
+        page = mmap.PAGESIZE
+        vec = ctypes.create_string_buffer((size + page - 1) // page)
+        if libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
+            raise OSError(ctypes.get_errno(), "mincore failed")
+        return sum(b & 1 for b in vec.raw) * page
+    finally:
+        libc.munmap(ctypes.c_void_p(addr), size)
 
 
 def code_under_test() -> dict:
@@ -461,7 +499,7 @@ def run_store(args: argparse.Namespace, state: dict, dest: dict, top: str, code:
 
     print()
     print(f"== section store: save and restore, one process; order per rep: {', '.join(METHODS)}")
-    print(f"  restores: {'COLD page cache (sync + drop_caches before each restore)' if args.cold else 'HOT page cache (restore right after the same method saved; files still cached)'}")
+    print(f"  restores: {'COLD page cache (sync + fadvise(DONTNEED) of the checkpoint files before each restore)' if args.cold else 'HOT page cache (restore right after the same method saved; files still cached)'}")
     print(f"  each restore verified with torch.equal (raw: not compared); "
           f"prefault {args.prefault:g} x state before each save and restore", flush=True)
 
@@ -482,7 +520,7 @@ def run_store(args: argparse.Namespace, state: dict, dest: dict, top: str, code:
 
             poison(dest)
             if args.cold:
-                drop_caches()
+                evicted(workdir)
             gc.collect()
             prefault(prefault_bytes)
             t = time.perf_counter()
@@ -932,7 +970,7 @@ def owner_process(config: dict) -> None:
                     dest[i].fill_(float("nan"))
                 barrier()
                 if config["cold"] and rank == 0:
-                    drop_caches()
+                    evicted(directory)
                 gc.collect()
                 if member:
                     prefault(int(config["prefault"] * own_bytes))
@@ -1348,7 +1386,7 @@ def checkpointer_process(config: dict) -> None:
                     poison_dest(n)
                 barrier()
                 if config["cold"] and rank == 0:
-                    drop_caches()
+                    evicted(directory)
                 gc.collect()
                 if member:
                     prefault(int(config["prefault"] * own_bytes[n]))
@@ -1492,10 +1530,6 @@ def run(args: argparse.Namespace) -> dict:
     base = args.dir if args.dir else default_base_dir()
     os.makedirs(base, exist_ok=True)
     top = tempfile.mkdtemp(prefix="bench_store.", dir=base)
-    cold_ok = can_drop_caches()
-    if args.cold and not cold_ok:
-        shutil.rmtree(top, ignore_errors=True)
-        raise SystemExit(f"--cold needs write access to {DROP_CACHES} (root); it is not writable here")
 
     try:
         t0 = time.perf_counter()
@@ -1519,8 +1553,7 @@ def run(args: argparse.Namespace) -> dict:
               f"  alpha_ckpt {alpha_ckpt.__version__} (not a git checkout; sources sha256 {code['source_sha256']})")
         print(f"  python {platform.python_version()}, torch {torch.__version__}, torch threads {torch.get_num_threads()}, "
               f"cpus {os.cpu_count()}")
-        print(f"  drop_caches {'available' if cold_ok else 'not available'}; prefault {args.prefault:g} x the bytes "
-              "about to be written or read before each save and restore")
+        print(f"  prefault {args.prefault:g} x the bytes about to be written or read before each save and restore")
         sys.stdout.flush()
 
         result: dict = {"sections": list(sections), "code": code}
@@ -1562,8 +1595,9 @@ def main(argv: list[str] | None = None) -> dict | None:
                    help="base directory for the working files (default: the temp dir if it is on the repo's file system, "
                         "else the repo's parent); a fresh subdirectory is created and removed")
     p.add_argument("--cold", action="store_true",
-                   help="sync and drop the page cache before every restore (root only; sections store, owners and "
-                        "checkpointer)")
+                   help="before every restore, sync and drop the cached pages of the checkpoint's files "
+                        "(posix_fadvise DONTNEED): restores read from the device (sections store, owners, "
+                        "checkpointer and sharded)")
     p.add_argument("--prefault", type=float, default=2.0,
                    help="before every save and every restore (untimed), touch and free this many times the state size "
                         "of anonymous memory (default 2; 0 disables)")
