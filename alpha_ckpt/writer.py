@@ -26,7 +26,7 @@ import zstandard
 
 from . import durable
 from .format import (
-    DTYPES, STAR, CapturePrefix, ChildRef, Publisher, RegionDecl, ShardRef, SliceRecord, aligned, block_count,
+    BLOCK_BYTES, DTYPES, STAR, CapturePrefix, ChildRef, Publisher, RegionDecl, ShardRef, SliceRecord, aligned, block_count,
     block_digests, blocked, canonical_json, check_name, digest_bytes, digest_of_blocks, encode_head, hash_blocks,
     manifest_header, schema_digest_of, shard_header,
 )
@@ -44,6 +44,7 @@ _SAMPLE_TIMINGS = 3
 
 
 DEDUP_MIN_BYTES = 1 << 20  # a region at least this large gets a shard of its own, so it can be carried
+MAX_PIECE_BYTES = DEFAULT_MAX_SHARD_BYTES  # a larger part is cut into shards of at most this many bytes
 
 
 class ShardCarry:
@@ -84,15 +85,36 @@ class ShardCarry:
         self._entries[key] = (raw_digest, record, prefix)
 
 
-def isolate_large_pieces(shards: Sequence[Sequence[tuple]], min_bytes: int = DEDUP_MIN_BYTES) -> list[list[tuple]]:
-    """Give every part of at least ``min_bytes`` a shard of its own; the small parts stay together."""
+def isolate_large_pieces(shards: Sequence[Sequence[tuple]], min_bytes: int = DEDUP_MIN_BYTES,
+                         max_bytes: int | None = None) -> list[list[tuple]]:
+    """Give every part of at least ``min_bytes`` a shard of its own; the small parts stay together.
+
+    A part larger than ``max_bytes`` (default :data:`MAX_PIECE_BYTES`) is cut into consecutive
+    parts of at most that many bytes, each in a shard of its own: a shard's head holds one block
+    digest per 64 KiB, so one shard must stay far below 64 GiB (the header limit is 64 MiB).
+    """
+    limit = max(BLOCK_BYTES, (MAX_PIECE_BYTES if max_bytes is None else max_bytes) // BLOCK_BYTES * BLOCK_BYTES)
     out: list[list[tuple]] = []
     for parts in shards:
         small = [p for p in parts if len(p[1]) < min_bytes]
-        out += [[p] for p in parts if len(p[1]) >= min_bytes]
+        for part in parts:
+            if len(part[1]) >= min_bytes:
+                out += [[cut] for cut in cut_part(part, limit)]
         if small:
             out.append(small)
     return out
+
+
+def cut_part(part: tuple, limit: int) -> list[tuple]:
+    """(piece, raw bytes, codec) as consecutive parts of at most ``limit`` bytes (a multiple of every
+    word size: the cuts fall on word and 64 KiB block boundaries)."""
+    piece, raw, codec = part
+    if len(raw) <= limit:
+        return [part]
+    words = limit // piece.itemsize
+    return [(Piece(piece.ordinal, lo, min(lo + words, piece.hi), piece.itemsize),
+             raw[(lo - piece.lo) * piece.itemsize:(min(lo + words, piece.hi) - piece.lo) * piece.itemsize], codec)
+            for lo in range(piece.lo, piece.hi, words)]
 
 
 @dataclass(frozen=True)

@@ -148,3 +148,30 @@ def test_the_sharded_section_times_checkpointer_and_dcp_backend_on_dtensors_agai
         # every rank restores (and reads) exactly its own rows: a 1/n share
         for m in ("ckpt-star", "ckpt-tree"):
             assert sharded["bytes_read"][n][m] == [(16 << 20) // int(n)] * int(n)
+
+
+def test_cold_restores_need_no_root_and_read_a_checkpoint_the_page_cache_no_longer_holds(tmp_path):
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from bench_store import cached_bytes, evict_page_cache
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    (tmp_path / "ckpt" / "objects").mkdir(parents=True)
+    for i in range(3):
+        (tmp_path / "ckpt" / "objects" / f"o{i}").write_bytes(os.urandom(1 << 20))
+    (tmp_path / "ckpt" / "empty").write_bytes(b"")
+    fd = os.open(tmp_path / "ckpt" / "objects" / "o0", os.O_RDONLY)
+    try:
+        assert cached_bytes(fd) == 1 << 20  # just written: in the page cache
+        assert evict_page_cache(str(tmp_path / "ckpt")) == 0
+        assert cached_bytes(fd) == 0
+    finally:
+        os.close(fd)
+
+    env = env_with_repo()
+    run = subprocess.run([sys.executable, str(SCRIPT), "--size-mib", "8", "--tensors", "2", "--reps", "1", "--warmup",
+                          "0", "--prefault", "0", "--cold", "--dir", str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["cache"] == "cold" and result["verified_restores"] == 4

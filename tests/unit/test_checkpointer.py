@@ -291,3 +291,69 @@ def test_a_tree_spreads_large_replicas_over_the_ranks_and_any_rank_count_restore
     assert holders == {"a": 1, "b": 0, "small": 0}  # the larger (b, 4 MB) by rank 0, a (2.4 MB) by rank 1
     assert all(r["equal"] for r in run_ranks(1, spread_and_restore, store, 2, tmp=tmp_path))
     assert all(r["equal"] for r in run_ranks(3, spread_and_restore, store, 2, tmp=tmp_path))
+
+
+CUT_BYTES = 256 << 10  # stands in for the 2 GiB a piece is cut at, so a test can afford several cuts
+
+
+def cut_state(rank, world, value):
+    from alpha_ckpt import Partitioned
+    from alpha_ckpt.learner.data import shares
+    lo, hi = shares(700_001, world)[rank]
+    return {"model": torch.arange(400_000, dtype=torch.float32) * value,
+            "moments": Partitioned(torch.arange(lo, hi, dtype=torch.float64) * value, lo, hi, (700_001,))}
+
+
+def save_cut_and_restore(rank, world, store, publisher, saved_on, diverge):
+    import alpha_ckpt.writer
+    alpha_ckpt.writer.MAX_PIECE_BYTES = CUT_BYTES
+    ckpt = Checkpointer(store, run="cut", publisher=publisher)
+    if world == saved_on:
+        ckpt.restore(cut_state(rank, world, 0.0), root=None)
+        state = cut_state(rank, world, 3.0)
+        if diverge and rank == 1:
+            state["model"][-1] += 1.0  # in the last cut of the replica
+        ckpt.save(state, update=1)
+    dest = cut_state(rank, world, -1.0)
+    ckpt.restore(dest, root="latest")
+    expect = cut_state(rank, world, 3.0)
+    return {"equal": torch.equal(dest["model"], expect["model"])
+            and torch.equal(dest["moments"].tensor, expect["moments"].tensor)}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("publisher", ["star", "tree"])
+def test_a_piece_larger_than_the_cut_size_is_written_as_several_shards_and_restores_on_any_rank_count(tmp_path,
+                                                                                                      publisher):
+    """Each shard's head grows with its payload (a block digest per 64 KiB), so pieces are cut."""
+    store = str(tmp_path / "s")
+    assert all(r["equal"] for r in run_ranks(2, save_cut_and_restore, store, publisher, 2, False, tmp=tmp_path))
+    from alpha_ckpt.restore import open_generation
+    with Store(store, create=False) as s, open_generation(s, s.newest_ref("cut", "train").root) as g:
+        slices = [(g.manifest.regions[sl.ordinal].name, sl.lo, sl.hi, sl.raw)
+                  for _, head in g.shards.values() for sl in head.slices]
+    for name, words, size in (("model", 400_000, 4), ("moments", 700_001, 8)):
+        mine = sorted((lo, hi, raw) for n, lo, hi, raw in slices if n == name)
+        assert [(lo, hi) for lo, hi, _ in mine] == [(lo, min(lo + CUT_BYTES // size, hi)) for lo, hi in
+                                                   _cuts(name, words, size)]
+        assert max(raw for *_, raw in mine) == CUT_BYTES
+    assert all(r["equal"] for r in run_ranks(3, save_cut_and_restore, store, publisher, 2, False, tmp=tmp_path))
+    assert all(r["equal"] for r in run_ranks(1, save_cut_and_restore, store, publisher, 2, False, tmp=tmp_path))
+
+
+def _cuts(name, words, size):
+    """The (lo, hi) ranges a 2-rank save cuts a region into: per rank's piece, every CUT_BYTES."""
+    from alpha_ckpt.learner.data import shares
+    pieces = [(0, words)] if name == "model" else shares(words, 2)
+    step = CUT_BYTES // size
+    return [(lo, hi) for a, b in pieces for lo in range(a, b, step) for hi in [min(lo + step, b)]]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("publisher", ["star", "tree"])
+def test_a_replica_that_diverges_only_in_its_last_cut_is_refused_on_every_rank(tmp_path, publisher):
+    results = run_ranks(2, save_cut_and_restore, str(tmp_path / "s"), publisher, 2, True, tmp=tmp_path)
+    assert [r.get("refusal") for r in results] == [RefusalCode.MIXED_CAPTURE.value] * 2
+    assert "model" in results[0]["message"]
+    with Store(tmp_path / "s", create=False) as s:
+        assert s.list_refs("cut", "train") == []
