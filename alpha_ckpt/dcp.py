@@ -64,7 +64,7 @@ from .state.capture import matches_any
 from .state.placement import box_ranges
 from .state.values import decode_value, encode_value
 from .store import RefRecord, Store
-from .writer import DEFAULT_MAX_SHARD_BYTES, word_bytes, write_manifest, write_shards
+from .writer import DEFAULT_MAX_SHARD_BYTES, group_parts, word_bytes, write_manifest, write_shards
 
 __all__ = ["StorageWriter", "StorageReader", "encode_metadata", "decode_metadata", "DCP_KEY"]
 
@@ -311,7 +311,7 @@ class StorageWriter(_DcpStorageWriter):
         # for the measured O_DIRECT path, one durable commit per shard instead of one per slice.
         failure: BaseException | None = None
         try:
-            shards = write_shards(self._open_store(), prefix, regions, _in_shards(parts, DEFAULT_MAX_SHARD_BYTES))
+            shards = write_shards(self._open_store(), prefix, regions, group_parts(parts, DEFAULT_MAX_SHARD_BYTES))
         except BaseException as exc:  # noqa: BLE001 - every rank must reach the agreement below
             failure = exc
         # DCP calls no hook on the coordinator when another rank's writes fail: the ranks agree here,
@@ -364,20 +364,6 @@ class StorageWriter(_DcpStorageWriter):
         if self._lease is not None:
             self._lease()  # the finalizer: releases once, and never again when the writer is dropped
             self._lease = None
-
-
-def _in_shards(parts: list, max_bytes: int) -> list[list]:
-    """Consecutive parts grouped into shards of at most ``max_bytes`` (a larger part alone): few durable
-    commits, and heads that stay small (block digests are about 1/1024 of a shard's payload)."""
-    shards: list[list] = []
-    filled = 0
-    for part in parts:
-        if not shards or (filled + len(part[1]) > max_bytes and shards[-1]):
-            shards.append([])
-            filled = 0
-        shards[-1].append(part)
-        filled += len(part[1])
-    return shards
 
 
 def _region_decls(regions: list[dict]) -> tuple[RegionDecl, ...]:

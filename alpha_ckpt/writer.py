@@ -90,8 +90,9 @@ def isolate_large_pieces(shards: Sequence[Sequence[tuple]], min_bytes: int = DED
     """Give every part of at least ``min_bytes`` a shard of its own; the small parts stay together.
 
     A part larger than ``max_bytes`` (default :data:`MAX_PIECE_BYTES`) is cut into consecutive
-    parts of at most that many bytes, each in a shard of its own: a shard's head holds one block
-    digest per 64 KiB, so one shard must stay far below 64 GiB (the header limit is 64 MiB).
+    parts of at most that many bytes, each in a shard of its own, and the small parts go into
+    shards of at most that many bytes: a shard's head holds one block digest per 64 KiB, so one
+    shard must stay far below 64 GiB (the header limit is 64 MiB).
     """
     limit = max(BLOCK_BYTES, (MAX_PIECE_BYTES if max_bytes is None else max_bytes) // BLOCK_BYTES * BLOCK_BYTES)
     out: list[list[tuple]] = []
@@ -100,9 +101,22 @@ def isolate_large_pieces(shards: Sequence[Sequence[tuple]], min_bytes: int = DED
         for part in parts:
             if len(part[1]) >= min_bytes:
                 out += [[cut] for cut in cut_part(part, limit)]
-        if small:
-            out.append(small)
+        out += group_parts(small, limit)
     return out
+
+
+def group_parts(parts: Sequence[tuple], max_bytes: int) -> list[list[tuple]]:
+    """Consecutive parts grouped into shards of at most ``max_bytes`` raw bytes (a larger part alone):
+    few durable commits, and heads that stay small (block digests are about 1/1024 of a payload)."""
+    shards: list[list[tuple]] = []
+    filled = 0
+    for part in parts:
+        if not shards or (filled + len(part[1]) > max_bytes and shards[-1]):
+            shards.append([])
+            filled = 0
+        shards[-1].append(part)
+        filled += len(part[1])
+    return shards
 
 
 def cut_part(part: tuple, limit: int) -> list[tuple]:

@@ -301,7 +301,8 @@ def cut_state(rank, world, value):
     from alpha_ckpt.learner.data import shares
     lo, hi = shares(700_001, world)[rank]
     return {"model": torch.arange(400_000, dtype=torch.float32) * value,
-            "moments": Partitioned(torch.arange(lo, hi, dtype=torch.float64) * value, lo, hi, (700_001,))}
+            "moments": Partitioned(torch.arange(lo, hi, dtype=torch.float64) * value, lo, hi, (700_001,)),
+            "norms": {f"n{i}": torch.full((25_600,), float(i)) * value for i in range(5)}}  # 100 KiB each
 
 
 def save_cut_and_restore(rank, world, store, publisher, saved_on, diverge):
@@ -318,7 +319,8 @@ def save_cut_and_restore(rank, world, store, publisher, saved_on, diverge):
     ckpt.restore(dest, root="latest")
     expect = cut_state(rank, world, 3.0)
     return {"equal": torch.equal(dest["model"], expect["model"])
-            and torch.equal(dest["moments"].tensor, expect["moments"].tensor)}
+            and torch.equal(dest["moments"].tensor, expect["moments"].tensor)
+            and all(torch.equal(dest["norms"][k], expect["norms"][k]) for k in expect["norms"])}
 
 
 @pytest.mark.timeout(180)
@@ -332,6 +334,11 @@ def test_a_piece_larger_than_the_cut_size_is_written_as_several_shards_and_resto
     with Store(store, create=False) as s, open_generation(s, s.newest_ref("cut", "train").root) as g:
         slices = [(g.manifest.regions[sl.ordinal].name, sl.lo, sl.hi, sl.raw)
                   for _, head in g.shards.values() for sl in head.slices]
+        small = sorted(sorted(g.manifest.regions[sl.ordinal].name for sl in head.slices)
+                       for _, head in g.shards.values() if head.slices[0].raw < 1 << 20 and
+                       g.manifest.regions[head.slices[0].ordinal].name.startswith("norms"))
+    # The small regions stay together, in shards of at most the cut size: 2 + 2 + 1 of 100 KiB.
+    assert sorted(map(len, small)) == [1, 2, 2] and sum(small, []) == sorted(f"norms.n{i}" for i in range(5))
     for name, words, size in (("model", 400_000, 4), ("moments", 700_001, 8)):
         mine = sorted((lo, hi, raw) for n, lo, hi, raw in slices if n == name)
         assert [(lo, hi) for lo, hi, _ in mine] == [(lo, min(lo + CUT_BYTES // size, hi)) for lo, hi in

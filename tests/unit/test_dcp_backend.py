@@ -391,7 +391,7 @@ def _save_nan_sharded(rank, world, store):
 
 
 def test_a_ranks_chunks_go_into_shards_of_at_most_the_limit_and_a_larger_one_alone():
-    from alpha_ckpt.dcp import _in_shards
+    from alpha_ckpt.writer import group_parts
     parts = [(i, b"x" * n, "raw") for i, n in enumerate([3, 4, 10, 2, 2])]
-    assert [[p[0] for p in shard] for shard in _in_shards(parts, 6)] == [[0], [1], [2], [3, 4]]
-    assert _in_shards([], 6) == []
+    assert [[p[0] for p in shard] for shard in group_parts(parts, 6)] == [[0], [1], [2], [3, 4]]
+    assert group_parts([], 6) == []
