@@ -85,23 +85,19 @@ class ShardCarry:
         self._entries[key] = (raw_digest, record, prefix)
 
 
-def isolate_large_pieces(shards: Sequence[Sequence[tuple]], min_bytes: int = DEDUP_MIN_BYTES,
-                         max_bytes: int | None = None) -> list[list[tuple]]:
+def isolate_large_pieces(shards: Sequence[Sequence[tuple]], min_bytes: int = DEDUP_MIN_BYTES) -> list[list[tuple]]:
     """Give every part of at least ``min_bytes`` a shard of its own; the small parts stay together.
 
-    A part larger than ``max_bytes`` (default :data:`MAX_PIECE_BYTES`) is cut into consecutive
-    parts of at most that many bytes, each in a shard of its own, and the small parts go into
-    shards of at most that many bytes: a shard's head holds one block digest per 64 KiB, so one
-    shard must stay far below 64 GiB (the header limit is 64 MiB).
+    A part larger than :data:`MAX_PIECE_BYTES` is cut into consecutive parts of at most that many
+    bytes, each in a shard of its own, and the small parts go into shards of at most that many
+    bytes: a shard's head holds one block digest per 64 KiB, so one shard must stay far below
+    64 GiB (the header limit is 64 MiB).
     """
-    limit = max(BLOCK_BYTES, (MAX_PIECE_BYTES if max_bytes is None else max_bytes) // BLOCK_BYTES * BLOCK_BYTES)
+    limit = max(BLOCK_BYTES, MAX_PIECE_BYTES // BLOCK_BYTES * BLOCK_BYTES)
     out: list[list[tuple]] = []
     for parts in shards:
-        small = [p for p in parts if len(p[1]) < min_bytes]
-        for part in parts:
-            if len(part[1]) >= min_bytes:
-                out += [[cut] for cut in cut_part(part, limit)]
-        out += group_parts(small, limit)
+        out += [[cut] for part in parts if len(part[1]) >= min_bytes for cut in cut_part(part, limit)]
+        out += group_parts([p for p in parts if len(p[1]) < min_bytes], limit)
     return out
 
 
@@ -123,12 +119,13 @@ def cut_part(part: tuple, limit: int) -> list[tuple]:
     """(piece, raw bytes, codec) as consecutive parts of at most ``limit`` bytes (a multiple of every
     word size: the cuts fall on word and 64 KiB block boundaries)."""
     piece, raw, codec = part
-    if len(raw) <= limit:
-        return [part]
     words = limit // piece.itemsize
-    return [(Piece(piece.ordinal, lo, min(lo + words, piece.hi), piece.itemsize),
-             raw[(lo - piece.lo) * piece.itemsize:(min(lo + words, piece.hi) - piece.lo) * piece.itemsize], codec)
-            for lo in range(piece.lo, piece.hi, words)]
+    cuts = []
+    for lo in range(piece.lo, piece.hi, words):
+        hi = min(lo + words, piece.hi)
+        cuts.append((Piece(piece.ordinal, lo, hi, piece.itemsize),
+                     raw[(lo - piece.lo) * piece.itemsize:(hi - piece.lo) * piece.itemsize], codec))
+    return cuts or [part]
 
 
 @dataclass(frozen=True)
