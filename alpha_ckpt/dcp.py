@@ -341,8 +341,7 @@ class StorageWriter(_DcpStorageWriter):
                 for result in rank_results:
                     data = dict(result.storage_data)
                     for record in data.pop("shards", []):
-                        shards[record["digest"]] = ShardRef(record["digest"], record["size"],
-                                                            tuple(tuple(s) for s in record["slices"]))
+                        shards[record["digest"]] = ShardRef.from_json(record)
                     storage_data[result.index] = data
             metadata.storage_data = storage_data
             regions, epoch, follows = self._planned  # what prepare_global_plan decided

@@ -257,6 +257,13 @@ class ShardRef:
             out["carried"] = dict(zip(("update", "cursor", "epoch"), self.carried))
         return out
 
+    @classmethod
+    def from_json(cls, obj: dict) -> "ShardRef":
+        """The record :meth:`to_json` made (a peer's, on its way into a manifest that validates it again)."""
+        carried = obj.get("carried")
+        return cls(str(obj["digest"]), int(obj["size"]), tuple((int(o), int(lo), int(hi)) for o, lo, hi in obj["slices"]),
+                   None if carried is None else (int(carried["update"]), int(carried["cursor"]), int(carried["epoch"])))
+
     def written_by(self, prefix: "CapturePrefix") -> "CapturePrefix":
         """The capture whose prefix the shard's head must carry, within a manifest of ``prefix``."""
         if self.carried is None:

@@ -9,24 +9,29 @@ Call order (every rank of the group, the same calls in the same order)::
         ckpt.save(state, update=step, cursor=samples_seen)   # the same root digest on every rank
     ckpt.close()
 
-Placement of a state's entries: a plain tensor or value is replicated (rank 0
-writes it once; every other rank sends only the BLAKE3 of its replica, and a
-replica that differs refuses the publish on every rank); ``PerRank(value)`` is
-stored per rank and restored to the same rank; ``Partitioned(tensor, lo, hi,
-shape)`` is this rank's word range of one region.
+Placement of a state's entries: a plain tensor or value is replicated (one
+rank writes it once; every other rank only hashes its replica, and a replica
+that differs refuses the publish on every rank); ``PerRank(value)`` is stored
+per rank and restored to the same rank; ``Partitioned(tensor, lo, hi, shape)``
+is this rank's word range of one region. Large replicas are spread over the
+ranks, as DCP spreads them; small ones are rank 0's.
 
-Save (star): every rank captures (Stateful ``state_dict()``, typed values,
-tensors) and sends rank 0 a descriptor (its skeleton and region
-declarations); rank 0 checks that every capture agrees. Then every rank sends
-only the bytes that are its own (per-rank and partitioned words), and after
-them the BLAKE3 of each replica, hashed while the bytes were on their way.
-Rank 0 writes the shards as they come, hashing what it writes, compares the
-replica digests, writes the root manifest and the ref durably, then
-broadcasts the acknowledgment; every rank returns the root, or raises the
-same Refusal (exit 3 under alpha-run) or PublishFailed. The tree is the same
-up to the agreement; then every rank writes its own shards while hashing the
-replicas others write, rank 0 compares every rank's digests and write
-outcome, and only then do group manifests go up the tree.
+Save: every rank captures (Stateful ``state_dict()``, typed values, tensors)
+and sends rank 0 a descriptor (its skeleton and region declarations); rank 0
+checks that every capture agrees and sends back the agreed layout. Then every
+rank writes its own shards durably (its per-rank and partitioned words and
+the replicas it writes), hashing them as it writes, and hashes the replicas
+that others write. No rank ever sends another its tensor bytes.
+
+* Star: every rank sends rank 0 its shard records, replica digests and write
+  outcome; rank 0 compares the digests, writes the root manifest naming every
+  shard and the ref durably, then broadcasts the acknowledgment.
+* Tree: rank 0 hears the same digests and outcomes and broadcasts one
+  verdict; only then do group manifests and commitments go up the tree
+  (every parent hears at most ``fanout`` children), and the completion down.
+
+Every rank returns the root, or raises the same Refusal (exit 3 under
+alpha-run) or PublishFailed.
 
 Restore: rank 0 picks the generation (``"latest"``, a digest, or None for a
 fresh start) and checks its bindings (run/step, ``identity``, stale epoch);
@@ -41,7 +46,6 @@ import json
 import logging
 import math
 import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Sequence
@@ -54,19 +58,17 @@ from ..async_save import AsyncSaver
 from ..device import check_devices, current_device
 from ..durable import fault_point
 from ..errors import DurableWriteError, PublishConflict, PublishFailed, Refusal, RefusalCode, StoreUsageError
-from ..format import CapturePrefix, DTYPES, RegionDecl, block_digests, canonical_json, check_name
+from ..format import CapturePrefix, DTYPES, RegionDecl, ShardRef, block_digests, canonical_json, check_name
 from ..gc import retain_newest
 from ..planner import Hierarchy, Piece, WantedSlice, owners_holding, shares
-from ..publish.tree import GroupTransport, TreeRole
-from ..publish.wire import (
-    ReceiveBuffers, broadcast_json, gather_json, recv_batches, recv_bytes, send_bytes, send_pieces, wire_device,
-)
+from ..publish.tree import GroupTransport, TreeRole, write_or_fail
+from ..publish.wire import broadcast_json, gather_json
 from ..restore import Counters, open_generation, prepare_fill
 from ..state.capture import capture_state, dotted_leaves
 from ..state.load import plan_load
 from ..state.values import decode_value
 from ..store import RefRecord, Store
-from ..writer import ShardCarry, isolate_large_pieces, word_bytes, write_manifest, write_shards
+from ..writer import ShardCarry, word_bytes, write_manifest
 from .schedule import Schedule
 from .verdict import agree, any_rank
 
@@ -78,8 +80,6 @@ SAVE_ENV, IN_FLIGHT_ENV, EVERY_ENV, MTBF_ENV = "ALPHA_CKPT_SAVE", "ALPHA_CKPT_IN
 COST_ENV = "ALPHA_CKPT_CHECKPOINT_COST"
 _FROM_ENV = object()
 SPREAD_BYTES = 1 << 20  # the tree spreads replicated regions this large over the ranks
-STAR_WRITERS = 2  # threads with which the star's rank 0 writes shards (beside its receives)
-STAR_RECEIVE_BYTES = 64 << 20  # the most of other ranks' bytes the star's rank 0 holds at once
 # Refusals of a generation's bytes: under "latest" the next older generation is tried. Any other
 # refusal (a binding, a destination that does not match) would refuse the older ones too.
 DAMAGE = frozenset({RefusalCode.CORRUPT_SHARD, RefusalCode.MISSING_SHARD, RefusalCode.FORMAT, RefusalCode.COVERAGE,
@@ -261,13 +261,13 @@ class Checkpointer:
         """Agree on one layout (rank 0 checks every capture), then publish it by star or tree.
 
         Every rank hashes each replica once: the one that writes it while writing, the others
-        beside their own writes or sends. The digests are compared before anything is published.
+        beside their own writes. The digests are compared before anything is published.
         """
         started, written = time.monotonic(), self.store.bytes_written
         views = [memoryview(word_bytes(t).numpy()) if t.numel() else memoryview(b"") for t in tensors]
         own, hashed, wrote, replicated = [], [], {}, []
-        # The star's rank 0 writes every replica; the tree spreads them over the ranks, as DCP does.
-        writers = replica_writers(regions, captured.placement, self.world) if self.publisher == "tree" else {}
+        # Large replicas are spread over the ranks, as DCP does; rank 0 writes the small ones.
+        writers = replica_writers(regions, captured.placement, self.world)
         for region, view, where in zip(regions, views, captured.placement):
             size = DTYPES[region.dtype][0]
             if where == "replicated":
@@ -284,9 +284,8 @@ class Checkpointer:
                       "regions": [r.to_json() for r in regions], "pieces": [[n, lo, hi] for n, lo, hi, _ in own],
                       "device": self.device}
         layout = self._agree_layout(descriptor, group)
-        if "regions" in layout:  # the agreed list (a star's other ranks only send their bytes)
-            regions = tuple(RegionDecl(r["ordinal"], r["name"], r["dtype"], tuple(r["shape"]),
-                                       bool(r.get("nonfinite"))) for r in layout["regions"])
+        regions = tuple(RegionDecl(r["ordinal"], r["name"], r["dtype"], tuple(r["shape"]), bool(r.get("nonfinite")))
+                        for r in layout["regions"])  # the agreed list
         # Only digests of replicas travel, never their bytes; a diverged one refuses before any ref.
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="alpha-ckpt-replicas") as pool:
             others = pool.submit(lambda: {name: block_digests(view)[0] for name, view in hashed})
@@ -326,8 +325,8 @@ class Checkpointer:
                           "pieces": [d["pieces"] for d in descriptors], "layout": saved_layout(descriptors, regions)}
             except Refusal as refusal:
                 layout = {"ok": False, "code": refusal.code.value, "reason": refusal.message}
-            # The tree's ranks write their own shards against the agreed regions; the star's only send bytes.
-            broadcast_json(layout if not layout["ok"] or self.publisher == "tree" else {"ok": True}, root0, group)
+            # Every rank writes its own shards against the agreed regions.
+            broadcast_json(layout, root0, group)
         if not layout["ok"]:
             raise Refusal(layout["code"], layout["reason"])
         return layout
@@ -348,86 +347,69 @@ class Checkpointer:
             meta["layout"] = layout["layout"]
         return meta
 
-    def _publish_star(self, prefix, regions, layout, own, wrote, others, group) -> dict:
-        """Every rank's own bytes (per-rank and partitioned words) to rank 0, which writes everything.
+    def _own_parts(self, regions, own) -> list[tuple[Piece, memoryview, str]]:
+        by_name = {r.name: r for r in regions}
+        return [(Piece(by_name[n].ordinal, lo, hi, DTYPES[by_name[n].dtype][0]), view, "raw") for n, lo, hi, view in own]
 
-        Rank 0 writes its own shards (every replica among them) while the others' bytes arrive,
-        and each rank's as soon as it has arrived (STAR_WRITERS threads beside the receives). Each
-        other rank sends its replica digests after its bytes; rank 0 compares them with those its
-        writes computed, then writes the manifest and the ref.
+    def _publish_star(self, prefix, regions, layout, own, wrote, others, group) -> dict:
+        """Every rank writes its own shards; rank 0 gathers every rank's shard records, replica digests
+        and write outcome (one message each), writes the root manifest naming every shard and
+        publishes the ref; then the acknowledgment goes to every rank.
+
+        No rank sends another its tensor bytes: the star differs from the tree in its one level
+        (rank 0 hears every rank itself, and one manifest names every shard).
         """
         root0 = self._global(0)
-        if self.rank != 0:
-            send_pieces([v for *_, v in own], root0, group)
-            send_bytes(canonical_json(others.result()), root0, group)
-            ack = broadcast_json(None, root0, group)
-            fault_point("publish", "before-completion")
-            return ack
-        by_name = {r.name: r for r in regions}
-
-        def shard(pieces) -> list:
-            return [[(Piece(by_name[n].ordinal, lo, hi, DTYPES[by_name[n].dtype][0]), view, "raw")
-                     for n, lo, hi, view in pieces]] if pieces else []
-
-        digests: list[dict] = [{}]
+        parts = self._own_parts(regions, own)
         written: dict[tuple, str] = {}
-        lease = self.store.pending_publish(prefix.run, prefix.step)  # gc spares what this publish writes
-        writer = ThreadPoolExecutor(max_workers=STAR_WRITERS, thread_name_prefix="alpha-ckpt-star")
-        writes: list = []
-
-        def write(pieces) -> list:
-            # One task per shard (every large region has its own): a rank's bytes that arrive
-            # while rank 0's own are being written do not wait for all of those.
-            tasks = [writer.submit(write_shards, self.store, prefix, regions, [parts], carry=self._carry,
-                                   digests_out=written) for parts in isolate_large_pieces(shard(pieces))]
-            writes.extend(tasks)
-            return tasks
-
-        # Each message is received into a reused buffer, given back once its shards are written:
-        # rank 0 holds at most STAR_RECEIVE_BYTES of the others' bytes (or one message, if larger).
-        buffers = ReceiveBuffers(STAR_RECEIVE_BYTES, wire_device(group))
+        # gc spares what this rank writes until the ref names it, or the publish has failed
+        lease = self.store.pending_publish(prefix.run, prefix.step)
         try:
-            write(own)
-            for r in range(1, self.world):
-                declared = layout["pieces"][r]  # every rank is heard out, whatever failed before
-                sizes = [(hi - lo) * DTYPES[by_name[n].dtype][0] for n, lo, hi in declared]
-                for batch, views, buf in recv_batches(sizes, self._global(r), group, buffers):
-                    tasks = write([(*declared[i], view) for i, view in zip(batch, views)])
-                    if buf is not None:
-                        give_back_when_done(tasks, buf, buffers)
-                digests.append(json.loads(recv_bytes(self._global(r), group).decode("ascii")))
-            try:
-                shard_refs = [ref for w in writes for ref in w.result()]
-                digests[0] = self._replica_digests(regions, wrote, written, others)
-                check_replicas(digests)
-                root, size = write_manifest(self.store, prefix, regions, shard_refs, self.world,
-                                            self._metadata(layout), state=layout["state"])
-                record = self.store.publish_ref(prefix, root, size, size + sum(s.size for s in shard_refs),
-                                                owners=self.world, follows=self.follows)
-                ack = {"ok": True, "root": root, "generation": record.generation, "bytes": record.bytes}
-            except Refusal as refusal:
-                ack = {"ok": False, "code": refusal.code.value, "reason": refusal.message}
-            except (OSError, ValueError, PublishConflict, DurableWriteError) as exc:
-                ack = {"ok": False, "reason": str(exc)}
+            shard_refs, failure = write_or_fail(self.store, prefix, regions, [parts] if parts else [],
+                                                f"rank {self.rank}", carry=self._carry, digests_out=written)
+            report = {"shards": [s.to_json() for s in shard_refs], "failure": list(failure) if failure else None,
+                      "replicas": self._replica_digests(regions, wrote, written, others)}
+            reports = gather_json(report, root0, group)
+            ack = broadcast_json(None, root0, group) if self.rank != 0 else None
+            if self.rank == 0:
+                ack = written_verdict(reports)
+                if ack["ok"]:
+                    ack = self._publish_root(prefix, regions, layout,
+                                             [ShardRef.from_json(s) for r in reports for s in r["shards"]])
+            fault_point("publish", "before-completion")
+            if self.rank == 0:
+                broadcast_json(ack, root0, group)
+            return ack
         finally:
-            writer.shutdown(wait=True)
             lease.release()
-        fault_point("publish", "before-completion")
-        broadcast_json(ack, root0, group)
-        return ack
+
+    def _publish_root(self, prefix, regions, layout, shard_refs: list[ShardRef]) -> dict:
+        """The star's rank 0: the root manifest naming every rank's shards, then the ref; the acknowledgment."""
+        try:
+            root, size = write_manifest(self.store, prefix, regions, shard_refs, self.world,
+                                        self._metadata(layout), state=layout["state"])
+            record = self.store.publish_ref(prefix, root, size, size + sum(s.size for s in shard_refs),
+                                            owners=self.world, follows=self.follows)
+            return {"ok": True, "root": root, "generation": record.generation, "bytes": record.bytes}
+        except Refusal as refusal:
+            return {"ok": False, "code": refusal.code.value, "reason": refusal.message}
+        except (OSError, ValueError, PublishConflict, DurableWriteError) as exc:
+            return {"ok": False, "reason": str(exc)}
 
     def _publish_tree(self, prefix, regions, layout, own, wrote, others, group) -> dict:
         """Every rank writes its own shards; the ranks agree that the writes succeeded and the replicas
         match; then group manifests and commitments go up, the completion down."""
-        by_name = {r.name: r for r in regions}
-        parts = [(Piece(by_name[n].ordinal, lo, hi, DTYPES[by_name[n].dtype][0]), view, "raw") for n, lo, hi, view in own]
+        parts = self._own_parts(regions, own)
         metadata = self._metadata(layout) if self.rank == 0 else {"device": self.device}
         role = TreeRole(self.store, self.hierarchy, self.rank, GroupTransport(group), timeout=self.commit_timeout,
                         carry=self._carry, tamper=self.tree_tamper)
         written: dict[tuple, str] = {}
         try:
             failure = role.write_own(prefix, regions, [parts] if parts else [], digests_out=written)
-            verdict = self._agree_written(self._replica_digests(regions, wrote, written, others), failure, group)
+            report = {"replicas": self._replica_digests(regions, wrote, written, others),
+                      "failure": list(failure) if failure else None}
+            reports = gather_json(report, self._global(0), group)
+            verdict = broadcast_json(written_verdict(reports) if self.rank == 0 else None, self._global(0), group)
         except BaseException:
             role.release()
             raise
@@ -438,24 +420,6 @@ class Checkpointer:
         agreed = blake3.blake3(canonical_json([layout["state"], layout["regions"]])).hexdigest()
         return role.complete(role.commit(prefix, regions, None, agreed, metadata,
                                          follows=self.follows, state=layout["state"]))
-
-    def _agree_written(self, digests: dict[str, str], failure: tuple[str, str | None] | None, group) -> dict:
-        """Tree: rank 0 hears every rank's replica digests and write outcome; every rank gets one verdict."""
-        root0 = self._global(0)
-        reports = gather_json({"replicas": digests, "failure": list(failure) if failure else None}, root0, group)
-        if self.rank != 0:
-            return broadcast_json(None, root0, group)
-        verdict: dict = {"ok": True}
-        failed = [r["failure"] for r in reports if r["failure"]]
-        if failed:
-            reason, code = failed[0]
-            verdict = {"ok": False, "reason": reason, **({"code": code} if code else {})}
-        else:
-            try:
-                check_replicas([r["replicas"] for r in reports])
-            except Refusal as refusal:
-                verdict = {"ok": False, "code": refusal.code.value, "reason": refusal.message}
-        return broadcast_json(verdict, root0, group)
 
     def _retain(self) -> None:
         """Rank 0, after a publish: keep=K newest complete generations of this run/step."""
@@ -676,6 +640,19 @@ def merge_captures(descriptors: list[dict]) -> tuple[Any, tuple[RegionDecl, ...]
                                       bool(declared[n].get("nonfinite"))) for i, n in enumerate(names))
 
 
+def written_verdict(reports: Sequence[Mapping[str, Any]]) -> dict:
+    """Rank 0's verdict on every rank's writes (pure): the first failure, a diverged replica, or ok."""
+    failed = [r["failure"] for r in reports if r["failure"]]
+    if failed:
+        reason, code = failed[0]
+        return {"ok": False, "reason": reason, **({"code": code} if code else {})}
+    try:
+        check_replicas([r["replicas"] for r in reports])
+    except Refusal as refusal:
+        return {"ok": False, "code": refusal.code.value, "reason": refusal.message}
+    return {"ok": True}
+
+
 def check_replicas(digests: Sequence[Mapping[str, str]]) -> None:
     """Rank 0 (pure): every rank's BLAKE3 of every replica must be rank 0's."""
     for r, d in enumerate(digests):
@@ -692,9 +669,9 @@ def saved_layout(descriptors: list[dict], regions: Sequence[RegionDecl]) -> dict
     """Which rank wrote which words, as a rule a reader computes (pure): None where no rule fits.
 
     ``partitioned``: regions every rank holds its :func:`~alpha_ckpt.planner.shares` range of;
-    ``own``: [ordinal, rank] for a region one rank wrote whole (a PerRank entry, or a replica the
-    tree had another rank write). Everything else is replicated, written by rank 0. A tree restore then reads only the group manifests
-    on the paths to the ranks that hold its words.
+    ``own``: [ordinal, rank] for a region one rank wrote whole (a PerRank entry, or a replica spread
+    to another rank). Everything else is replicated, written by rank 0. A tree restore then reads
+    only the group manifests on the paths to the ranks that hold its words.
     """
     world = len(descriptors)
     replicated = set(descriptors[0]["replicated"])
@@ -706,7 +683,7 @@ def saved_layout(descriptors: list[dict], regions: Sequence[RegionDecl]) -> dict
     for region in regions:
         if region.name in replicated:
             writer = [rank for rank, _, _ in held.get(region.name, [])]
-            if writer and writer[0] != 0:  # a tree spreads its replicas: the rank that wrote this one
+            if writer and writer[0] != 0:  # a spread replica: the rank that wrote it
                 own.append([region.ordinal, writer[0]])
             continue
         pieces = held.get(region.name, [])
@@ -761,24 +738,6 @@ def roles_holding(manifest, wanted: Sequence[WantedSlice]) -> list[int] | None:
         elif w.ordinal in own:
             roles.add(own[w.ordinal])
     return sorted(r for r in roles if 0 <= r < manifest.owners) if manifest.owners else None
-
-
-def give_back_when_done(tasks: list, buf, buffers: ReceiveBuffers) -> None:
-    """Give ``buf`` back to ``buffers`` once every one of ``tasks`` (futures) has finished, failed or not."""
-    if not tasks:
-        buffers.give(buf)
-        return
-    remaining = [len(tasks)]
-    lock = threading.Lock()
-
-    def one_done(_future) -> None:
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            buffers.give(buf)
-    for task in tasks:
-        task.add_done_callback(one_done)
 
 
 def _short(value: Any) -> str:

@@ -204,6 +204,20 @@ class _MemoryEndpoint:
 # ---------------------------------------------------------------- one role
 
 
+def write_or_fail(store: Store, prefix: CapturePrefix, regions: Sequence[RegionDecl],
+                  shards: Sequence[Sequence[tuple[Piece, memoryview, str]]], who: str, *,
+                  pool: ThreadPoolExecutor | None = None, carry: ShardCarry | None = None,
+                  digests_out: dict | None = None) -> tuple[list, tuple[str, str | None] | None]:
+    """Write ``who``'s own shards: (shard records, None), or ([], (reason, refusal code or None)) when a
+    write failed or refused (a NaN), so that the failure can travel to every owner."""
+    try:
+        return write_shards(store, prefix, regions, shards, pool, carry=carry, digests_out=digests_out), None
+    except (OSError, DurableWriteError) as exc:
+        return [], (f"{who} could not write its shards: {exc}", None)
+    except Refusal as refusal:
+        return [], (f"{who}: {refusal.message}", refusal.code.value)
+
+
 def _failed(reason: str, code: str | None = None) -> dict:
     """A failed completion (its reason cut to fit one message); ``code`` when it is a refusal."""
     return {"kind": "complete", "ok": False, "reason": reason[:600], **({"code": code} if code else {})}
@@ -275,14 +289,10 @@ class TreeRole:
         :meth:`commit` (which then writes nothing), or :meth:`release` to give up.
         """
         self._lease = self.store.pending_publish(prefix.run, prefix.step)
-        self._written, self._write_failure = [], None
         try:
-            self._written = write_shards(self.store, prefix, regions, own_shards, self.pool, carry=self.carry,
-                                         digests_out=digests_out)
-        except (OSError, DurableWriteError) as exc:
-            self._write_failure = (f"role {self.role} could not write its shards: {exc}", None)
-        except Refusal as refusal:
-            self._write_failure = (f"role {self.role}: {refusal.message}", refusal.code.value)
+            self._written, self._write_failure = write_or_fail(self.store, prefix, regions, own_shards,
+                                                               f"role {self.role}", pool=self.pool, carry=self.carry,
+                                                               digests_out=digests_out)
         except BaseException:
             self.release()
             raise

@@ -6,7 +6,6 @@ nothing else); under gloo they stay on the host.
 from __future__ import annotations
 
 import json
-import threading
 import warnings
 
 import torch
@@ -37,106 +36,6 @@ def send_bytes(data: bytes | memoryview, dst: int, group=None) -> None:
 
 def recv_bytes(src: int, group=None) -> bytes:
     return recv_view(src, group).tobytes()
-
-
-BATCH_BYTES = 1 << 20  # pieces this large travel alone, straight from their memory
-RUN_BYTES = 16 << 20   # smaller pieces travel together, up to about this much per message
-
-
-def batches(sizes: list[int], alone: int = BATCH_BYTES, run_bytes: int = RUN_BYTES) -> list[list[int]]:
-    """Which pieces travel in one message (pure; sender and receiver compute it from the same sizes):
-    a piece of ``alone`` bytes or more by itself, runs of smaller ones together up to about ``run_bytes``."""
-    out: list[list[int]] = []
-    run: list[int] = []
-    held = 0
-    for i, size in enumerate(sizes):
-        if size >= alone:
-            if run:
-                out.append(run)
-                run, held = [], 0
-            out.append([i])
-            continue
-        run.append(i)
-        held += size
-        if held >= run_bytes:
-            out.append(run)
-            run, held = [], 0
-    if run:
-        out.append(run)
-    return out
-
-
-def send_pieces(views, dst: int, group=None) -> None:
-    """Point to point, pieces whose sizes the receiver knows: a large piece is sent from its own
-    memory (no copy on gloo), small ones concatenated by :func:`batches`. Empty pieces send nothing."""
-    device = wire_device(group)
-    with warnings.catch_warnings():  # read-only views are only read here
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        for batch in batches([len(v) for v in views]):
-            parts = [torch.frombuffer(views[i], dtype=torch.uint8) for i in batch if len(views[i])]
-            if parts:
-                dist.send((torch.cat(parts) if len(parts) > 1 else parts[0]).to(device), dst, group=group)
-
-
-class ReceiveBuffers:
-    """Receive buffers reused within one exchange, at most ``limit`` bytes of them (more only for a
-    single message larger than that): the receiver's memory stays bounded, and a reused buffer's
-    pages are already resident. :meth:`take` waits while the buffers are all in use."""
-
-    def __init__(self, limit: int, device: torch.device | str = "cpu"):
-        self.limit, self.device = limit, torch.device(device)
-        self.held = 0  # bytes of every buffer, free or in use
-        self.peak = 0
-        self._free: list[torch.Tensor] = []
-        self._cond = threading.Condition()
-
-    def take(self, size: int) -> torch.Tensor:
-        with self._cond:
-            while True:
-                fits = [i for i, b in enumerate(self._free) if b.numel() >= size]
-                if fits:  # by index: list.remove would compare tensors with ==, elementwise
-                    buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
-                    return buf[:size]
-                if self.held + size <= self.limit or self.held == 0:
-                    self.held += size
-                    self.peak = max(self.peak, self.held)
-                    return torch.empty(size, dtype=torch.uint8, device=self.device)
-                if self._free:  # too small for this message: make room for a larger one
-                    self.held -= self._free.pop().numel()
-                    continue
-                self._cond.wait()
-
-    def give(self, buf: torch.Tensor) -> None:
-        with self._cond:
-            self._free.append(buf if buf._base is None else buf._base)
-            self._cond.notify_all()
-
-
-def recv_batches(sizes: list[int], src: int, group=None, buffers: ReceiveBuffers | None = None):
-    """What :func:`send_pieces` sent, one message at a time: yields (piece indices, one view per
-    piece, the buffer holding them). With ``buffers``, give each buffer back once its views are done."""
-    device = wire_device(group)
-    for batch in batches(sizes):
-        total = sum(sizes[i] for i in batch)
-        if not total:
-            yield batch, [memoryview(b"")] * len(batch), None
-            continue
-        buf = buffers.take(total) if buffers is not None else torch.empty(total, dtype=torch.uint8, device=device)
-        dist.recv(buf, src, group=group)
-        view, offset, views = memoryview(buf.cpu().numpy()).cast("B"), 0, []
-        for i in batch:
-            views.append(view[offset:offset + sizes[i]])
-            offset += sizes[i]
-        yield batch, views, buf
-
-
-def recv_pieces(sizes: list[int], src: int, group=None) -> list[memoryview]:
-    """What :func:`send_pieces` sent, one view per piece (views of the received buffers)."""
-    out: list[memoryview] = [memoryview(b"")] * len(sizes)
-    for batch, views, _ in recv_batches(sizes, src, group):
-        for i, view in zip(batch, views):
-            out[i] = view
-    return out
 
 
 def send_views(views, dst: int, group=None) -> None:

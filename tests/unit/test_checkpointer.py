@@ -265,32 +265,58 @@ def test_four_ranks_each_read_only_their_share_and_fall_back_together_when_the_n
     assert {r["root"] for r in fallen} == {roots[0]}
 
 
-def spread_and_restore(rank, world, store, saved_on):
-    big = {"a": torch.arange(600_000, dtype=torch.float32), "b": torch.arange(500_000, dtype=torch.float64),
-           "small": torch.ones(10)}
-    ckpt = Checkpointer(store, run="spread", publisher="tree")
+SPREAD_WORDS = 800_000  # a partitioned float32 region of 3.2 MB beside the replicas
+
+
+def spread_state(rank, world, value):
+    from alpha_ckpt import Partitioned
+    from alpha_ckpt.learner.data import shares
+    lo, hi = shares(SPREAD_WORDS, world)[rank]
+    return {"a": torch.arange(600_000, dtype=torch.float32) * value, "b": torch.arange(500_000, dtype=torch.float64) * value,
+            "small": torch.ones(10) * value,
+            "p": Partitioned(torch.arange(lo, hi, dtype=torch.float32) * value, lo, hi, (SPREAD_WORDS,))}
+
+
+def spread_and_restore(rank, world, store, saved_on, publisher):
+    ckpt = Checkpointer(store, run="spread", publisher=publisher)
+    wrote = None
     if world == saved_on:
-        ckpt.restore({k: torch.zeros_like(v) for k, v in big.items()}, root=None)
-        ckpt.save(big, update=1, cursor=1)
-    dest = {k: torch.zeros_like(v) for k, v in big.items()}
+        ckpt.restore(spread_state(rank, world, 0.0), root=None)
+        before = ckpt.store.bytes_written
+        ckpt.save(spread_state(rank, world, 1.0), update=1, cursor=1)
+        wrote = ckpt.store.bytes_written - before
+    dest, expect = spread_state(rank, world, -1.0), spread_state(rank, world, 1.0)
     ckpt.restore(dest, root="latest")
-    return {"equal": all(torch.equal(dest[k], big[k]) for k in big), "read": ckpt.last_restore["bytes_read"]}
+    equal = all(torch.equal(dest[k], expect[k]) for k in ("a", "b", "small")) and torch.equal(dest["p"].tensor,
+                                                                                           expect["p"].tensor)
+    return {"equal": equal, "wrote": wrote}
 
 
 @pytest.mark.timeout(120)
-def test_a_tree_spreads_large_replicas_over_the_ranks_and_any_rank_count_restores_them(tmp_path):
+@pytest.mark.parametrize("publisher", ["star", "tree"])
+def test_every_rank_writes_its_own_words_and_its_share_of_large_replicas_and_any_rank_count_restores_them(
+        tmp_path, publisher):
     store = str(tmp_path / "s")
-    saved = run_ranks(2, spread_and_restore, store, 2, tmp=tmp_path)
+    saved = run_ranks(2, spread_and_restore, store, 2, publisher, tmp=tmp_path)
     assert all(r["equal"] for r in saved)
-    from alpha_ckpt.restore import open_generation
-    with Store(store, create=False) as s:
-        root = s.newest_ref("spread", "train").root
-        with open_generation(s, root) as g:
-            holders = {g.manifest.regions[sl[0]].name: m.publisher.role for m in g.manifests for shard in m.shards
-                       for sl in shard.slices}
-    assert holders == {"a": 1, "b": 0, "small": 0}  # the larger (b, 4 MB) by rank 0, a (2.4 MB) by rank 1
-    assert all(r["equal"] for r in run_ranks(1, spread_and_restore, store, 2, tmp=tmp_path))
-    assert all(r["equal"] for r in run_ranks(3, spread_and_restore, store, 2, tmp=tmp_path))
+    # The larger replica (b, 4 MB) and the small one by rank 0, a (2.4 MB) by rank 1, each rank its half of p:
+    # no rank writes (or receives) another's words, in the star as in the tree.
+    own = [4_000_000 + 40 + SPREAD_WORDS * 2, 2_400_000 + SPREAD_WORDS * 2]
+    for rank, r in enumerate(saved):
+        assert own[rank] <= r["wrote"] <= own[rank] + (256 << 10), (rank, r["wrote"], own[rank])
+    if publisher == "tree":
+        from alpha_ckpt.restore import open_generation
+        with Store(store, create=False) as s:
+            root = s.newest_ref("spread", "train").root
+            with open_generation(s, root) as g:
+                holders = {}
+                for m in g.manifests:
+                    for shard in m.shards:
+                        for sl in shard.slices:
+                            holders.setdefault(g.manifest.regions[sl[0]].name, set()).add(m.publisher.role)
+        assert holders == {"a": {1}, "b": {0}, "small": {0}, "p": {0, 1}}
+    assert all(r["equal"] for r in run_ranks(1, spread_and_restore, store, 2, publisher, tmp=tmp_path))
+    assert all(r["equal"] for r in run_ranks(3, spread_and_restore, store, 2, publisher, tmp=tmp_path))
 
 
 CUT_BYTES = 256 << 10  # stands in for the 2 GiB a piece is cut at, so a test can afford several cuts
