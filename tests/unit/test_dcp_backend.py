@@ -395,3 +395,19 @@ def test_a_ranks_chunks_go_into_shards_of_at_most_the_limit_and_a_larger_one_alo
     parts = [(i, b"x" * n, "raw") for i, n in enumerate([3, 4, 10, 2, 2])]
     assert [[p[0] for p in shard] for shard in group_parts(parts, 6)] == [[0], [1], [2], [3, 4]]
     assert group_parts([], 6) == []
+
+
+def test_a_ranks_slices_go_into_shards_of_at_most_shard_bytes_and_load_back_whole(tmp_path, monkeypatch):
+    import alpha_ckpt.dcp
+    monkeypatch.setattr(alpha_ckpt.dcp, "SHARD_BYTES", 48 << 10)  # stands in for 32 MiB
+    store = str(tmp_path / "store")
+    state = {"w": torch.arange(40_000, dtype=torch.float32), "b": torch.ones(10)}
+    root = dcp.save(state, storage_writer=StorageWriter(store, run="r", update=1, slice_bytes=16 << 10),
+                    no_dist=True).storage_meta.checkpoint_id
+    with Store(store, create=False) as s, verify_generation(s, root) as generation:
+        raw = [sum((hi - lo) * 4 for _, lo, hi in shard.slices) for shard in generation.manifest.shards]
+    # w: nine 16 KiB slices and one of 12,544 bytes, b: 40 bytes; three slices per shard at most
+    assert sorted(raw) == sorted([3 * 16384] * 3 + [12_544 + 40]), raw
+    dest = {"w": torch.zeros(40_000), "b": torch.zeros(10)}
+    dcp.load(dest, storage_reader=StorageReader(store, root), no_dist=True)
+    assert torch.equal(dest["w"], state["w"]) and torch.equal(dest["b"], state["b"])
