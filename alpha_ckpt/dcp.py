@@ -73,9 +73,9 @@ DCP_KEY = "dcp"  # the root manifest's metadata entry that holds DCP's Metadata
 # load reads (and hashes) only the slices that hold its words, so it over-reads at most two slices
 # per chunk it touches, never a whole chunk another rank mostly needs.
 SLICE_BYTES = 4 << 20
-# A rank's slices go into shards of at most this many bytes. Cold loads read a shard's two halves
-# on two streams; a rank's whole share in one shard read back at 0.66-0.78x DCP's throughput in
-# the benchmark, 32 MiB shards at 1.12-1.23x (saves: one durable commit per shard, 10-25% slower).
+# A rank's slices go into shards of at most this many bytes. Cold loads of a rank's whole share in
+# one shard ran at 0.60-0.92x DCP's throughput in every benchmark run; 32 MiB shards at 1.12-1.23x
+# in one run and 0.78-0.99x in the next (saves: one durable commit per shard, 10-20% slower).
 SHARD_BYTES = 32 << 20
 _MEMORY_FORMATS = {torch.contiguous_format: "contiguous", torch.channels_last: "channels_last",
                    torch.preserve_format: "preserve"}

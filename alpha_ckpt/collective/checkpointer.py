@@ -79,7 +79,7 @@ PUBLISHER_ENV, FANOUT_ENV, COMMIT_TIMEOUT_ENV = "ALPHA_CKPT_PUBLISHER", "ALPHA_C
 SAVE_ENV, IN_FLIGHT_ENV, EVERY_ENV, MTBF_ENV = "ALPHA_CKPT_SAVE", "ALPHA_CKPT_IN_FLIGHT", "ALPHA_CKPT_EVERY", "ALPHA_CKPT_MTBF"
 COST_ENV = "ALPHA_CKPT_CHECKPOINT_COST"
 _FROM_ENV = object()
-SPREAD_BYTES = 1 << 20  # the tree spreads replicated regions this large over the ranks
+SPREAD_BYTES = 1 << 20  # replicated regions this large are spread over the ranks (star and tree)
 # Refusals of a generation's bytes: under "latest" the next older generation is tried. Any other
 # refusal (a binding, a destination that does not match) would refuse the older ones too.
 DAMAGE = frozenset({RefusalCode.CORRUPT_SHARD, RefusalCode.MISSING_SHARD, RefusalCode.FORMAT, RefusalCode.COVERAGE,
@@ -322,7 +322,7 @@ class Checkpointer:
                 skeleton, regions = merge_captures(descriptors)
                 layout = {"ok": True, "state": skeleton, "regions": [r.to_json() for r in regions],
                           "devices": [d["device"] for d in descriptors],
-                          "pieces": [d["pieces"] for d in descriptors], "layout": saved_layout(descriptors, regions)}
+                          "layout": saved_layout(descriptors, regions)}
             except Refusal as refusal:
                 layout = {"ok": False, "code": refusal.code.value, "reason": refusal.message}
             # Every rank writes its own shards against the agreed regions.
