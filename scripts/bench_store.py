@@ -156,19 +156,25 @@ is ``--size-mib`` MiB in ``--tensors`` float32 vectors of equal size (default
   moments  ``--tensors / 2`` flat regions (optimizer-moment-like); rank r of n
            holds the words ``shares(words, n)[r]`` of each
 
-Methods, each into a fresh directory (removed after its restore), the order
-rotated by one each round so that no method always follows the same one:
+Methods, each into a fresh directory (removed after its restore). What one
+method leaves behind slows the next one, so each round runs them in the next
+order of a balanced (Williams) design: over 10 rounds here (five methods), 6 in
+the sharded section, every method directly follows every other equally often.
+A ``--reps`` of that many balances the medians exactly; a plain rotation did not
+(each method had the same predecessor in every round, and swapping two methods'
+places swapped which of them loaded slowly):
 
   ckpt-star  ``Checkpointer(DIR, run="bench", step="fit", group=..., publisher="star")``;
              untimed: the constructor and ``restore(state, root=None)`` (the fresh
              start). Timed: ``root = ckpt.save(state, update=u, cursor=u)``
-             (every rank sends rank 0 its descriptor and its partitioned words;
-             rank 0 writes everything), then ``ckpt.restore(dest, root=root)`` in
+             (every rank writes its own words and its share of the replicas and
+             sends rank 0 their records; rank 0 writes the manifest and the ref),
+             then ``ckpt.restore(dest, root=root)`` in
              place (every rank validates what it reads before any rank copies).
              State: ``{"model": {name: tensor}, "moments": {name:
              Partitioned(share, lo, hi, (words,))}}``.
   ckpt-tree  as ckpt-star with ``publisher="tree"`` and ``fanout=--fanout``: every
-             rank writes its own shards and group manifest (rank 0 the replicas).
+             rank writes its own shards and group manifest, the same replica share.
   dcp        ``dcp.save(state, checkpoint_id=DIR, process_group=...)``, default
              FileSystemWriter; ``dcp.load`` in place. The replicated tensors under
              the same keys on every rank (``model.<name>``), each rank's shares as
@@ -246,7 +252,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from typing import Callable
+from typing import Callable, Sequence
 
 import blake3
 import torch
@@ -1132,6 +1138,24 @@ def section_methods(config_or_result: dict) -> tuple[str, ...]:
     return SHARDED_METHODS if config_or_result.get("sharded") else CKPT_METHODS
 
 
+def balanced_orders(methods: Sequence[str]) -> list[tuple[str, ...]]:
+    """Orders of ``methods`` in which every method directly follows every other equally often.
+
+    A Williams design: n orders for an even n, 2n for an odd n (the n orders and their mirror
+    images). What a method leaves behind (freed pages, a busy device) slows whatever runs next;
+    a plain rotation keeps one neighbour before each method, so one method paid for another in
+    every round (measured: swapping two methods' places swapped which one loaded slowly).
+    """
+    n = len(methods)
+    first = [0]
+    for j in range(1, n):
+        first.append((j + 1) // 2 if j % 2 else n - j // 2)
+    rows = [[(a + i) % n for a in first] for i in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return [tuple(methods[i] for i in row) for row in rows]
+
+
 def reset_peak_rss() -> int | None:
     """Reset this process's peak RSS (VmHWM) to its current RSS; return that RSS in KiB (None: not possible here)."""
     try:
@@ -1197,7 +1221,8 @@ def run_checkpointer(args: argparse.Namespace, top: str, sharded: bool = False) 
     print()
     print(f"== section {name}: alpha_ckpt.Checkpointer{' and alpha_ckpt.dcp' if sharded else ''} against DCP, "
           f"{', '.join(map(str, counts))} rank(s), gloo on 127.0.0.1; per rep, for each rank count, every method in "
-          f"turn: {', '.join(section_methods(config))} (the order rotated by one each round)")
+          f"turn: {', '.join(section_methods(config))} (each round the next order of a balanced design: every method "
+          f"follows every other equally often over {len(balanced_orders(section_methods(config)))} rounds)")
     if sharded:
         print(f"  state: {args.tensors} float32 matrices of {SHARDED_COLS} columns as DTensors placed Shard(0) on a 1-D "
               "mesh of the ranks, as FSDP2 holds parameters and AdamW moments; every method saves and restores the "
@@ -1339,7 +1364,8 @@ def checkpointer_process(config: dict) -> None:
     for rnd in range(config["warmup"] + config["reps"]):
         timed = rnd >= config["warmup"]
         label = f"rep {rnd - config['warmup']}" if timed else "warm-up"
-        order = methods[rnd % len(methods):] + methods[:rnd % len(methods)]
+        orders = balanced_orders(methods)
+        order = orders[(rnd - config["warmup"]) % len(orders)]
         for n in counts:
             member = rank < n
             group = groups[n]

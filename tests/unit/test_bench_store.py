@@ -175,3 +175,19 @@ def test_cold_restores_need_no_root_and_read_a_checkpoint_the_page_cache_no_long
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["cache"] == "cold" and result["verified_restores"] == 4
+
+
+@pytest.mark.parametrize("count", [2, 3, 5, 6, 7])
+def test_balanced_orders_let_every_method_follow_every_other_equally_often(count):
+    import importlib.util
+    from collections import Counter
+    spec = importlib.util.spec_from_file_location("bench_store_module", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    methods = tuple(f"m{i}" for i in range(count))
+    orders = bench.balanced_orders(methods)
+    assert all(sorted(order) == sorted(methods) for order in orders)
+    follows = Counter((a, b) for order in orders for a, b in zip(order, order[1:]))
+    assert set(follows) == {(a, b) for a in methods for b in methods if a != b}  # every ordered pair
+    assert len(set(follows.values())) == 1  # each equally often
+    assert len(orders) == (count if count % 2 == 0 else 2 * count)
