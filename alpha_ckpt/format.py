@@ -190,6 +190,15 @@ def digest_of_blocks(blocks: str) -> str:
     return blake3.blake3(blocks.encode("ascii")).hexdigest()
 
 
+def joined_digest(parts: Sequence[tuple[str, str | None]]) -> str:
+    """The digest :func:`block_digests` gives a run of bytes, from its consecutive parts' (digest, block
+    digests), each part but the last a whole number of blocks: a part too short to be blocked is one block,
+    its digest that block's. A region cut into several shards is thereby known without hashing it again."""
+    if len(parts) == 1:
+        return parts[0][0]
+    return digest_of_blocks("".join(blocks if blocks is not None else digest for digest, blocks in parts))
+
+
 def block_digests(data) -> tuple[str, str | None]:
     """A raw slice's (digest, block digests): for a blocked slice, the BLAKE3 of its blocks' concatenated
     hex digests and that string; else the BLAKE3 of its bytes and None. The one definition every

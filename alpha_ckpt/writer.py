@@ -333,13 +333,14 @@ def _refuse_non_finite(region: RegionDecl, piece: Piece, raw: memoryview, index:
 
 def write_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regions: Sequence[RegionDecl],
                 parts: Sequence[tuple[Piece, memoryview, str]], pool: ThreadPoolExecutor,
-                raw_digests: Sequence[tuple[str, str | None] | None] = (), digests_out: list[str] | None = None,
+                raw_digests: Sequence[tuple[str, str | None] | None] = (),
+                digests_out: list[tuple[str, str | None]] | None = None,
                 check_finite: bool = True) -> ShardRef:
     """Durably write one shard holding ``parts`` = (piece, its raw bytes, requested codec).
 
     ``raw_digests`` may give parts' raw (digest, block digests) as :func:`block_digests` computes
     them, so they are not hashed twice;
-    ``digests_out``, if given, receives every part's raw BLAKE3 (replacing what it held).
+    ``digests_out``, if given, receives every part's raw (digest, block digests) (replacing what it held).
     Every float word is checked while it is hashed: a NaN or inf raises a ``non-finite``
     :class:`Refusal` naming the region and word, and the shard is not committed.
     """
@@ -392,7 +393,7 @@ def write_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regions
             assert len(encoded) == head_len, "digest placeholders must not change the head length"
             encoded_head.append(encoded)
             if digests_out is not None:
-                digests_out[:] = [r.blake3 for r in final]
+                digests_out[:] = [(r.blake3, r.blocks) for r in final]
             return encoded
 
         segments = [(head_len + r.offset, stored) for r, stored in zip(records, payloads)]
@@ -444,8 +445,8 @@ def write_shards(store: Store, prefix: CapturePrefix, regions: Sequence[RegionDe
     With ``carry``, large parts get shards of their own, and a part whose bytes
     are those this writer already stored for the same run/step is not written
     again: its old shard is named, marked carried. ``digests_out``, if given,
-    receives every part's raw BLAKE3 under its (ordinal, lo, hi), as hashed
-    while it was written (a caller that needs them hashes nothing again).
+    receives every part's raw (digest, block digests) under its (ordinal, lo, hi),
+    as hashed while it was written (a caller that needs them hashes nothing again).
     """
     schema = schema_digest_of(regions)
     if not shards:
@@ -462,7 +463,7 @@ def _write_all(store, prefix, schema, regions, shards, pool, carry, check_finite
     out = []
     for parts in shards:
         if carry is None or len(parts) != 1:
-            digests: list[str] = []
+            digests: list[tuple[str, str | None]] = []
             out.append(write_shard(store, prefix, schema, regions, parts, pool, digests_out=digests,
                                    check_finite=check_finite))
             if digests_out is not None:
@@ -473,12 +474,12 @@ def _write_all(store, prefix, schema, regions, shards, pool, carry, check_finite
         # Hash first only where there is something to compare with; otherwise the
         # digest is computed while the shard is written, as for any shard.
         known = [block_digests(raw)] if carry.knows(key) else []
-        digests = [known[0][0]] if known else []
-        record = carry.find(key, prefix, digests[0], store) if digests else None
+        digests = list(known)
+        record = carry.find(key, prefix, digests[0][0], store) if digests else None
         if record is None:
             record = write_shard(store, prefix, schema, regions, parts, pool, known, digests_out=digests,
                                  check_finite=check_finite)
-            carry.remember(key, digests[0], record, prefix)
+            carry.remember(key, digests[0][0], record, prefix)
         if digests_out is not None:
             digests_out[(piece.ordinal, piece.lo, piece.hi)] = digests[0]
         out.append(record)

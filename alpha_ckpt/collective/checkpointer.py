@@ -58,7 +58,8 @@ from ..async_save import AsyncSaver
 from ..device import check_devices, current_device
 from ..durable import fault_point
 from ..errors import DurableWriteError, PublishConflict, PublishFailed, Refusal, RefusalCode, StoreUsageError
-from ..format import CapturePrefix, DTYPES, RegionDecl, ShardRef, block_digests, canonical_json, check_name
+from ..format import (CapturePrefix, DTYPES, RegionDecl, ShardRef, block_digests, canonical_json, check_name,
+                      joined_digest)
 from ..gc import retain_newest
 from ..planner import Hierarchy, Piece, WantedSlice, owners_holding, shares
 from ..publish.tree import GroupTransport, TreeRole, write_or_fail
@@ -331,14 +332,18 @@ class Checkpointer:
             raise Refusal(layout["code"], layout["reason"])
         return layout
 
-    def _replica_digests(self, regions, wrote: Mapping[str, memoryview], written: Mapping[tuple, str],
+    def _replica_digests(self, regions, wrote: Mapping[str, memoryview], written: Mapping[tuple, tuple],
                          others) -> dict[str, str]:
-        """This rank's BLAKE3 of every replica: those it wrote as hashed by the write, and the others'."""
+        """This rank's BLAKE3 of every replica: those it wrote as hashed by the write (joined from its
+        cuts when it was cut into several shards), and the others'."""
         by_name = {r.name: r for r in regions}
         digests = dict(others.result())
         for name, view in wrote.items():
-            known = written.get((by_name[name].ordinal, 0, by_name[name].words))
-            digests[name] = known if known is not None else block_digests(view)[0]
+            region = by_name[name]
+            cuts = sorted((lo, hi, d) for (o, lo, hi), d in written.items() if o == region.ordinal)
+            covered = [lo for lo, _, _ in cuts] == [0] + [hi for _, hi, _ in cuts[:-1]] and \
+                bool(cuts) and cuts[-1][1] == region.words
+            digests[name] = joined_digest([d for *_, d in cuts]) if covered else block_digests(view)[0]
         return digests
 
     def _metadata(self, layout: dict) -> dict:

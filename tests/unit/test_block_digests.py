@@ -6,9 +6,12 @@ import os
 import blake3
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from alpha_ckpt import Refusal, RefusalCode
-from alpha_ckpt.format import BLOCK_BYTES, PREFIX_LEN, CapturePrefix, RegionDecl, block_digests, encode_head
+from alpha_ckpt.format import (BLOCK_BYTES, PREFIX_LEN, CapturePrefix, RegionDecl, block_digests, encode_head,
+                               joined_digest)
 from alpha_ckpt.planner import Piece, WantedSlice
 from alpha_ckpt.restore import PreparedRestore, open_generation, validate_object_bytes, verify_generation
 from alpha_ckpt.store import Store
@@ -122,3 +125,12 @@ def test_a_head_whose_block_digests_do_not_hold_is_refused(tmp_path, edit):
     with pytest.raises(Refusal) as refused:
         validate_object_bytes(damaged, name)
     assert refused.value.code in (RefusalCode.FORMAT, RefusalCode.CORRUPT_SHARD)
+
+
+@settings(max_examples=40, deadline=None)
+@given(blocks=st.integers(1, 40), tail=st.integers(0, BLOCK_BYTES - 1), cuts=st.lists(st.integers(1, 40), max_size=4))
+def test_the_digest_joined_from_parts_cut_on_block_boundaries_is_the_digest_of_the_whole(blocks, tail, cuts):
+    data = os.urandom(blocks * BLOCK_BYTES + tail)
+    edges = sorted({c * BLOCK_BYTES for c in cuts if c * BLOCK_BYTES < len(data)} | {0}) + [len(data)]
+    parts = [block_digests(data[a:b]) for a, b in zip(edges, edges[1:])]
+    assert joined_digest(parts) == block_digests(data)[0]

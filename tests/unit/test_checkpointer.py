@@ -332,8 +332,13 @@ def cut_state(rank, world, value):
 
 
 def save_cut_and_restore(rank, world, store, publisher, saved_on, diverge):
+    import alpha_ckpt.collective.checkpointer as collective
     import alpha_ckpt.writer
     alpha_ckpt.writer.MAX_PIECE_BYTES = CUT_BYTES
+    hashed_whole = []  # the replica hashed whole by the collective layer (beside what its writes hash)
+    whole, block_digests = 400_000 * 4, collective.block_digests
+    collective.block_digests = lambda view: (hashed_whole.append(1) if len(view) == whole else None,
+                                             block_digests(view))[1]
     ckpt = Checkpointer(store, run="cut", publisher=publisher)
     if world == saved_on:
         ckpt.restore(cut_state(rank, world, 0.0), root=None)
@@ -346,7 +351,8 @@ def save_cut_and_restore(rank, world, store, publisher, saved_on, diverge):
     expect = cut_state(rank, world, 3.0)
     return {"equal": torch.equal(dest["model"], expect["model"])
             and torch.equal(dest["moments"].tensor, expect["moments"].tensor)
-            and all(torch.equal(dest["norms"][k], expect["norms"][k]) for k in expect["norms"])}
+            and all(torch.equal(dest["norms"][k], expect["norms"][k]) for k in expect["norms"]),
+            "hashed_whole": len(hashed_whole)}
 
 
 @pytest.mark.timeout(180)
@@ -355,7 +361,10 @@ def test_a_piece_larger_than_the_cut_size_is_written_as_several_shards_and_resto
                                                                                                       publisher):
     """Each shard's head grows with its payload (a block digest per 64 KiB), so pieces are cut."""
     store = str(tmp_path / "s")
-    assert all(r["equal"] for r in run_ranks(2, save_cut_and_restore, store, publisher, 2, False, tmp=tmp_path))
+    saved = run_ranks(2, save_cut_and_restore, store, publisher, 2, False, tmp=tmp_path)
+    assert all(r["equal"] for r in saved)
+    # Its writer knows the cut replica's digest from the writes (joined); only the other rank hashes it.
+    assert sorted(r["hashed_whole"] for r in saved) == [0, 1]
     from alpha_ckpt.restore import open_generation
     with Store(store, create=False) as s, open_generation(s, s.newest_ref("cut", "train").root) as g:
         slices = [(g.manifest.regions[sl.ordinal].name, sl.lo, sl.hi, sl.raw)
