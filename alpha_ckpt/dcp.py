@@ -281,6 +281,7 @@ class StorageWriter(_DcpStorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator: number every chunk, and fix the epoch this generation continues."""
+        self._collective = _collective_plan(plans, self.group, self._collective)
         newest = self._open_store().newest_ref(self.run, self.step)
         epoch = newest.prefix.epoch if isinstance(newest, RefRecord) else 0
         follows = newest.generation if isinstance(newest, RefRecord) else 0
@@ -351,7 +352,7 @@ class StorageWriter(_DcpStorageWriter):
             metadata.storage_data = storage_data
             regions, epoch, follows = self._planned  # what prepare_global_plan decided
             prefix = CapturePrefix(self.run, self.step, self.update, self.cursor, epoch)
-            world = dist.get_world_size(self.group) if dist.is_initialized() else 1
+            world = len(results)  # the ranks that saved (1 under no_dist=True, whatever the group)
             root, size = write_manifest(store, prefix, regions, list(shards.values()), world,
                                         {DCP_KEY: encode_metadata(metadata)})
             record = store.publish_ref(prefix, root, size, size + sum(s.size for s in shards.values()),
@@ -461,6 +462,7 @@ class StorageReader(_DcpStorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        self._collective = _collective_plan(plans, self.group, self._collective)
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -539,6 +541,16 @@ def _collective_call(kwargs: dict, group) -> bool:
     if not dist.is_initialized() or not kwargs.get("use_collectives", True):
         return False
     return kwargs.get("rank", dist.get_rank(group)) == dist.get_rank(group)
+
+
+def _collective_plan(plans: list, group, collective: bool) -> bool:
+    """The coordinator's second look: DCP gathers one plan per rank, so a single plan in a larger group
+    means this process saves or loads alone (``no_dist=True``, which DCP reports as rank 0: on global
+    rank 0 the set-up cannot tell it from a collective call, and agreeing would wait for ranks that
+    never come)."""
+    if collective and len(plans) == 1 and dist.is_initialized() and dist.get_world_size(group) > 1:
+        return False
+    return collective
 
 
 def _any_rank_failed(failed: bool, group, collective: bool = True) -> bool:

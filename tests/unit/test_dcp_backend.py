@@ -390,6 +390,29 @@ def _save_nan_sharded(rank, world, store):
     return {"codes": codes, "leases": os.listdir(os.path.join(store, "pending"))}
 
 
+def _save_and_load_alone_on(rank, world, store, alone):
+    """Only rank ``alone`` saves and loads, with no_dist=True, beside a process group of every rank."""
+    out = {}
+    if rank == alone:
+        state = {"w": _full(3, 64, 8), "steps": 7}
+        root = dcp.save(state, storage_writer=StorageWriter(store, run="solo", update=1),
+                        no_dist=True).storage_meta.checkpoint_id
+        dest = {"w": torch.zeros(64, 8), "steps": 0}
+        dcp.load(dest, storage_reader=StorageReader(store, root), no_dist=True)
+        with Store(store, create=False) as s:
+            out = {"equal": torch.equal(dest["w"], state["w"]) and dest["steps"] == 7,
+                   "owners": s.find_ref(root).owners}
+    dist.barrier()  # the other ranks wait here: a save or load that waited for them would never return
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("alone", [0, 1])
+def test_one_rank_saves_and_loads_alone_with_no_dist_beside_a_process_group(tmp_path, alone):
+    results = run_ranks(2, _save_and_load_alone_on, str(tmp_path / "store"), alone, tmp=tmp_path, timeout=60)
+    assert results[alone] == {"equal": True, "owners": 1}
+
+
 def test_a_ranks_chunks_go_into_shards_of_at_most_the_limit_and_a_larger_one_alone():
     from alpha_ckpt.writer import group_parts
     parts = [(i, b"x" * n, "raw") for i, n in enumerate([3, 4, 10, 2, 2])]
