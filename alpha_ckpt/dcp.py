@@ -537,7 +537,8 @@ class StorageReader(_DcpStorageReader):
 def _collective_call(kwargs: dict, group) -> bool:
     """Whether DCP runs this save or load on every rank of ``group`` (so the storage may agree over it):
     not with ``use_collectives=False``, nor with ``no_dist=True`` beside a process group (DCP then
-    numbers this process rank 0, whatever its rank in the group)."""
+    numbers this process rank 0, whatever its rank in the group; on rank 0 itself only the plans
+    tell: :func:`_collective_plan`)."""
     if not dist.is_initialized() or not kwargs.get("use_collectives", True):
         return False
     return kwargs.get("rank", dist.get_rank(group)) == dist.get_rank(group)

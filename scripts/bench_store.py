@@ -1361,10 +1361,10 @@ def checkpointer_process(config: dict) -> None:
         bad = sum(1 for k in rep_src if not torch.equal(rep_src[k], rep_dest[k]))
         return bad + sum(1 for k in part_src[n] if not torch.equal(part_src[n][k], part_dest[n][k]))
 
+    orders = balanced_orders(methods)
     for rnd in range(config["warmup"] + config["reps"]):
         timed = rnd >= config["warmup"]
         label = f"rep {rnd - config['warmup']}" if timed else "warm-up"
-        orders = balanced_orders(methods)
         order = orders[(rnd - config["warmup"]) % len(orders)]
         for n in counts:
             member = rank < n
