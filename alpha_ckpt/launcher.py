@@ -208,7 +208,8 @@ def parse(argv: list[str]):
 def main(argv=None) -> int:
     args = parse(list(sys.argv[1:] if argv is None else argv))
     try:
-        check_launch_args(args)
+        # The job's (or script's) own checks first: they need no torch, so a typo there answers at
+        # once; torchrun's flags are checked by torch's parsers (seconds to import) next.
         if is_job(args):
             if args.script_args:
                 raise UsageError(f"unrecognized arguments after the job config: {' '.join(args.script_args)}")
@@ -217,6 +218,7 @@ def main(argv=None) -> int:
             check_job_args(args, config_overrides(args))
         else:
             check_script_args(args)
+        check_launch_args(args)
         check_store_writable(args.store)
     except UsageError as exc:
         print(f"alpha-run: {exc}", file=sys.stderr)

@@ -153,6 +153,16 @@ def test_the_alpha_run_process_prints_one_line_and_exits_2_without_starting_owne
         assert proc.stdout == ""
 
 
+@pytest.mark.timeout(60)
+def test_alpha_run_checks_its_flags_config_and_store_without_importing_torch(tmp_path):
+    # A typo answers at once: torch (seconds to import) is loaded only to launch the owners.
+    probe = ("import sys; from alpha_ckpt import launcher; code = launcher.main(sys.argv[1:]); "
+             "print(code, 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", probe, "--nproc", "2", "--store", str(tmp_path / "store"),
+                           "--updates", "3", "--set", "lr=abc", CONFIG], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == ["2", "False"], proc.stderr[-2000:]
+
+
 @pytest.mark.timeout(120)
 def test_a_worker_process_started_as_torchrun_would_exits_2_with_one_line(tmp_path):
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",

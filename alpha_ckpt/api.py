@@ -1,0 +1,168 @@
+"""The one-process API: save, save_async, load, verify, latest (re-exported by :mod:`alpha_ckpt`)."""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from .async_save import AsyncSaver, SaveHandle
+from .errors import RefusalCode
+from .format import CapturePrefix
+from .restore import Counters, latest_generation, load_state, verify_generation
+from .state import CapturedState, capture_state
+from .writer import DEFAULT_MAX_SHARD_BYTES, Published, ShardCarry, save_state
+from .store import Store
+
+_log = logging.getLogger("alpha_ckpt")
+
+
+def _store(store: Store | str | os.PathLike, create: bool) -> tuple[Store, bool]:
+    if isinstance(store, Store):
+        return store, False
+    return Store(store, create=create), True
+
+
+def _prefix(run: str, step: str, update: int, cursor: int, epoch: int) -> CapturePrefix:
+    prefix = CapturePrefix(run, step, update, cursor, epoch)
+    for name in ("update", "cursor", "epoch"):
+        value = getattr(prefix, name)
+        if type(value) is not int or value < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    return prefix
+
+
+def save(state: Mapping[str, Any], *, store: Store | str | os.PathLike, run: str, step: str, update: int,
+         cursor: int, epoch: int, metadata: Any = None, compression: str | Mapping[str, str] = "raw",
+         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, carry: ShardCarry | None = None,
+         allow_nonfinite: Sequence[str] = ()) -> str:
+    """Publish a generation of ``state``; return its root digest (64 hex).
+
+    ``state`` is a dict of tensors, NumPy arrays, Stateful objects (modules,
+    optimizers, schedulers, data loaders, :class:`RNGState`: their
+    ``state_dict()`` is saved) and plain values (None, bool, int, float, str,
+    bytes, and lists, tuples and dicts of them), saved exactly, with their
+    types, without pickle. Regions are named by dotted path
+    (``optim.state.0.exp_avg``).
+
+    The generation is visible (as the newest ref of ``run``/``step``) only once
+    every object is durable. Refused (:class:`Refusal`, nothing published):
+    a NaN or inf in a floating-point region that no ``allow_nonfinite`` pattern
+    (fnmatch on dotted names, e.g. ``"*.causal_mask"``) declares
+    (``non-finite``); an update not after the newest of this run/step and
+    epoch (``reset-cursor``); an epoch older than the newest (``stale-epoch``).
+    ``epoch`` counts continuations: a run that restarts from an older
+    generation saves in a newer epoch, so that its history may go back.
+
+    ``compression`` is "raw", "zstd", "auto" or a mapping from region name
+    (dotted) to one of those. ``metadata`` is any JSON value, stored in the
+    manifest. Pass one :class:`ShardCarry` to successive saves of a run/step
+    and a region (of at least 1 MiB) whose bytes did not change is not
+    written again: the new generation names the shard an earlier one wrote.
+    """
+    prefix = _prefix(run, step, update, cursor, epoch)
+    s, owned = _store(store, create=True)
+    try:
+        return save_state(state, store=s, prefix=prefix, metadata=metadata, compression=compression,
+                          max_shard_bytes=max_shard_bytes, carry=carry, allow_nonfinite=allow_nonfinite).root
+    finally:
+        if owned:
+            s.close()
+
+
+def save_async(state: Mapping[str, Any], *, store: Store, run: str, step: str, update: int, cursor: int,
+               epoch: int, metadata: Any = None, compression: str | Mapping[str, str] = "raw",
+               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, saver: AsyncSaver | None = None,
+               defer_snapshot: bool = False, allow_nonfinite: Sequence[str] = ()) -> SaveHandle | None:
+    """Snapshot ``state`` now and publish it in the background, as :func:`save` would.
+
+    Values and Stateful objects are captured during the call; tensors are
+    copied (the snapshot). Returns a :class:`SaveHandle` (``.result()`` is the
+    :class:`Published` generation once it is durable, or raises its failure),
+    or None when ``saver`` skips because a save is still in flight
+    (``in_flight="skip"``). Pass one ``saver`` for every save of a run: it
+    reuses its snapshot buffers and keeps one save in flight. With
+    ``defer_snapshot=True`` the copy is made in the background too and the
+    caller must call ``handle.wait_snapshot()`` before changing any tensor.
+    """
+    prefix = _prefix(run, step, update, cursor, epoch)
+    if not isinstance(store, Store):
+        raise TypeError("save_async needs an open Store (the background publish outlives this call)")
+    captured = capture_state(state)
+    names = [name for name, _ in captured.named]
+    saver = saver if saver is not None else AsyncSaver()
+
+    def publish(snapshot: list) -> Published:
+        return save_state(CapturedState(tuple(zip(names, snapshot)), captured.skeleton), store=store, prefix=prefix,
+                          metadata=metadata, compression=compression, max_shard_bytes=max_shard_bytes,
+                          carry=saver.carry, allow_nonfinite=allow_nonfinite)
+
+    return saver.submit([t for _, t in captured.named], publish, defer_snapshot=defer_snapshot)
+
+
+def load(state: Mapping[str, Any], *, store: Store | str | os.PathLike, digest: str) -> Counters:
+    """Validate generation ``digest`` completely, then restore it into ``state``.
+
+    Entries are matched by dotted name, in any order: tensors and arrays are
+    filled in place, values are replaced by the saved ones (types kept), and
+    each Stateful object gets ``load_state_dict()`` of its own ``state_dict()``
+    filled from the checkpoint (an optimizer's state that does not exist yet is
+    created). Raises :class:`Refusal` (nothing touched, store unmodified) when
+    anything is wrong, naming every entry that is missing, unexpected, or of
+    another shape or dtype. Returns the counters (update, cursor, epoch) and
+    metadata.
+    """
+    s, owned = _store(store, create=False)
+    try:
+        return load_state(state, store=s, root=digest)
+    finally:
+        if owned:
+            s.close()
+
+
+def verify(store: Store | str | os.PathLike, digest: str) -> None:
+    """Validate every object of generation ``digest``; raise :class:`Refusal` if anything is wrong."""
+    s, owned = _store(store, create=False)
+    try:
+        verify_generation(s, digest)
+    finally:
+        if owned:
+            s.close()
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A generation newer than the one :func:`latest` returned, and why it was passed over."""
+
+    root: str          # "(unreadable ref)" when the ref itself cannot be read
+    code: RefusalCode
+    message: str
+
+
+@dataclass(frozen=True)
+class Latest:
+    """What :func:`latest` found with ``explain=True``: the newest complete generation (or None) and what it skipped."""
+
+    root: str | None
+    skipped: tuple[Skipped, ...]
+
+
+def latest(store: Store | str | os.PathLike, run: str, step: str, *, explain: bool = False) -> str | Latest | None:
+    """Root digest of the newest complete (fully validated) generation of ``run``/``step``, or None.
+
+    Newer generations passed over (damaged, or of an older epoch than a
+    continuation's) are logged as warnings on the ``alpha_ckpt`` logger with
+    their root and refusal code; ``explain=True`` returns a :class:`Latest`
+    that lists them.
+    """
+    s, owned = _store(store, create=False)
+    try:
+        record, skipped = latest_generation(s, run, step)
+    finally:
+        if owned:
+            s.close()
+    found = record.root if record else None
+    passed = tuple(Skipped(root, refusal.code, refusal.message) for root, refusal in skipped)
+    for item in passed:
+        _log.warning("latest %s/%s: skipped generation %s [%s] %s", run, step, item.root, item.code.value, item.message)
+    return Latest(found, passed) if explain else found
