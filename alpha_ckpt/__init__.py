@@ -19,6 +19,8 @@ Asynchronous (training goes on while the generation is written)::
 """
 from __future__ import annotations
 
+import importlib
+
 # First, before anything that imports torch (seconds): an owner started by alpha-run binds
 # its life to the launcher's, so a launcher killed meanwhile leaves no owner running.
 from .lifeline import bind_to_named_launcher
@@ -48,7 +50,6 @@ def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'alpha_ckpt' has no attribute {name!r}")
-    import importlib
     value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value  # resolved once
     return value

@@ -23,12 +23,10 @@ CKPT_METHODS = {"ckpt-star", "ckpt-tree", "dcp", "dcp-t2", "raw"}
 
 
 def test_every_section_runs_verifies_and_reports_its_medians_and_ratios(tmp_path):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     run = subprocess.run(
         [sys.executable, str(SCRIPT), "--section", "all", "--size-mib", "16", "--tensors", "4", "--reps", "1",
          "--warmup", "0", "--prefault", "0", "--compute-s", "0.02", "--owners", "1", "2", "4", "--dir", str(tmp_path)],
-        capture_output=True, text=True, env=env, timeout=240)
+        capture_output=True, text=True, env=env_with_repo(), timeout=240)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["sections"] == ["store", "stall", "owners", "checkpointer", "sharded"]
