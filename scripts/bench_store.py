@@ -194,7 +194,16 @@ phase (VmHWM reset through /proc/self/clear_refs; it counts mapped file pages
 too), the bytes each rank's Checkpointer restore read (``last_restore``), and
 the bytes each method left on disk. Ratios: ckpt-star and ckpt-tree throughput
 over dcp's and dcp-t2's, save and load (target: at least 1.0; reported, never
-enforced), and every method's save throughput over raw write.
+enforced), and every method's save throughput over raw write. Beside each
+target ratio: its 90% interval from a paired bootstrap over the rounds (both
+methods of a round share that round's disk and host, so rounds are resampled
+as pairs) and whether the MET or MISSED stands out of the rounds' spread
+("met beyond noise": the whole interval is at or above the target; "missed
+beyond noise": all of it below; otherwise "within noise"; under 5 rounds no
+interval is claimed). On a machine whose
+disk rate varies 2x between rounds, a median of a few rounds can land on
+either side of 1.0; the interval says which verdicts more rounds would not
+overturn.
 
 Section "sharded"
 -----------------
@@ -255,6 +264,7 @@ import warnings
 from typing import Callable, Sequence
 
 import blake3
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -397,6 +407,39 @@ def check_equal(method: str, src: dict[str, torch.Tensor], dest: dict[str, torch
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else math.nan
+
+
+def paired_ratio_interval(ours_s: Sequence[float], base_s: Sequence[float], *, confidence: float = 0.9,
+                          resamples: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """Bootstrap interval of the throughput ratio median(base_s) / median(ours_s).
+
+    ``ours_s[i]`` and ``base_s[i]`` are seconds measured in the same round, so
+    rounds are resampled as pairs: what slowed a whole round (the disk, the
+    host) moves both sides together instead of widening the interval. With one
+    round the interval is that round's ratio. Deterministic for a given seed.
+    """
+    if len(ours_s) != len(base_s) or not ours_s:
+        raise ValueError(f"paired samples needed: {len(ours_s)} and {len(base_s)} rounds")
+    ours, base = np.asarray(ours_s, dtype=np.float64), np.asarray(base_s, dtype=np.float64)
+    rounds = np.random.default_rng(seed).integers(0, len(ours), size=(resamples, len(ours)))
+    ratios = np.median(base[rounds], axis=1) / np.median(ours[rounds], axis=1)
+    tail = (1 - confidence) / 2 * 100
+    lo, hi = np.percentile(ratios, [tail, 100 - tail])
+    return float(lo), float(hi)
+
+
+INTERVAL_MIN_ROUNDS = 5  # fewer rounds resample to a handful of medians: no interval is claimed
+
+
+def noise_verdict(point: float, interval: tuple[float, float] | None, goal: float) -> str:
+    """Whether a ratio's miss or hit of a ``>= goal`` target stands out of the rounds' spread."""
+    if interval is None:
+        return f"too few rounds to judge (under {INTERVAL_MIN_ROUNDS})"
+    if interval[0] >= goal:
+        return "met beyond noise"
+    if interval[1] < goal:
+        return "missed beyond noise"
+    return "met, within noise" if point >= goal else "missed, within noise"
 
 
 # ---------------------------------------------------------------- methods
@@ -588,12 +631,17 @@ def report_store(args: argparse.Namespace, nbytes: int, times: dict, code: dict,
     }
 
 
-def print_ratios(ratios: dict[str, float], targets: dict[str, tuple[str, float]], indent: str = "  ") -> None:
+def print_ratios(ratios: dict[str, float], targets: dict[str, tuple[str, float]], indent: str = "  ",
+                 intervals: dict[str, tuple[float, float]] | None = None) -> None:
     for k, v in ratios.items():
         if k in targets:
             op, goal = targets[k]
             ok = v <= goal if op == "<=" else v >= goal
             verdict = f"target {op} {goal:<4}  {'MET' if ok else 'MISSED'}"
+            if intervals and k in intervals:
+                spread = intervals[k]
+                shown = f"90% [{spread[0]:5.3f}, {spread[1]:5.3f}]" if spread else "90% [  -  ,   -  ]"
+                verdict += f"   {shown} {noise_verdict(v, spread, goal)}"
         else:
             verdict = "(information)"
         print(f"{indent}{k:<44} {v:6.3f}   {verdict}")
@@ -1518,21 +1566,26 @@ def report_checkpointer(args: argparse.Namespace, result: dict) -> dict:
             targets[f"{m}_load_GBps/{d}_load_GBps"] = (">=", 1.0)
     ratios: dict[str, dict[str, float]] = {}
     met: dict[str, dict[str, bool]] = {}
+    intervals: dict[str, dict[str, tuple[float, float]]] = {}
     print()
-    print(f"{name}: throughput ratios (of medians); target: at least DCP's throughput, save and load")
+    print(f"{name}: throughput ratios (of medians); target: at least DCP's throughput, save and load; "
+          "90% paired-bootstrap interval over the rounds, and whether the verdict stands out of their spread")
     for n in counts:
         g = gbps[n]
-        r = {}
+        r, spread = {}, {}
         for m in ours:
             for d, key in (("dcp", "dcp"), ("dcp-t2", "dcp_t2")):
-                r[f"{m}_save_GBps/{key}_save_GBps"] = g[m]["save"] / g[d]["save"]
-                r[f"{m}_load_GBps/{key}_load_GBps"] = g[m]["load"] / g[d]["load"]
+                for phase in ("save", "load"):
+                    k = f"{m}_{phase}_GBps/{key}_{phase}_GBps"
+                    r[k] = g[m][phase] / g[d][phase]
+                    rounds = (times[str(n)][m][phase], times[str(n)][d][phase])
+                    spread[k] = paired_ratio_interval(*rounds) if len(rounds[0]) >= INTERVAL_MIN_ROUNDS else None
         for m, key in [(m, m) for m in ours] + [("dcp", "dcp"), ("dcp-t2", "dcp_t2")]:
             r[f"{key}_save_GBps/raw_write_GBps"] = g[m]["save"] / g["raw"]["save"]
-        ratios[str(n)], met[str(n)] = r, targets_met(r, targets)
+        ratios[str(n)], met[str(n)], intervals[str(n)] = r, targets_met(r, targets), spread
         print(f"  {n} rank(s)   (raw disk this run: write {g['raw']['save']:.2f} GB/s, readinto "
               f"{g['raw']['load']:.2f} GB/s)")
-        print_ratios(r, targets, indent="    ")
+        print_ratios(r, targets, indent="    ", intervals=spread)
     return {"bytes": nbytes, "replicated_bytes": result["replicated_bytes"],
             "partitioned_bytes": result["partitioned_bytes"], "counts": counts, "reps": args.reps,
             "warmup": args.warmup, "cache": "cold" if args.cold else "hot", "fanout": result["fanout"],
@@ -1542,6 +1595,9 @@ def report_checkpointer(args: argparse.Namespace, result: dict) -> dict:
             "raw_GBps": {str(n): {"write": gbps[n]["raw"]["save"], "read": gbps[n]["raw"]["load"]} for n in counts},
             "peak_rss_growth_MiB": {str(n): v for n, v in rss.items()}, "bytes_read": result["bytes_read"],
             "disk_bytes": result["disk_bytes"], "ratios": ratios, "targets_met": met,
+            "ratio_intervals_90": {n: {k: list(v) if v else None for k, v in iv.items()} for n, iv in intervals.items()},
+            "noise_verdicts": {n: {k: noise_verdict(ratios[n][k], v, targets[k][1]) for k, v in iv.items()}
+                               for n, iv in intervals.items()},
             "verified_restores": result["verified_restores"]}
 
 

@@ -7,11 +7,13 @@ values it should hold, and reported the medians and ratios in its JSON line.
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "bench_store.py"
@@ -87,6 +89,9 @@ def check_checkpointer_section(ckpt: dict) -> None:
             assert all(v > 0 and math.isfinite(v) for v in ckpt["median_s"][n][m].values())
             assert len(ckpt["peak_rss_growth_MiB"][n][m]["save"]) == int(n)  # one value per rank
         assert set(ckpt["targets_met"][n]) == targets  # reported, never asserted: no pass/fail on timing
+        # one round: no interval is claimed, and the verdict says so
+        assert ckpt["ratio_intervals_90"][n] == dict.fromkeys(targets)
+        assert all(v.startswith("too few rounds") for v in ckpt["noise_verdicts"][n].values())
         assert targets | {"ckpt-star_save_GBps/raw_write_GBps", "ckpt-tree_save_GBps/raw_write_GBps",
                           "dcp_save_GBps/raw_write_GBps", "dcp_t2_save_GBps/raw_write_GBps"} == set(ckpt["ratios"][n])
         assert all(v > 0 and math.isfinite(v) for v in ckpt["ratios"][n].values())
@@ -122,6 +127,7 @@ def check_sharded_section(sharded: dict) -> None:
     for n in ("2", "4"):
         assert set(sharded["median_s"][n]) == CKPT_METHODS | {"dcp-alpha"}
         assert set(sharded["targets_met"][n]) == targets  # reported, never asserted: no pass/fail on timing
+        assert sharded["ratio_intervals_90"][n] == dict.fromkeys(targets)
         assert all(v > 0 and math.isfinite(v) for v in sharded["ratios"][n].values())
         for m in CKPT_METHODS | {"dcp-alpha"}:  # the whole state once, DTensor shards and all
             assert (16 << 20) <= sharded["disk_bytes"][n][m] < (16 << 20) * 1.1, (n, m, sharded["disk_bytes"][n][m])
@@ -157,13 +163,18 @@ def test_cold_restores_need_no_root_and_read_a_checkpoint_the_page_cache_no_long
     assert result["cache"] == "cold" and result["verified_restores"] == 4
 
 
-@pytest.mark.parametrize("count", [2, 3, 5, 6, 7])
-def test_balanced_orders_let_every_method_follow_every_other_equally_often(count):
+def bench_module():
     import importlib.util
-    from collections import Counter
     spec = importlib.util.spec_from_file_location("bench_store_module", SCRIPT)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+@pytest.mark.parametrize("count", [2, 3, 5, 6, 7])
+def test_balanced_orders_let_every_method_follow_every_other_equally_often(count):
+    from collections import Counter
+    bench = bench_module()
     methods = tuple(f"m{i}" for i in range(count))
     orders = bench.balanced_orders(methods)
     assert all(sorted(order) == sorted(methods) for order in orders)
@@ -171,3 +182,41 @@ def test_balanced_orders_let_every_method_follow_every_other_equally_often(count
     assert set(follows) == {(a, b) for a in methods for b in methods if a != b}  # every ordered pair
     assert len(set(follows.values())) == 1  # each equally often
     assert len(orders) == (count if count % 2 == 0 else 2 * count)
+
+
+def test_a_round_that_slows_both_methods_does_not_widen_the_ratio_interval():
+    bench = bench_module()
+    ours = [0.5, 1.1, 0.52, 0.9, 0.49, 1.3, 0.55, 0.8]  # the disk's rate changes from round to round
+    assert bench.paired_ratio_interval(ours, ours) == (1.0, 1.0)
+    # DCP took 1.25x our time in every round: the ratio is 1.25 whatever the round's rate
+    lo, hi = bench.paired_ratio_interval(ours, [1.25 * t for t in ours])
+    assert lo == pytest.approx(1.25) and hi == pytest.approx(1.25)
+    assert bench.noise_verdict(1.25, (lo, hi), 1.0) == "met beyond noise"
+
+
+def test_verdicts_say_whether_a_miss_stands_out_of_the_rounds_spread():
+    bench = bench_module()
+    # 0.95x in the median, but the rounds disagree on which method is faster
+    ours = [0.50, 0.80, 0.52, 0.81, 0.50, 0.79, 0.53, 0.80]
+    dcp = [0.76, 0.55, 0.78, 0.54, 0.74, 0.56, 0.77, 0.55]
+    point = statistics.median(dcp) / statistics.median(ours)
+    spread = bench.paired_ratio_interval(ours, dcp)
+    assert point < 1.0 and spread[0] < 1.0 < spread[1]
+    assert bench.noise_verdict(point, spread, 1.0) == "missed, within noise"
+    # 0.8x in every round: a miss more rounds would not overturn
+    slow = [t / 0.8 for t in dcp]
+    assert bench.noise_verdict(0.8, bench.paired_ratio_interval(slow, dcp), 1.0) == "missed beyond noise"
+    assert bench.noise_verdict(1.3, None, 1.0).startswith("too few rounds")
+    with pytest.raises(ValueError):
+        bench.paired_ratio_interval([0.5, 0.6], [0.5])  # rounds must pair up
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.01, 10.0), st.floats(0.01, 10.0)), min_size=1, max_size=12),
+       st.integers(0, 2**32 - 1))
+def test_the_ratio_interval_is_ordered_reproducible_and_within_the_rounds_extremes(rounds, seed):
+    bench = bench_module()
+    ours, base = [r[0] for r in rounds], [r[1] for r in rounds]
+    lo, hi = bench.paired_ratio_interval(ours, base, seed=seed, resamples=500)
+    assert (lo, hi) == bench.paired_ratio_interval(ours, base, seed=seed, resamples=500)
+    assert min(base) / max(ours) * (1 - 1e-12) <= lo <= hi <= max(base) / min(ours) * (1 + 1e-12)
