@@ -224,6 +224,10 @@ and
 
 Ratios: ckpt-star, ckpt-tree and dcp-alpha over dcp and dcp-t2.
 
+``--ckpt-methods`` runs only some of the checkpointer and sharded sections'
+methods (dcp and one of ours at least), in the same balanced order: what the
+other methods of a round leave behind is part of what each one measures.
+
 Every section ends with its tables; the last line is one JSON object with
 every median and ratio (the store section's keys at the top level, as before
 the other sections existed; ``stall``, ``owners``, ``checkpointer`` and ``sharded`` beside them).
@@ -1176,6 +1180,7 @@ def report_owners(args: argparse.Namespace, result: dict) -> dict:
 # its time is the slowest rank's.
 
 CKPT_METHODS = ("ckpt-star", "ckpt-tree", "dcp", "dcp-t2", "raw")
+BASELINES = ("dcp", "dcp-t2", "raw")  # what ours are compared with (raw: the disk's rate, not a target)
 # The sharded section adds DCP with alpha_ckpt's storage (alpha_ckpt.dcp) as "dcp-alpha".
 SHARDED_METHODS = ("ckpt-star", "ckpt-tree", "dcp-alpha", "dcp", "dcp-t2", "raw")
 SHARDED_COLS = 1024  # columns of every sharded matrix (rows: what the size leaves)
@@ -1183,7 +1188,25 @@ CKPT_RESULT = "checkpointer_result.json"
 
 
 def section_methods(config_or_result: dict) -> tuple[str, ...]:
-    return SHARDED_METHODS if config_or_result.get("sharded") else CKPT_METHODS
+    """The section's methods: all of them, or the ``--ckpt-methods`` subset in the section's own order."""
+    every = SHARDED_METHODS if config_or_result.get("sharded") else CKPT_METHODS
+    chosen = config_or_result.get("methods")
+    return every if not chosen else tuple(m for m in every if m in chosen)
+
+
+def chosen_methods(wanted: Sequence[str] | None, sharded: bool) -> list[str] | None:
+    """Check a ``--ckpt-methods`` subset for a section: DCP's default writer and one of ours at least."""
+    if not wanted:
+        return None
+    unknown = [m for m in wanted if m not in SHARDED_METHODS + CKPT_METHODS]
+    if unknown:
+        raise SystemExit(f"--ckpt-methods: no method {', '.join(unknown)} (choose from {', '.join(SHARDED_METHODS)})")
+    every = SHARDED_METHODS if sharded else CKPT_METHODS
+    chosen = [m for m in every if m in wanted]  # dcp-alpha is the sharded section's only
+    if "dcp" not in chosen or not [m for m in chosen if m not in BASELINES]:
+        raise SystemExit(f"--ckpt-methods: the {'sharded' if sharded else 'checkpointer'} section needs dcp and at "
+                         f"least one of its own methods ({', '.join(m for m in every if m not in BASELINES)})")
+    return chosen
 
 
 def balanced_orders(methods: Sequence[str]) -> list[tuple[str, ...]]:
@@ -1265,7 +1288,8 @@ def run_checkpointer(args: argparse.Namespace, top: str, sharded: bool = False) 
     os.mkdir(workdir)
     config = {"world": world, "counts": counts, "port": free_port(), "dir": workdir, "size_mib": args.size_mib,
               "tensors": args.tensors, "seed": args.seed, "reps": args.reps, "warmup": args.warmup,
-              "prefault": args.prefault, "cold": args.cold, "fanout": args.fanout, "sharded": sharded}
+              "prefault": args.prefault, "cold": args.cold, "fanout": args.fanout, "sharded": sharded,
+              "methods": chosen_methods(args.ckpt_methods, sharded)}
     print()
     print(f"== section {name}: alpha_ckpt.Checkpointer{' and alpha_ckpt.dcp' if sharded else ''} against DCP, "
           f"{', '.join(map(str, counts))} rank(s), gloo on 127.0.0.1; per rep, for each rank count, every method in "
@@ -1514,7 +1538,8 @@ def checkpointer_process(config: dict) -> None:
     if rank == 0:
         out = {"bytes": state_bytes, "replicated_bytes": replicated_bytes, "partitioned_bytes": state_bytes -
                replicated_bytes, "counts": counts, "times": times, "rss": rss, "bytes_read": bytes_read,
-               "disk_bytes": disk_bytes, "verified_restores": verified, "fanout": config["fanout"], "sharded": sharded}
+               "disk_bytes": disk_bytes, "verified_restores": verified, "fanout": config["fanout"], "sharded": sharded,
+               "methods": list(methods)}
         path = os.path.join(top, CKPT_RESULT)
         with open(path + ".tmp", "w") as f:
             json.dump(out, f)
@@ -1525,7 +1550,8 @@ def checkpointer_process(config: dict) -> None:
 def report_checkpointer(args: argparse.Namespace, result: dict) -> dict:
     nbytes, counts, times = result["bytes"], result["counts"], result["times"]
     methods, name = section_methods(result), "sharded" if result.get("sharded") else "checkpointer"
-    ours = [m for m in methods if m not in ("dcp", "dcp-t2", "raw")]
+    ours = [m for m in methods if m not in BASELINES]
+    bases = [(d, d.replace("-", "_")) for d in ("dcp", "dcp-t2") if d in methods]
     med = {n: {m: {k: median(v) for k, v in times[str(n)][m].items()} for m in methods} for n in counts}
     gbps = {n: {m: {k: nbytes / v / 1e9 for k, v in med[n][m].items()} for m in methods} for n in counts}
 
@@ -1548,20 +1574,21 @@ def report_checkpointer(args: argparse.Namespace, result: dict) -> dict:
                   f"{f'({min(s):.3f}-{max(s):.3f})':>17}   {med[n][m]['load']:9.3f} {gbps[n][m]['load']:10.2f} "
                   f"{f'({min(l):.3f}-{max(l):.3f})':>17}   {f'{rs[0]:.0f}/{max(rs[1:], default=0.0):.0f}':>28} "
                   f"{f'{rl[0]:.0f}/{max(rl[1:], default=0.0):.0f}':>18}")
-        print(f"      raw disk of this run, {n} rank(s) each writing 1/{n} dd-style: write "
-              f"{gbps[n]['raw']['save']:.2f} GB/s, readinto {gbps[n]['raw']['load']:.2f} GB/s")
+        if "raw" in methods:
+            print(f"      raw disk of this run, {n} rank(s) each writing 1/{n} dd-style: write "
+                  f"{gbps[n]['raw']['save']:.2f} GB/s, readinto {gbps[n]['raw']['load']:.2f} GB/s")
     print("  (peak RSS +MiB: how far each rank's resident set peaked above its start of the phase, median over reps; "
           "it counts mapped file pages too)")
     print("  bytes on disk after one save, and bytes each rank's Checkpointer restore read (MiB):")
     for n in counts:
         on_disk = ", ".join(f"{m} {result['disk_bytes'][str(n)].get(m, 0) / MiB:.0f}" for m in methods)
         read = "; ".join(f"{m} [{', '.join(f'{b / MiB:.0f}' for b in result['bytes_read'][str(n)].get(m, []))}]"
-                         for m in ("ckpt-star", "ckpt-tree"))
+                         for m in ours if m.startswith("ckpt-"))
         print(f"    {n} rank(s): on disk {on_disk}; read per rank {read}")
 
     targets = {}
     for m in ours:
-        for d in ("dcp", "dcp_t2"):
+        for _, d in bases:
             targets[f"{m}_save_GBps/{d}_save_GBps"] = (">=", 1.0)
             targets[f"{m}_load_GBps/{d}_load_GBps"] = (">=", 1.0)
     ratios: dict[str, dict[str, float]] = {}
@@ -1574,17 +1601,18 @@ def report_checkpointer(args: argparse.Namespace, result: dict) -> dict:
         g = gbps[n]
         r, spread = {}, {}
         for m in ours:
-            for d, key in (("dcp", "dcp"), ("dcp-t2", "dcp_t2")):
+            for d, key in bases:
                 for phase in ("save", "load"):
                     k = f"{m}_{phase}_GBps/{key}_{phase}_GBps"
                     r[k] = g[m][phase] / g[d][phase]
                     rounds = (times[str(n)][m][phase], times[str(n)][d][phase])
                     spread[k] = paired_ratio_interval(*rounds) if len(rounds[0]) >= INTERVAL_MIN_ROUNDS else None
-        for m, key in [(m, m) for m in ours] + [("dcp", "dcp"), ("dcp-t2", "dcp_t2")]:
-            r[f"{key}_save_GBps/raw_write_GBps"] = g[m]["save"] / g["raw"]["save"]
+        for m, key in [(m, m) for m in ours] + bases:
+            if "raw" in methods:
+                r[f"{key}_save_GBps/raw_write_GBps"] = g[m]["save"] / g["raw"]["save"]
         ratios[str(n)], met[str(n)], intervals[str(n)] = r, targets_met(r, targets), spread
-        print(f"  {n} rank(s)   (raw disk this run: write {g['raw']['save']:.2f} GB/s, readinto "
-              f"{g['raw']['load']:.2f} GB/s)")
+        print(f"  {n} rank(s)   " + (f"(raw disk this run: write {g['raw']['save']:.2f} GB/s, readinto "
+                                      f"{g['raw']['load']:.2f} GB/s)" if "raw" in methods else "(no raw method)"))
         print_ratios(r, targets, indent="    ", intervals=spread)
     return {"bytes": nbytes, "replicated_bytes": result["replicated_bytes"],
             "partitioned_bytes": result["partitioned_bytes"], "counts": counts, "reps": args.reps,
@@ -1592,7 +1620,8 @@ def report_checkpointer(args: argparse.Namespace, result: dict) -> dict:
             "dcp_partitions": "the same DTensors" if result.get("sharded") else
             "plain tensors under per-rank keys moments.<region>.rank<r>", "sharded": bool(result.get("sharded")),
             "median_s": {str(n): v for n, v in med.items()}, "median_GBps": {str(n): v for n, v in gbps.items()},
-            "raw_GBps": {str(n): {"write": gbps[n]["raw"]["save"], "read": gbps[n]["raw"]["load"]} for n in counts},
+            "raw_GBps": {str(n): {"write": gbps[n]["raw"]["save"], "read": gbps[n]["raw"]["load"]} for n in counts}
+            if "raw" in methods else None, "methods": list(methods),
             "peak_rss_growth_MiB": {str(n): v for n, v in rss.items()}, "bytes_read": result["bytes_read"],
             "disk_bytes": result["disk_bytes"], "ratios": ratios, "targets_met": met,
             "ratio_intervals_90": {n: {k: list(v) if v else None for k, v in iv.items()} for n, iv in intervals.items()},
@@ -1689,6 +1718,9 @@ def main(argv: list[str] | None = None) -> dict | None:
                         "into a fixed matmul count; default 0.4)")
     p.add_argument("--owners", type=int, nargs="+", default=[1, 2, 4],
                    help="owners section: owner counts, alternated inside every repetition (default 1 2 4)")
+    p.add_argument("--ckpt-methods", nargs="+", metavar="METHOD",
+                   help="checkpointer and sharded sections: run only these of the section's methods (dcp and one of "
+                        "ours at least; default all), e.g. to see what the other methods in a round cost")
     p.add_argument("--ckpt-ranks", type=int, nargs="+", default=[2, 4],
                    help="checkpointer section: rank counts, alternated inside every repetition (default 2 4)")
     p.add_argument("--fanout", type=int, default=8,

@@ -220,3 +220,40 @@ def test_the_ratio_interval_is_ordered_reproducible_and_within_the_rounds_extrem
     lo, hi = bench.paired_ratio_interval(ours, base, seed=seed, resamples=500)
     assert (lo, hi) == bench.paired_ratio_interval(ours, base, seed=seed, resamples=500)
     assert min(base) / max(ours) * (1 - 1e-12) <= lo <= hi <= max(base) / min(ours) * (1 + 1e-12)
+
+
+def test_a_subset_of_the_sharded_methods_is_measured_and_compared_alone(tmp_path):
+    run = subprocess.run([sys.executable, str(SCRIPT), "--section", "sharded", "--ckpt-methods", "ckpt-star", "dcp",
+                          "--ckpt-ranks", "2", "--size-mib", "16", "--tensors", "4", "--reps", "1", "--warmup", "0",
+                          "--prefault", "0", "--dir", str(tmp_path)],
+                         capture_output=True, text=True, env=env_with_repo(), timeout=180)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    sharded = json.loads(run.stdout.strip().splitlines()[-1])["sharded"]
+    assert sharded["methods"] == ["ckpt-star", "dcp"] and sharded["counts"] == [2]
+    assert set(sharded["median_s"]["2"]) == {"ckpt-star", "dcp"}
+    assert sharded["verified_restores"] == 2 and sharded["raw_GBps"] is None
+    assert set(sharded["ratios"]["2"]) == {"ckpt-star_save_GBps/dcp_save_GBps", "ckpt-star_load_GBps/dcp_load_GBps"}
+
+
+def test_a_method_subset_needs_dcp_and_one_of_ours_and_known_names():
+    bench = bench_module()
+    assert bench.chosen_methods(None, sharded=True) is None  # all of them
+    assert bench.chosen_methods(["dcp", "ckpt-tree", "raw"], sharded=False) == ["ckpt-tree", "dcp", "raw"]
+    # dcp-alpha belongs to the sharded section only: the checkpointer section keeps the rest
+    assert bench.chosen_methods(["dcp-alpha", "ckpt-star", "dcp"], sharded=False) == ["ckpt-star", "dcp"]
+    for wanted, sharded in ((["ckpt-star", "dcp-t2"], True), (["dcp", "raw"], True), (["dcp-alpha", "dcp"], False),
+                            (["ckpt-star", "dcp", "torch"], True)):
+        with pytest.raises(SystemExit):
+            bench.chosen_methods(wanted, sharded=sharded)
+
+
+def test_the_sharded_restore_ab_saves_restores_and_verifies_every_method(tmp_path):
+    run = subprocess.run([sys.executable, str(SCRIPT.parent / "ab_sharded_restore.py"), "--ranks", "2", "--rounds", "2",
+                          "--size-mib", "16", "--prefault", "0", "--dir", str(tmp_path)],
+                         capture_output=True, text=True, env=env_with_repo(), timeout=180)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    # every method saved and restored twice (each restore compared with torch.equal, or the script fails)
+    assert set(result["times"]) == {"ckpt", "ckpt-bf", "dcp"}
+    assert all(len(t["save"]) == len(t["load"]) == 2 for t in result["times"].values())
+    assert list(tmp_path.iterdir()) == []  # its working directory is removed

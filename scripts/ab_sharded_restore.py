@@ -1,0 +1,159 @@
+#!/usr/bin/env python3
+"""A/B of sharded restores outside scripts/bench_store.py: one save and one restore per method and round.
+
+Each round, every method in turn (the order rotates and reverses every other
+round) saves the same ``Shard(0)`` DTensors (``--size-mib`` MiB in 16 float32
+matrices of 1024 columns, as FSDP2 holds parameters and moments) into a fresh
+directory, the page cache of that directory is evicted, each rank touches and
+frees ``--prefault`` times its bytes of anonymous memory, and the checkpoint is
+restored in place into NaN-poisoned DTensors, then compared with
+``torch.equal`` and removed. Times are the slowest rank's (a barrier closes
+each phase).
+
+  ckpt     ``alpha_ckpt.Checkpointer(DIR, publisher="star")``; ``restore(dest, root="latest")``
+  ckpt-bf  as ckpt, with the store's write mode forced to buffered
+  dcp      ``dcp.save`` / ``dcp.load`` with DCP's default FileSystemWriter/Reader
+
+It exists because the benchmark's sharded loads and these differ (see
+docs/BENCHMARKS.md, "Intervals on the ratios"); it prints per-method medians and
+every round's seconds, and a JSON line.
+
+Usage::
+
+    python scripts/ab_sharded_restore.py --ranks 2 --rounds 8            # 1 GiB, about 3 minutes here
+    python scripts/ab_sharded_restore.py --ranks 2 --rounds 1 --size-mib 16   # smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_store import evicted, free_port, prefault  # noqa: E402 - the benchmark's own eviction and prefault
+
+import alpha_ckpt  # noqa: E402
+
+METHODS = ("ckpt", "ckpt-bf", "dcp")
+COLS, MATRICES = 1024, 16
+
+
+def rank_main(rank: int, args: argparse.Namespace, port: int, top: str, out: multiprocessing.Queue) -> None:
+    torch.set_num_threads(args.torch_threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.ranks,
+                            timeout=datetime.timedelta(seconds=600))
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    mesh = init_device_mesh("cpu", (args.ranks,))
+    shape = (args.size_mib * (1 << 20) // (4 * MATRICES * COLS), COLS)
+    src, dst = {}, {}
+    for i in range(MATRICES):
+        (rows, _), (r0, _) = compute_local_shape_and_global_offset(shape, mesh, [Shard(0)])
+        local = torch.randn(shape, generator=torch.Generator().manual_seed(i))[r0:r0 + rows].clone()
+        src[f"w{i:02d}"] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
+                                              stride=(COLS, 1))
+        dst[f"w{i:02d}"] = DTensor.from_local(torch.full_like(local, float("nan")), mesh, [Shard(0)], run_check=False,
+                                              shape=torch.Size(shape), stride=(COLS, 1))
+    own_bytes = sum(t.to_local().nbytes for t in src.values())
+    times: dict[str, dict[str, list[float]]] = {m: {"save": [], "load": []} for m in args.methods}
+
+    def timed(fn) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        dist.barrier()
+        t = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    methods = list(args.methods)
+    for rnd in range(args.rounds):
+        order = methods[rnd % len(methods):] + methods[:rnd % len(methods)]
+        for method in order[::-1] if rnd % 2 else order:
+            directory = os.path.join(top, f"{method}-{rnd}")
+            ckpt = None
+            if method.startswith("ckpt"):
+                ckpt = alpha_ckpt.Checkpointer(directory, run="ab", step="fit", publisher="star")
+                if method == "ckpt-bf":
+                    ckpt.store.write_mode = "buffered"
+                ckpt.restore({"model": src}, root=None)  # a fresh start, untimed
+                save_s = timed(lambda: ckpt.save({"model": src}, update=rnd + 1))
+            else:
+                save_s = timed(lambda: dcp.save(src, checkpoint_id=directory))
+            for t in dst.values():
+                t.to_local().fill_(float("nan"))
+            dist.barrier()
+            if rank == 0:
+                evicted(directory)
+            prefault(int(args.prefault * own_bytes))
+            if ckpt is not None:
+                load_s = timed(lambda: ckpt.restore({"model": dst}, root="latest"))
+                ckpt.close()
+            else:
+                load_s = timed(lambda: dcp.load(dst, checkpoint_id=directory))
+            if not all(torch.equal(dst[k].to_local(), src[k].to_local()) for k in src):
+                raise SystemExit(f"{method}: rank {rank} restored tensors differ from the source")
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(directory)
+                os.sync()
+                times[method]["save"].append(round(save_s, 4))
+                times[method]["load"].append(round(load_s, 4))
+                print(f"  round {rnd}  {method:<8} save {save_s:6.3f} s   restore {load_s:6.3f} s", flush=True)
+            dist.barrier()
+    if rank == 0:
+        out.put(times)
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--size-mib", type=int, default=1024, help="the whole state (default 1024)")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument("--prefault", type=float, default=2.0, help="times each rank's bytes (default 2, as the benchmark)")
+    p.add_argument("--torch-threads", type=int, default=1)
+    p.add_argument("--dir", default=None, help="where to write (default: a temporary directory on /work or /tmp)")
+    args = p.parse_args(argv)
+    if args.size_mib * (1 << 20) % (4 * MATRICES * COLS * args.ranks):
+        p.error(f"--size-mib {args.size_mib} does not give whole rows to {args.ranks} ranks")
+    base = args.dir or ("/work" if os.access("/work", os.W_OK) else None)
+    top = tempfile.mkdtemp(prefix="ab_sharded.", dir=base)
+    try:
+        ctx = multiprocessing.get_context("fork")  # before any torch thread: the ranks share the imports
+        out = ctx.Queue()
+        port = free_port()
+        procs = [ctx.Process(target=rank_main, args=(r, args, port, top, out)) for r in range(args.ranks)]
+        for proc in procs:
+            proc.start()
+        times = out.get(timeout=3600)
+        for proc in procs:
+            proc.join(timeout=600)
+        if any(proc.exitcode for proc in procs):
+            print(f"rank exit codes {[proc.exitcode for proc in procs]}", file=sys.stderr)
+            return 1
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+    medians = {m: {k: statistics.median(v) for k, v in t.items()} for m, t in times.items()}
+    for m, med in medians.items():
+        print(f"{m:<8} save median {med['save']:.3f} s   restore median {med['load']:.3f} s")
+    print(json.dumps({"ranks": args.ranks, "rounds": args.rounds, "size_mib": args.size_mib, "prefault": args.prefault,
+                      "torch_threads": args.torch_threads, "median_s": medians, "times": times}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
