@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_store import evicted, free_port, prefault  # noqa: E402 - the benchmark's own eviction and prefault
+from bench_store import evicted, free_port, prefault, row_sharded_matrices  # noqa: E402 - the benchmark's own
 
 import alpha_ckpt  # noqa: E402
 
@@ -54,18 +54,9 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, top: str, out: mul
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.ranks,
                             timeout=datetime.timedelta(seconds=600))
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    mesh = init_device_mesh("cpu", (args.ranks,))
     shape = (args.size_mib * (1 << 20) // (4 * MATRICES * COLS), COLS)
-    src, dst = {}, {}
-    for i in range(MATRICES):
-        (rows, _), (r0, _) = compute_local_shape_and_global_offset(shape, mesh, [Shard(0)])
-        local = torch.randn(shape, generator=torch.Generator().manual_seed(i))[r0:r0 + rows].clone()
-        src[f"w{i:02d}"] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
-                                              stride=(COLS, 1))
-        dst[f"w{i:02d}"] = DTensor.from_local(torch.full_like(local, float("nan")), mesh, [Shard(0)], run_check=False,
-                                              shape=torch.Size(shape), stride=(COLS, 1))
+    mesh = init_device_mesh("cpu", (args.ranks,))
+    src, dst = (side[0] for side in row_sharded_matrices(shape, MATRICES, {0: mesh}, seed=0))
     own_bytes = sum(t.to_local().nbytes for t in src.values())
     times: dict[str, dict[str, list[float]]] = {m: {"save": [], "load": []} for m in args.methods}
 

@@ -1187,11 +1187,29 @@ SHARDED_COLS = 1024  # columns of every sharded matrix (rows: what the size leav
 CKPT_RESULT = "checkpointer_result.json"
 
 
+def row_sharded_matrices(shape: tuple[int, int], count: int, meshes: dict, seed: int) -> tuple[dict, dict]:
+    """``count`` random matrices of ``shape`` (matrix i seeded ``seed + i``) as DTensors placed
+    ``Shard(0)`` on each 1-D mesh of ``meshes``: ({key: {name: source}}, {key: {name: NaN destination}})."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    src: dict = {key: {} for key in meshes}
+    dest: dict = {key: {} for key in meshes}
+    for i in range(count if meshes else 0):
+        full = torch.randn(shape, generator=torch.Generator().manual_seed(seed + i))
+        for key, mesh in meshes.items():
+            (rows, _), (row0, _) = compute_local_shape_and_global_offset(shape, mesh, [Shard(0)])
+            local = full[row0:row0 + rows].clone()
+            for side, data in ((src, local), (dest, torch.full_like(local, float("nan")))):
+                side[key][f"w{i:02d}"] = DTensor.from_local(data, mesh, [Shard(0)], run_check=False,
+                                                            shape=torch.Size(shape), stride=(shape[1], 1))
+        del full
+    return src, dest
+
+
 def section_methods(config_or_result: dict) -> tuple[str, ...]:
     """The section's methods: all of them, or the ``--ckpt-methods`` subset in the section's own order."""
     every = SHARDED_METHODS if config_or_result.get("sharded") else CKPT_METHODS
-    chosen = config_or_result.get("methods")
-    return every if not chosen else tuple(m for m in every if m in chosen)
+    return tuple(config_or_result.get("methods") or every)  # chosen_methods keeps the section's order
 
 
 def chosen_methods(wanted: Sequence[str] | None, sharded: bool) -> list[str] | None:
@@ -1353,25 +1371,11 @@ def checkpointer_process(config: dict) -> None:
     dts: dict[str, dict[int, dict[str, torch.Tensor]]] = {"src": {}, "dest": {}}
     if sharded:
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.tensor import DTensor, Shard
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
         cols = SHARDED_COLS if numel % SHARDED_COLS == 0 else 1
         shape = (numel // cols, cols)
         rep_src, rep_dest, replicated_bytes = {}, {}, 0
         meshes = {n: DeviceMesh.from_group(groups[n], "cpu") for n in member_of}
-        for n in member_of:
-            dts["src"][n], dts["dest"][n] = {}, {}
-        for i in range(tensors):
-            if not member_of:
-                break
-            full = torch.randn(shape, generator=torch.Generator().manual_seed(seed + 90_000 + i))
-            for n in member_of:
-                (local_rows, _), (row0, _) = compute_local_shape_and_global_offset(shape, meshes[n], [Shard(0)])
-                local = full[row0:row0 + local_rows].clone()
-                for which, data in (("src", local), ("dest", torch.full_like(local, float("nan")))):
-                    dts[which][n][f"w{i:02d}"] = DTensor.from_local(data, meshes[n], [Shard(0)], run_check=False,
-                                                                     shape=torch.Size(shape), stride=(cols, 1))
-            del full
+        dts["src"], dts["dest"] = row_sharded_matrices(shape, tensors, meshes, seed + 90_000)
         own_bytes = {n: sum(t.to_local().nbytes for t in dts["src"][n].values()) for n in member_of}
         raw_bytes = dict(own_bytes)
         raws = {n: RawDisk({k: t.to_local() for k, t in dts["src"][n].items()}, raw_bytes[n]) for n in member_of}
@@ -1607,8 +1611,8 @@ def report_checkpointer(args: argparse.Namespace, result: dict) -> dict:
                     r[k] = g[m][phase] / g[d][phase]
                     rounds = (times[str(n)][m][phase], times[str(n)][d][phase])
                     spread[k] = paired_ratio_interval(*rounds) if len(rounds[0]) >= INTERVAL_MIN_ROUNDS else None
-        for m, key in [(m, m) for m in ours] + bases:
-            if "raw" in methods:
+        if "raw" in methods:
+            for m, key in [(m, m) for m in ours] + bases:
                 r[f"{key}_save_GBps/raw_write_GBps"] = g[m]["save"] / g["raw"]["save"]
         ratios[str(n)], met[str(n)], intervals[str(n)] = r, targets_met(r, targets), spread
         print(f"  {n} rank(s)   " + (f"(raw disk this run: write {g['raw']['save']:.2f} GB/s, readinto "
