@@ -175,6 +175,10 @@ places swapped which of them loaded slowly):
              Partitioned(share, lo, hi, (words,))}}``.
   ckpt-tree  as ckpt-star with ``publisher="tree"`` and ``fanout=--fanout``: every
              rank writes its own shards and group manifest, the same replica share.
+  ckpt-star-bf  only when named in ``--ckpt-methods``: as ckpt-star with the
+             store's writes forced buffered (``store.write_mode = "buffered"``,
+             what ``ALPHA_CKPT_WRITE_MODE=buffered`` does), as DCP's writer
+             writes; compared with DCP as ours are.
   dcp        ``dcp.save(state, checkpoint_id=DIR, process_group=...)``, default
              FileSystemWriter; ``dcp.load`` in place. The replicated tensors under
              the same keys on every rank (``model.<name>``), each rank's shares as
@@ -191,7 +195,8 @@ rank's; throughput is the whole state's bytes over it. After every restore
 tensors with the source with ``torch.equal`` (NaN-poisoned before each
 restore). Also reported, untimed: each rank's peak RSS growth during each
 phase (VmHWM reset through /proc/self/clear_refs; it counts mapped file pages
-too), the bytes each rank's Checkpointer restore read (``last_restore``), and
+too), the CPU seconds (user + system) of the busiest rank's process in each
+phase, the bytes each rank's Checkpointer restore read (``last_restore``), and
 the bytes each method left on disk. Ratios: ckpt-star and ckpt-tree throughput
 over dcp's and dcp-t2's, save and load (target: at least 1.0; reported, never
 enforced), and every method's save throughput over raw write. Beside each
@@ -226,7 +231,9 @@ Ratios: ckpt-star, ckpt-tree and dcp-alpha over dcp and dcp-t2.
 
 ``--ckpt-methods`` runs only some of the checkpointer and sharded sections'
 methods (dcp and one of ours at least), in the same balanced order: what the
-other methods of a round leave behind is part of what each one measures.
+other methods of a round leave behind is part of what each one measures. It
+also adds ckpt-star-bf, the star writing buffered: beside ckpt-star in one run
+it shows what the writing mode costs the save and the next cold restore.
 
 Every section ends with its tables; the last line is one JSON object with
 every median and ratio (the store section's keys at the top level, as before
@@ -254,6 +261,7 @@ import math
 import mmap
 import os
 import platform
+import resource
 import shutil
 import signal
 import socket
@@ -1183,6 +1191,9 @@ CKPT_METHODS = ("ckpt-star", "ckpt-tree", "dcp", "dcp-t2", "raw")
 BASELINES = ("dcp", "dcp-t2", "raw")  # what ours are compared with (raw: the disk's rate, not a target)
 # The sharded section adds DCP with alpha_ckpt's storage (alpha_ckpt.dcp) as "dcp-alpha".
 SHARDED_METHODS = ("ckpt-star", "ckpt-tree", "dcp-alpha", "dcp", "dcp-t2", "raw")
+# Only by --ckpt-methods: the star with the store's writes forced buffered, as DCP's FileSystemWriter
+# writes, so one run compares how the writing mode moves cost between a save and the next cold restore.
+BUFFERED_STAR = "ckpt-star-bf"
 SHARDED_COLS = 1024  # columns of every sharded matrix (rows: what the size leaves)
 CKPT_RESULT = "checkpointer_result.json"
 
@@ -1206,6 +1217,12 @@ def row_sharded_matrices(shape: tuple[int, int], count: int, meshes: dict, seed:
     return src, dest
 
 
+def known_methods(sharded: bool) -> tuple[str, ...]:
+    """Every method a section can run, in its order: its defaults and the optional buffered star."""
+    every = SHARDED_METHODS if sharded else CKPT_METHODS
+    return every[:2] + (BUFFERED_STAR,) + every[2:]
+
+
 def section_methods(config_or_result: dict) -> tuple[str, ...]:
     """The section's methods: all of them, or the ``--ckpt-methods`` subset in the section's own order."""
     every = SHARDED_METHODS if config_or_result.get("sharded") else CKPT_METHODS
@@ -1216,10 +1233,11 @@ def chosen_methods(wanted: Sequence[str] | None, sharded: bool) -> list[str] | N
     """Check a ``--ckpt-methods`` subset for a section: DCP's default writer and one of ours at least."""
     if not wanted:
         return None
-    unknown = [m for m in wanted if m not in SHARDED_METHODS + CKPT_METHODS]
+    unknown = [m for m in wanted if m not in known_methods(True)]
     if unknown:
-        raise SystemExit(f"--ckpt-methods: no method {', '.join(unknown)} (choose from {', '.join(SHARDED_METHODS)})")
-    every = SHARDED_METHODS if sharded else CKPT_METHODS
+        raise SystemExit(f"--ckpt-methods: no method {', '.join(unknown)} (choose from "
+                         f"{', '.join(known_methods(True))})")
+    every = known_methods(sharded)
     chosen = [m for m in every if m in wanted]  # dcp-alpha is the sharded section's only
     if "dcp" not in chosen or not [m for m in chosen if m not in BASELINES]:
         raise SystemExit(f"--ckpt-methods: the {'sharded' if sharded else 'checkpointer'} section needs dcp and at "
@@ -1253,6 +1271,12 @@ def reset_peak_rss() -> int | None:
     except OSError:
         return None
     return proc_status_kib("VmRSS")
+
+
+def process_cpu_s() -> float:
+    """User plus system CPU seconds of this process so far (every thread of it)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def proc_status_kib(field: str) -> int | None:
@@ -1406,6 +1430,7 @@ def checkpointer_process(config: dict) -> None:
     gc.freeze()  # the per-step gc.collect() then scans only what the methods left, not torch's own objects
     times = {str(n): {m: {"save": [], "load": []} for m in methods} for n in counts}
     rss = {str(n): {m: {"save": [], "load": []} for m in methods} for n in counts}
+    cpu = {str(n): {m: {"save": [], "load": []} for m in methods} for n in counts}
     bytes_read = {str(n): {} for n in counts}
     disk_bytes = {str(n): {} for n in counts}
     verified = 0
@@ -1454,14 +1479,18 @@ def checkpointer_process(config: dict) -> None:
                 ckpt = None
                 if member and method.startswith("ckpt-"):
                     # Untimed: open the store and declare a fresh start of this run (collective).
+                    publisher = "star" if method == BUFFERED_STAR else method[len("ckpt-"):]
                     ckpt = alpha_ckpt.Checkpointer(directory, run="bench", step="fit", group=group,
-                                                   publisher=method[len("ckpt-"):], fanout=config["fanout"])
+                                                   publisher=publisher, fanout=config["fanout"])
+                    if method == BUFFERED_STAR:
+                        ckpt.store.write_mode = "buffered"
                     ckpt.restore(ours(n, "src"), root=None)
                 gc.collect()
                 if member:
                     prefault(int(config["prefault"] * own_bytes[n]))
                 barrier()
                 base = reset_peak_rss()
+                cpu0 = process_cpu_s()
                 t = time.perf_counter()
                 handle = None
                 if member:
@@ -1479,6 +1508,7 @@ def checkpointer_process(config: dict) -> None:
                     else:
                         handle = raws[n].save(None, directory, rnd, name=f"raw-{rank}.bin")
                 elapsed = time.perf_counter() - t if member else 0.0
+                save_cpu = per_rank(process_cpu_s() - cpu0 if member else 0.0)[:n]
                 save_rss = per_rank(peak_growth_mib(base) if member else 0.0)[:n]
                 save_s = largest(elapsed)
                 if rank == 0:
@@ -1494,6 +1524,7 @@ def checkpointer_process(config: dict) -> None:
                     prefault(int(config["prefault"] * own_bytes[n]))
                 barrier()
                 base = reset_peak_rss()
+                cpu0 = process_cpu_s()
                 t = time.perf_counter()
                 if member:
                     if ckpt is not None:
@@ -1506,6 +1537,7 @@ def checkpointer_process(config: dict) -> None:
                     else:
                         RawDisk.restore(raw_dest[n], directory, handle)
                 elapsed = time.perf_counter() - t if member else 0.0
+                load_cpu = per_rank(process_cpu_s() - cpu0 if member else 0.0)[:n]
                 load_rss = per_rank(peak_growth_mib(base) if member else 0.0)[:n]
                 load_s = largest(elapsed)
                 read = per_rank(ckpt.last_restore["bytes_read"] if ckpt is not None else 0.0)[:n]
@@ -1533,7 +1565,9 @@ def checkpointer_process(config: dict) -> None:
                         times[str(n)][method]["load"].append(load_s)
                         rss[str(n)][method]["save"].append(save_rss)
                         rss[str(n)][method]["load"].append(load_rss)
-                    print(f"  {label:<7}  {n} rank(s)  {method:<9} save {save_s:7.3f} s  "
+                        cpu[str(n)][method]["save"].append(save_cpu)
+                        cpu[str(n)][method]["load"].append(load_cpu)
+                    print(f"  {label:<7}  {n} rank(s)  {method:<12} save {save_s:7.3f} s  "
                           f"{state_bytes / save_s / 1e9:6.2f} GB/s   restore {load_s:7.3f} s  "
                           f"{state_bytes / load_s / 1e9:6.2f} GB/s   peak RSS +MiB save rank 0 {save_rss[0]:6.0f} "
                           f"(others max {max(save_rss[1:], default=0.0):5.0f}), restore rank 0 {load_rss[0]:6.0f}",
@@ -1541,7 +1575,7 @@ def checkpointer_process(config: dict) -> None:
     barrier()
     if rank == 0:
         out = {"bytes": state_bytes, "replicated_bytes": replicated_bytes, "partitioned_bytes": state_bytes -
-               replicated_bytes, "counts": counts, "times": times, "rss": rss, "bytes_read": bytes_read,
+               replicated_bytes, "counts": counts, "times": times, "rss": rss, "cpu": cpu, "bytes_read": bytes_read,
                "disk_bytes": disk_bytes, "verified_restores": verified, "fanout": config["fanout"], "sharded": sharded,
                "methods": list(methods)}
         path = os.path.join(top, CKPT_RESULT)
@@ -1564,17 +1598,20 @@ def report_checkpointer(args: argparse.Namespace, result: dict) -> dict:
         return [median([s[r] for s in samples]) for r in range(n)]
 
     rss = {n: {m: {p: rss_median(n, m, p) for p in ("save", "load")} for m in methods} for n in counts}
+    # The busiest rank's CPU seconds in each round, median over the rounds: where the time is CPU, not waiting.
+    cpu = {n: {m: {p: median([max(s) for s in result["cpu"][str(n)][m][p]]) for p in ("save", "load")}
+               for m in methods} for n in counts}
     print()
     print(f"{name}: medians over {args.reps} rep(s), {nbytes / 1e9:.3f} GB per save in all "
           f"({result['replicated_bytes'] / 1e9:.3f} GB replicated on every rank, {result['partitioned_bytes'] / 1e9:.3f}"
           f" GB partitioned), time = slowest rank, restores on a {'COLD' if args.cold else 'HOT'} page cache")
-    print(f"{'ranks':>5} {'method':<9} {'save s':>8} {'save GB/s':>10} {'(min-max s)':>17}   {'restore s':>9} "
+    print(f"{'ranks':>5} {'method':<12} {'save s':>8} {'save GB/s':>10} {'(min-max s)':>17}   {'restore s':>9} "
           f"{'rest. GB/s':>10} {'(min-max s)':>17}   {'peak RSS +MiB save r0/others':>28} {'restore r0/others':>18}")
     for n in counts:
         for m in methods:
             s, l = times[str(n)][m]["save"], times[str(n)][m]["load"]
             rs, rl = rss[n][m]["save"], rss[n][m]["load"]
-            print(f"{n:>5} {m:<9} {med[n][m]['save']:8.3f} {gbps[n][m]['save']:10.2f} "
+            print(f"{n:>5} {m:<12} {med[n][m]['save']:8.3f} {gbps[n][m]['save']:10.2f} "
                   f"{f'({min(s):.3f}-{max(s):.3f})':>17}   {med[n][m]['load']:9.3f} {gbps[n][m]['load']:10.2f} "
                   f"{f'({min(l):.3f}-{max(l):.3f})':>17}   {f'{rs[0]:.0f}/{max(rs[1:], default=0.0):.0f}':>28} "
                   f"{f'{rl[0]:.0f}/{max(rl[1:], default=0.0):.0f}':>18}")
@@ -1583,6 +1620,10 @@ def report_checkpointer(args: argparse.Namespace, result: dict) -> dict:
                   f"{gbps[n]['raw']['save']:.2f} GB/s, readinto {gbps[n]['raw']['load']:.2f} GB/s")
     print("  (peak RSS +MiB: how far each rank's resident set peaked above its start of the phase, median over reps; "
           "it counts mapped file pages too)")
+    print("  CPU seconds of the busiest rank in the phase (its process, user + system; median over reps):")
+    for n in counts:
+        print(f"    {n} rank(s): " + "; ".join(f"{m} save {cpu[n][m]['save']:.2f} restore {cpu[n][m]['load']:.2f}"
+                                              for m in methods))
     print("  bytes on disk after one save, and bytes each rank's Checkpointer restore read (MiB):")
     for n in counts:
         on_disk = ", ".join(f"{m} {result['disk_bytes'][str(n)].get(m, 0) / MiB:.0f}" for m in methods)
@@ -1627,6 +1668,7 @@ def report_checkpointer(args: argparse.Namespace, result: dict) -> dict:
             "raw_GBps": {str(n): {"write": gbps[n]["raw"]["save"], "read": gbps[n]["raw"]["load"]} for n in counts}
             if "raw" in methods else None, "methods": list(methods),
             "peak_rss_growth_MiB": {str(n): v for n, v in rss.items()}, "bytes_read": result["bytes_read"],
+            "busiest_rank_cpu_s": {str(n): v for n, v in cpu.items()},
             "disk_bytes": result["disk_bytes"], "ratios": ratios, "targets_met": met,
             "ratio_intervals_90": {n: {k: list(v) if v else None for k, v in iv.items()} for n, iv in intervals.items()},
             "noise_verdicts": {n: {k: noise_verdict(ratios[n][k], v, targets[k][1]) for k, v in iv.items()}
@@ -1724,7 +1766,8 @@ def main(argv: list[str] | None = None) -> dict | None:
                    help="owners section: owner counts, alternated inside every repetition (default 1 2 4)")
     p.add_argument("--ckpt-methods", nargs="+", metavar="METHOD",
                    help="checkpointer and sharded sections: run only these of the section's methods (dcp and one of "
-                        "ours at least; default all), e.g. to see what the other methods in a round cost")
+                        "ours at least; default all but ckpt-star-bf, the star writing buffered), e.g. to see what the "
+                        "other methods in a round cost")
     p.add_argument("--ckpt-ranks", type=int, nargs="+", default=[2, 4],
                    help="checkpointer section: rank counts, alternated inside every repetition (default 2 4)")
     p.add_argument("--fanout", type=int, default=8,

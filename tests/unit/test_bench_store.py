@@ -223,16 +223,20 @@ def test_the_ratio_interval_is_ordered_reproducible_and_within_the_rounds_extrem
 
 
 def test_a_subset_of_the_sharded_methods_is_measured_and_compared_alone(tmp_path):
-    run = subprocess.run([sys.executable, str(SCRIPT), "--section", "sharded", "--ckpt-methods", "ckpt-star", "dcp",
-                          "--ckpt-ranks", "2", "--size-mib", "16", "--tensors", "4", "--reps", "1", "--warmup", "0",
+    run = subprocess.run([sys.executable, str(SCRIPT), "--section", "sharded", "--ckpt-methods", "dcp", "ckpt-star-bf",
+                          "ckpt-star", "--ckpt-ranks", "2", "--size-mib", "16", "--tensors", "4", "--reps", "1", "--warmup", "0",
                           "--prefault", "0", "--dir", str(tmp_path)],
                          capture_output=True, text=True, env=env_with_repo(), timeout=180)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     sharded = json.loads(run.stdout.strip().splitlines()[-1])["sharded"]
-    assert sharded["methods"] == ["ckpt-star", "dcp"] and sharded["counts"] == [2]
-    assert set(sharded["median_s"]["2"]) == {"ckpt-star", "dcp"}
-    assert sharded["verified_restores"] == 2 and sharded["raw_GBps"] is None
-    assert set(sharded["ratios"]["2"]) == {"ckpt-star_save_GBps/dcp_save_GBps", "ckpt-star_load_GBps/dcp_load_GBps"}
+    assert sharded["methods"] == ["ckpt-star", "ckpt-star-bf", "dcp"] and sharded["counts"] == [2]
+    assert set(sharded["median_s"]["2"]) == {"ckpt-star", "ckpt-star-bf", "dcp"}
+    assert sharded["verified_restores"] == 3 and sharded["raw_GBps"] is None
+    assert set(sharded["ratios"]["2"]) == {f"{m}_{p}_GBps/dcp_{p}_GBps" for m in ("ckpt-star", "ckpt-star-bf")
+                                           for p in ("save", "load")}
+    cpu = sharded["busiest_rank_cpu_s"]["2"]
+    assert set(cpu) == {"ckpt-star", "ckpt-star-bf", "dcp"}
+    assert all(0.0 < cpu[m][p] < 60.0 for m in cpu for p in ("save", "load"))  # each phase did work on a CPU
 
 
 def test_a_method_subset_needs_dcp_and_one_of_ours_and_known_names():
@@ -241,6 +245,11 @@ def test_a_method_subset_needs_dcp_and_one_of_ours_and_known_names():
     assert bench.chosen_methods(["dcp", "ckpt-tree", "raw"], sharded=False) == ["ckpt-tree", "dcp", "raw"]
     # dcp-alpha belongs to the sharded section only: the checkpointer section keeps the rest
     assert bench.chosen_methods(["dcp-alpha", "ckpt-star", "dcp"], sharded=False) == ["ckpt-star", "dcp"]
+    # the buffered star runs only when asked for, after the tree, in either section
+    assert "ckpt-star-bf" not in bench.CKPT_METHODS + bench.SHARDED_METHODS
+    for sharded in (False, True):
+        assert bench.chosen_methods(["dcp", "ckpt-star-bf", "ckpt-tree"], sharded=sharded) == \
+            ["ckpt-tree", "ckpt-star-bf", "dcp"]
     for wanted, sharded in ((["ckpt-star", "dcp-t2"], True), (["dcp", "raw"], True), (["dcp-alpha", "dcp"], False),
                             (["ckpt-star", "dcp", "torch"], True)):
         with pytest.raises(SystemExit):
