@@ -266,3 +266,17 @@ def test_the_sharded_restore_ab_saves_restores_and_verifies_every_method(tmp_pat
     assert set(result["times"]) == {"ckpt", "ckpt-bf", "dcp"}
     assert all(len(t["save"]) == len(t["load"]) == 2 for t in result["times"].values())
     assert list(tmp_path.iterdir()) == []  # its working directory is removed
+
+
+def test_the_sharded_restore_ab_resumes_every_method_in_new_processes(tmp_path):
+    run = subprocess.run([sys.executable, str(SCRIPT.parent / "ab_sharded_restore.py"), "--ranks", "2", "--rounds", "1",
+                          "--size-mib", "16", "--prefault", "0", "--dir", str(tmp_path), "--resume-in-new-processes",
+                          "--methods", "ckpt", "dcp"],
+                         capture_output=True, text=True, env=env_with_repo(), timeout=180)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    # each method saved by one set of processes and restored (compared with torch.equal) by new ones
+    assert result["resume_in_new_processes"] is True and set(result["times"]) == {"ckpt", "dcp"}
+    assert all(len(t["save"]) == len(t["load"]) == 1 and min(t["save"] + t["load"]) > 0
+               for t in result["times"].values())
+    assert list(tmp_path.iterdir()) == []
