@@ -229,6 +229,14 @@ and
 
 Ratios: ckpt-star, ckpt-tree and dcp-alpha over dcp and dcp-t2.
 
+``--resume-in-new-processes`` (checkpointer and sharded sections) makes each
+round a stop and a restart: one launch of the rank processes saves with every
+method and exits, and a new launch (its states built afresh, as a restarted
+script builds its model) restores each checkpoint by the root its save
+returned. By default a restore follows its save in the same processes, where
+memory a buffered save touched is handed to the restore after it (see
+docs/BENCHMARKS.md, "The first touch of page-cache memory").
+
 ``--ckpt-methods`` runs only some of the checkpointer and sharded sections'
 methods (dcp and one of ours at least), in the same balanced order: what the
 other methods of a round leave behind is part of what each one measures. It
@@ -1345,9 +1353,33 @@ def run_checkpointer(args: argparse.Namespace, top: str, sharded: bool = False) 
         print(f"  state: {args.tensors // 2} replicated tensors (model) + {args.tensors // 2} partitioned regions "
               "(moments, shares() of the ranks)")
     print(f"  times are the slowest rank's; each restore verified with torch.equal (raw: not compared); restores on a "
-          f"{'COLD' if args.cold else 'HOT'} page cache", flush=True)
-    result = launch_ranks(args, config, "checkpointer", CKPT_RESULT)
-    return report_checkpointer(args, result)
+          f"{'COLD' if args.cold else 'HOT'} page cache" + (", each round's restores in new processes (one launch saves "
+                                                            "with every method and exits, the next restores)"
+                                                            if args.resume_in_new_processes else ""), flush=True)
+    if not args.resume_in_new_processes:
+        return report_checkpointer(args, launch_ranks(args, config, "checkpointer", CKPT_RESULT))
+    return report_checkpointer(args, resumed_rounds(args, config))
+
+
+def resumed_rounds(args: argparse.Namespace, config: dict) -> dict:
+    """Every round as a stop and a restart: one launch of the ranks saves with every method and
+    exits, a new launch restores what it wrote. The halves' results merged as one launch's."""
+    merged: dict | None = None
+    for rnd in range(args.warmup + args.reps):
+        saved = launch_ranks(args, {**config, "phase": "save", "round": rnd}, "checkpointer", CKPT_RESULT)
+        restored = launch_ranks(args, {**config, "phase": "restore", "round": rnd, "handles": saved["handles"]},
+                                "checkpointer", CKPT_RESULT)
+        if merged is None:
+            merged = {**restored, "disk_bytes": saved["disk_bytes"], "verified_restores": 0}
+        merged["verified_restores"] += restored["verified_restores"]
+        for table in ("times", "rss", "cpu"):
+            for n, per_method in merged[table].items():
+                for m, phases in per_method.items():
+                    if rnd > 0:
+                        phases["load"] += restored[table][n][m]["load"]
+                    phases["save"] += saved[table][n][m]["save"]
+    merged["resumed_in_new_processes"] = True
+    return merged
 
 
 def checkpointer_process(config: dict) -> None:
@@ -1433,8 +1465,13 @@ def checkpointer_process(config: dict) -> None:
     cpu = {str(n): {m: {"save": [], "load": []} for m in methods} for n in counts}
     bytes_read = {str(n): {} for n in counts}
     disk_bytes = {str(n): {} for n in counts}
+    handles: dict[str, dict[str, str | None]] = {str(n): {} for n in counts}
     verified = 0
     top = config["dir"]
+    # phase None: every round saves and restores in these processes. "save" or "restore": this
+    # launch runs one half of round config["round"] (--resume-in-new-processes): the saves, or
+    # the restores of what the save launch wrote (config["handles"]), as a restarted job does.
+    phase = config.get("phase")
 
     def barrier() -> None:
         dist.barrier()
@@ -1462,84 +1499,105 @@ def checkpointer_process(config: dict) -> None:
         bad = sum(1 for k in rep_src if not torch.equal(rep_src[k], rep_dest[k]))
         return bad + sum(1 for k in part_src[n] if not torch.equal(part_src[n][k], part_dest[n][k]))
 
+    def checkpointer(n: int, method: str, directory: str):
+        """This rank's Checkpointer of ``method`` on the store ``directory`` (untimed; collective)."""
+        publisher = "star" if method == BUFFERED_STAR else method[len("ckpt-"):]
+        ckpt = alpha_ckpt.Checkpointer(directory, run="bench", step="fit", group=groups[n], publisher=publisher,
+                                       fanout=config["fanout"])
+        if method == BUFFERED_STAR:
+            ckpt.store.write_mode = "buffered"
+        return ckpt
+
+    def timed_phase(n: int, run: Callable[[], object]) -> tuple[object, float, list[float], list[float]]:
+        """Prefault, then time ``run`` on the members of count n: (its result, the slowest rank's
+        seconds, each rank's CPU seconds, each rank's peak RSS growth)."""
+        member = rank < n
+        gc.collect()
+        if member:
+            prefault(int(config["prefault"] * own_bytes[n]))
+        barrier()
+        base = reset_peak_rss()
+        cpu0 = process_cpu_s()
+        t = time.perf_counter()
+        result = run() if member else None
+        elapsed = time.perf_counter() - t if member else 0.0
+        used = per_rank(process_cpu_s() - cpu0 if member else 0.0)[:n]
+        grown = per_rank(peak_growth_mib(base) if member else 0.0)[:n]
+        return result, largest(elapsed), used, grown
+
+    def save(n: int, method: str, directory: str, rnd: int, ckpt) -> object:
+        group = groups[n]
+        if ckpt is not None:
+            return ckpt.save(ours(n, "src"), update=rnd + 1, cursor=rnd + 1)
+        if method == "dcp":
+            dcp.save(theirs(n, "src"), checkpoint_id=directory, process_group=group)
+        elif method == "dcp-t2":
+            dcp.save(theirs(n, "src"), process_group=group, storage_writer=FileSystemWriter(directory, thread_count=2))
+        elif method == "dcp-alpha":
+            writer = alpha_dcp.StorageWriter(directory, run="bench", step="fit", update=rnd + 1, group=group)
+            return dcp.save(theirs(n, "src"), process_group=group, storage_writer=writer).storage_meta.checkpoint_id
+        else:
+            return raws[n].save(None, directory, rnd, name=f"raw-{rank}.bin")
+        return None
+
+    def restore(n: int, method: str, directory: str, handle, ckpt) -> None:
+        group = groups[n]
+        if ckpt is not None:
+            ckpt.restore(ours(n, "dest"), root=handle)
+        elif method in ("dcp", "dcp-t2"):
+            dcp.load(theirs(n, "dest"), checkpoint_id=directory, process_group=group)
+        elif method == "dcp-alpha":
+            dcp.load(theirs(n, "dest"), process_group=group,
+                     storage_reader=alpha_dcp.StorageReader(directory, handle, group=group))
+        else:
+            RawDisk.restore(raw_dest[n], directory, os.path.join(directory, f"raw-{rank}.bin"))
+
     orders = balanced_orders(methods)
-    for rnd in range(config["warmup"] + config["reps"]):
+    for rnd in range(config["warmup"] + config["reps"]) if phase is None else [config["round"]]:
         timed = rnd >= config["warmup"]
         label = f"rep {rnd - config['warmup']}" if timed else "warm-up"
         order = orders[(rnd - config["warmup"]) % len(orders)]
         for n in counts:
             member = rank < n
-            group = groups[n]
             for method in order:
                 directory = os.path.join(top, f"{method}-n{n}-{rnd}")
-                if rank == 0:
-                    os.mkdir(directory)
-                    os.sync()
-                barrier()
-                ckpt = None
-                if member and method.startswith("ckpt-"):
-                    # Untimed: open the store and declare a fresh start of this run (collective).
-                    publisher = "star" if method == BUFFERED_STAR else method[len("ckpt-"):]
-                    ckpt = alpha_ckpt.Checkpointer(directory, run="bench", step="fit", group=group,
-                                                   publisher=publisher, fanout=config["fanout"])
-                    if method == BUFFERED_STAR:
-                        ckpt.store.write_mode = "buffered"
-                    ckpt.restore(ours(n, "src"), root=None)
-                gc.collect()
-                if member:
-                    prefault(int(config["prefault"] * own_bytes[n]))
-                barrier()
-                base = reset_peak_rss()
-                cpu0 = process_cpu_s()
-                t = time.perf_counter()
-                handle = None
-                if member:
+                ours_here = member and method.startswith("ckpt-")
+                line = f"  {label:<7}  {n} rank(s)  {method:<12}"
+                if phase != "restore":
+                    if rank == 0:
+                        os.mkdir(directory)
+                        os.sync()
+                    barrier()
+                    ckpt = checkpointer(n, method, directory) if ours_here else None
                     if ckpt is not None:
-                        handle = ckpt.save(ours(n, "src"), update=rnd + 1, cursor=rnd + 1)
-                    elif method == "dcp":
-                        dcp.save(theirs(n, "src"), checkpoint_id=directory, process_group=group)
-                    elif method == "dcp-t2":
-                        dcp.save(theirs(n, "src"), process_group=group,
-                                 storage_writer=FileSystemWriter(directory, thread_count=2))
-                    elif method == "dcp-alpha":
-                        writer = alpha_dcp.StorageWriter(directory, run="bench", step="fit", update=rnd + 1, group=group)
-                        handle = dcp.save(theirs(n, "src"), process_group=group,
-                                          storage_writer=writer).storage_meta.checkpoint_id
-                    else:
-                        handle = raws[n].save(None, directory, rnd, name=f"raw-{rank}.bin")
-                elapsed = time.perf_counter() - t if member else 0.0
-                save_cpu = per_rank(process_cpu_s() - cpu0 if member else 0.0)[:n]
-                save_rss = per_rank(peak_growth_mib(base) if member else 0.0)[:n]
-                save_s = largest(elapsed)
-                if rank == 0:
-                    disk_bytes[str(n)][method] = tree_bytes(directory)
+                        ckpt.restore(ours(n, "src"), root=None)  # untimed: a fresh start of this run (collective)
+                    handle, save_s, save_cpu, save_rss = timed_phase(n, lambda: save(n, method, directory, rnd, ckpt))
+                    line += (f" save {save_s:7.3f} s  {state_bytes / save_s / 1e9:6.2f} GB/s   peak RSS +MiB save "
+                             f"rank 0 {save_rss[0]:6.0f} (others max {max(save_rss[1:], default=0.0):5.0f})")
+                    if rank == 0:
+                        disk_bytes[str(n)][method] = tree_bytes(directory)
+                        handles[str(n)][method] = handle if isinstance(handle, str) and method != "raw" else None
+                        if timed:
+                            times[str(n)][method]["save"].append(save_s)
+                            rss[str(n)][method]["save"].append(save_rss)
+                            cpu[str(n)][method]["save"].append(save_cpu)
+                    if phase == "save":
+                        if ckpt is not None:
+                            ckpt.close()
+                        barrier()
+                        if rank == 0:
+                            print(line, flush=True)
+                        continue
+                else:  # a new process restores what the save launch wrote, by the root it returned
+                    handle = config["handles"][str(n)][method]
+                    ckpt = checkpointer(n, method, directory) if ours_here else None
 
                 if member:
                     poison_dest(n)
                 barrier()
                 if config["cold"] and rank == 0:
                     evicted(directory)
-                gc.collect()
-                if member:
-                    prefault(int(config["prefault"] * own_bytes[n]))
-                barrier()
-                base = reset_peak_rss()
-                cpu0 = process_cpu_s()
-                t = time.perf_counter()
-                if member:
-                    if ckpt is not None:
-                        ckpt.restore(ours(n, "dest"), root=handle)
-                    elif method in ("dcp", "dcp-t2"):
-                        dcp.load(theirs(n, "dest"), checkpoint_id=directory, process_group=group)
-                    elif method == "dcp-alpha":
-                        dcp.load(theirs(n, "dest"), process_group=group,
-                                 storage_reader=alpha_dcp.StorageReader(directory, handle, group=group))
-                    else:
-                        RawDisk.restore(raw_dest[n], directory, handle)
-                elapsed = time.perf_counter() - t if member else 0.0
-                load_cpu = per_rank(process_cpu_s() - cpu0 if member else 0.0)[:n]
-                load_rss = per_rank(peak_growth_mib(base) if member else 0.0)[:n]
-                load_s = largest(elapsed)
+                _, load_s, load_cpu, load_rss = timed_phase(n, lambda: restore(n, method, directory, handle, ckpt))
                 read = per_rank(ckpt.last_restore["bytes_read"] if ckpt is not None else 0.0)[:n]
 
                 bad = 0
@@ -1561,23 +1619,17 @@ def checkpointer_process(config: dict) -> None:
                     if method.startswith("ckpt-"):
                         bytes_read[str(n)][method] = read
                     if timed:
-                        times[str(n)][method]["save"].append(save_s)
                         times[str(n)][method]["load"].append(load_s)
-                        rss[str(n)][method]["save"].append(save_rss)
                         rss[str(n)][method]["load"].append(load_rss)
-                        cpu[str(n)][method]["save"].append(save_cpu)
                         cpu[str(n)][method]["load"].append(load_cpu)
-                    print(f"  {label:<7}  {n} rank(s)  {method:<12} save {save_s:7.3f} s  "
-                          f"{state_bytes / save_s / 1e9:6.2f} GB/s   restore {load_s:7.3f} s  "
-                          f"{state_bytes / load_s / 1e9:6.2f} GB/s   peak RSS +MiB save rank 0 {save_rss[0]:6.0f} "
-                          f"(others max {max(save_rss[1:], default=0.0):5.0f}), restore rank 0 {load_rss[0]:6.0f}",
-                          flush=True)
+                    print(f"{line}   restore {load_s:7.3f} s  {state_bytes / load_s / 1e9:6.2f} GB/s   peak RSS +MiB "
+                          f"restore rank 0 {load_rss[0]:6.0f}", flush=True)
     barrier()
     if rank == 0:
         out = {"bytes": state_bytes, "replicated_bytes": replicated_bytes, "partitioned_bytes": state_bytes -
                replicated_bytes, "counts": counts, "times": times, "rss": rss, "cpu": cpu, "bytes_read": bytes_read,
                "disk_bytes": disk_bytes, "verified_restores": verified, "fanout": config["fanout"], "sharded": sharded,
-               "methods": list(methods)}
+               "methods": list(methods), "handles": handles}
         path = os.path.join(top, CKPT_RESULT)
         with open(path + ".tmp", "w") as f:
             json.dump(out, f)
@@ -1604,7 +1656,8 @@ def report_checkpointer(args: argparse.Namespace, result: dict) -> dict:
     print()
     print(f"{name}: medians over {args.reps} rep(s), {nbytes / 1e9:.3f} GB per save in all "
           f"({result['replicated_bytes'] / 1e9:.3f} GB replicated on every rank, {result['partitioned_bytes'] / 1e9:.3f}"
-          f" GB partitioned), time = slowest rank, restores on a {'COLD' if args.cold else 'HOT'} page cache")
+          f" GB partitioned), time = slowest rank, restores on a {'COLD' if args.cold else 'HOT'} page cache"
+          + (", in new processes" if result.get("resumed_in_new_processes") else ""))
     print(f"{'ranks':>5} {'method':<12} {'save s':>8} {'save GB/s':>10} {'(min-max s)':>17}   {'restore s':>9} "
           f"{'rest. GB/s':>10} {'(min-max s)':>17}   {'peak RSS +MiB save r0/others':>28} {'restore r0/others':>18}")
     for n in counts:
@@ -1662,6 +1715,7 @@ def report_checkpointer(args: argparse.Namespace, result: dict) -> dict:
     return {"bytes": nbytes, "replicated_bytes": result["replicated_bytes"],
             "partitioned_bytes": result["partitioned_bytes"], "counts": counts, "reps": args.reps,
             "warmup": args.warmup, "cache": "cold" if args.cold else "hot", "fanout": result["fanout"],
+            "resumed_in_new_processes": bool(result.get("resumed_in_new_processes")),
             "dcp_partitions": "the same DTensors" if result.get("sharded") else
             "plain tensors under per-rank keys moments.<region>.rank<r>", "sharded": bool(result.get("sharded")),
             "median_s": {str(n): v for n, v in med.items()}, "median_GBps": {str(n): v for n, v in gbps.items()},
@@ -1768,6 +1822,10 @@ def main(argv: list[str] | None = None) -> dict | None:
                    help="checkpointer and sharded sections: run only these of the section's methods (dcp and one of "
                         "ours at least; default all but ckpt-star-bf, the star writing buffered), e.g. to see what the "
                         "other methods in a round cost")
+    p.add_argument("--resume-in-new-processes", action="store_true",
+                   help="checkpointer and sharded sections: each round saves in one launch of the rank processes, "
+                        "which exit, and restores in a new launch, as a restarted job does (default: a restore "
+                        "follows its save in the same processes)")
     p.add_argument("--ckpt-ranks", type=int, nargs="+", default=[2, 4],
                    help="checkpointer section: rank counts, alternated inside every repetition (default 2 4)")
     p.add_argument("--fanout", type=int, default=8,

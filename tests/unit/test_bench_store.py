@@ -280,3 +280,18 @@ def test_the_sharded_restore_ab_resumes_every_method_in_new_processes(tmp_path):
     assert all(len(t["save"]) == len(t["load"]) == 1 and min(t["save"] + t["load"]) > 0
                for t in result["times"].values())
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_sharded_section_can_restore_every_round_in_new_processes(tmp_path):
+    run = subprocess.run([sys.executable, str(SCRIPT), "--section", "sharded", "--ckpt-methods", "ckpt-star", "dcp",
+                          "--ckpt-ranks", "2", "--size-mib", "16", "--tensors", "4", "--reps", "2", "--warmup", "0",
+                          "--prefault", "0", "--cold", "--resume-in-new-processes", "--dir", str(tmp_path)],
+                         capture_output=True, text=True, env=env_with_repo(), timeout=240)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    sharded = json.loads(run.stdout.strip().splitlines()[-1])["sharded"]
+    assert sharded["resumed_in_new_processes"] is True
+    # two rounds, each saved by one launch and restored (and compared with torch.equal) by the next
+    assert sharded["verified_restores"] == 4
+    assert sharded["bytes_read"]["2"]["ckpt-star"] == [8 << 20, 8 << 20]  # each rank its half, in the new processes
+    assert set(sharded["ratios"]["2"]) == {"ckpt-star_save_GBps/dcp_save_GBps", "ckpt-star_load_GBps/dcp_load_GBps"}
+    assert list(tmp_path.iterdir()) == []
