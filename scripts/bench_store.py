@@ -1364,20 +1364,25 @@ def run_checkpointer(args: argparse.Namespace, top: str, sharded: bool = False) 
 def resumed_rounds(args: argparse.Namespace, config: dict) -> dict:
     """Every round as a stop and a restart: one launch of the ranks saves with every method and
     exits, a new launch restores what it wrote. The halves' results merged as one launch's."""
-    merged: dict | None = None
+    merged: dict = {}
     for rnd in range(args.warmup + args.reps):
         saved = launch_ranks(args, {**config, "phase": "save", "round": rnd}, "checkpointer", CKPT_RESULT)
         restored = launch_ranks(args, {**config, "phase": "restore", "round": rnd, "handles": saved["handles"]},
                                 "checkpointer", CKPT_RESULT)
-        if merged is None:
-            merged = {**restored, "disk_bytes": saved["disk_bytes"], "verified_restores": 0}
-        merged["verified_restores"] += restored["verified_restores"]
+        # Each launch timed one half: the save launch fills only "save" lists, the restore launch only "load".
         for table in ("times", "rss", "cpu"):
-            for n, per_method in merged[table].items():
+            for n, per_method in restored[table].items():
                 for m, phases in per_method.items():
-                    if rnd > 0:
-                        phases["load"] += restored[table][n][m]["load"]
-                    phases["save"] += saved[table][n][m]["save"]
+                    phases["save"] = saved[table][n][m]["save"]
+        if not merged:
+            merged = {**restored, "disk_bytes": saved["disk_bytes"], "verified_restores": 0}
+        else:
+            for table in ("times", "rss", "cpu"):
+                for n, per_method in merged[table].items():
+                    for m, phases in per_method.items():
+                        for phase in ("save", "load"):
+                            phases[phase] += restored[table][n][m][phase]
+        merged["verified_restores"] += restored["verified_restores"]
     merged["resumed_in_new_processes"] = True
     return merged
 
