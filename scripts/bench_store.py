@@ -1369,22 +1369,26 @@ def resumed_rounds(args: argparse.Namespace, config: dict) -> dict:
         saved = launch_ranks(args, {**config, "phase": "save", "round": rnd}, "checkpointer", CKPT_RESULT)
         restored = launch_ranks(args, {**config, "phase": "restore", "round": rnd, "handles": saved["handles"]},
                                 "checkpointer", CKPT_RESULT)
-        # Each launch timed one half: the save launch fills only "save" lists, the restore launch only "load".
-        for table in ("times", "rss", "cpu"):
-            for n, per_method in restored[table].items():
-                for m, phases in per_method.items():
-                    phases["save"] = saved[table][n][m]["save"]
-        if not merged:
-            merged = {**restored, "disk_bytes": saved["disk_bytes"], "verified_restores": 0}
-        else:
-            for table in ("times", "rss", "cpu"):
-                for n, per_method in merged[table].items():
-                    for m, phases in per_method.items():
-                        for phase in ("save", "load"):
-                            phases[phase] += restored[table][n][m][phase]
-        merged["verified_restores"] += restored["verified_restores"]
-    merged["resumed_in_new_processes"] = True
+        merged = merge_round_halves(merged, saved, restored)
     return merged
+
+
+def merge_round_halves(merged: dict, saved: dict, restored: dict) -> dict:
+    """``merged`` (empty at first) with one more round whose save launch wrote ``saved`` and whose
+    restore launch wrote ``restored``: each launch timed one half ("save" lists in the first,
+    "load" lists in the second); the per-round lists are appended, the restores counted."""
+    out = json.loads(json.dumps(merged or {**restored, "disk_bytes": saved["disk_bytes"], "verified_restores": 0}))
+    for table in ("times", "rss", "cpu"):
+        for n, per_method in out[table].items():
+            for m, phases in per_method.items():
+                if merged:
+                    phases["load"] += restored[table][n][m]["load"]
+                    phases["save"] += saved[table][n][m]["save"]
+                else:
+                    phases["save"] = list(saved[table][n][m]["save"])
+    out["verified_restores"] += restored["verified_restores"]
+    out["resumed_in_new_processes"] = True
+    return out
 
 
 def checkpointer_process(config: dict) -> None:
