@@ -57,7 +57,8 @@ METHODS = ("ckpt", "ckpt-bf", "dcp")
 COLS, MATRICES = 1024, 16
 
 
-def rank_main(rank: int, args: argparse.Namespace, port: int, top: str, out: multiprocessing.Queue) -> None:
+def join_ranks(rank: int, args: argparse.Namespace, port: int) -> tuple[dict, dict, int]:
+    """Join the gloo world; this rank's source and NaN destination DTensors, and its bytes of them."""
     torch.set_num_threads(args.torch_threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.ranks,
                             timeout=datetime.timedelta(seconds=600))
@@ -65,17 +66,23 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, top: str, out: mul
     shape = (args.size_mib * (1 << 20) // (4 * MATRICES * COLS), COLS)
     mesh = init_device_mesh("cpu", (args.ranks,))
     src, dst = (side[0] for side in row_sharded_matrices(shape, MATRICES, {0: mesh}, seed=0))
-    own_bytes = sum(t.to_local().nbytes for t in src.values())
-    times: dict[str, dict[str, list[float]]] = {m: {"save": [], "load": []} for m in args.methods}
+    return src, dst, sum(t.to_local().nbytes for t in src.values())
 
-    def timed(fn) -> float:
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        dist.barrier()
-        t = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
+
+def timed(fn) -> float:
+    """Run ``fn`` between barriers; the slowest rank's seconds."""
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    t = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def rank_main(rank: int, args: argparse.Namespace, port: int, top: str, out: multiprocessing.Queue) -> None:
+    src, dst, own_bytes = join_ranks(rank, args, port)
+    times: dict[str, dict[str, list[float]]] = {m: {"save": [], "load": []} for m in args.methods}
 
     methods = list(args.methods)
     for rnd in range(args.rounds):
@@ -121,24 +128,7 @@ def resume_rank(rank: int, args: argparse.Namespace, port: int, top: str, rnd: i
                 out: multiprocessing.Queue) -> None:
     """One rank of one phase of a --resume-in-new-processes round: "save" with every method, or
     "restore" every method's checkpoint into DTensors allocated by this new process."""
-    torch.set_num_threads(args.torch_threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.ranks,
-                            timeout=datetime.timedelta(seconds=600))
-    from torch.distributed.device_mesh import init_device_mesh
-    shape = (args.size_mib * (1 << 20) // (4 * MATRICES * COLS), COLS)
-    src, dst = (side[0] for side in row_sharded_matrices(shape, MATRICES, {0: init_device_mesh("cpu", (args.ranks,))},
-                                                         seed=0))
-    own_bytes = sum(t.to_local().nbytes for t in src.values())
-
-    def timed(fn) -> float:
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        dist.barrier()
-        t = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
-
+    src, dst, own_bytes = join_ranks(rank, args, port)
     times = {}
     methods = list(args.methods)
     order = methods[rnd % len(methods):] + methods[:rnd % len(methods)]
