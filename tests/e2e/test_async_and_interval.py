@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from cli_in_process import alpha_ckpt_cli
 from test_job import CONFIG, SMALL, alpha_run, final
 
 
@@ -65,8 +66,7 @@ def test_skip_policy_keeps_every_published_generation_resumable(tmp_path):
     assert len(roots) + len(skipped) == 8 and roots[-1].startswith("8 as ")
     for line in roots:
         root = line.split(" as ")[1]
-        check = subprocess.run([sys.executable, "-m", "alpha_ckpt.cli", "verify", "--store", str(tmp_path / "store"),
-                                root], capture_output=True, text=True, timeout=60)
+        check = alpha_ckpt_cli("verify", "--store", tmp_path / "store", root)
         assert check.returncode == 0, check.stdout + check.stderr
     straight = final(alpha_run(tmp_path / "straight", *wide, "--updates", "8"))
     assert out["state_digest"] == straight["state_digest"]
@@ -133,8 +133,7 @@ def test_a_frozen_embedding_table_costs_zero_bytes_written_after_the_first_gener
 def test_discard_checkpoints_removes_the_steps_checkpoints_once_its_output_is_published_but_not_pins(tmp_path):
     store = tmp_path / "store"
     first = final(alpha_run(store, "--updates", "2", "--checkpoint-every", "1"))
-    pin = subprocess.run([sys.executable, "-m", "alpha_ckpt.cli", "pin", "--store", str(store),
-                          first["last_generation"]], capture_output=True, text=True, timeout=60)
+    pin = alpha_ckpt_cli("pin", "--store", store, first["last_generation"])
     assert pin.returncode == 0, pin.stdout + pin.stderr
     run = alpha_run(store, "--updates", "4", "--checkpoint-every", "1", "--resume", "latest", "--discard-checkpoints")
     out = final(run)
@@ -142,7 +141,6 @@ def test_discard_checkpoints_removes_the_steps_checkpoints_once_its_output_is_pu
     assert event["generations"] == 3 and event["pinned"] == 1     # generation 1, 3 and 4 go; 2 is pinned
     refs = sorted(p.name for p in (store / "refs" / "nightly" / "fit").iterdir())
     assert refs == ["0000000002"]
-    check = subprocess.run([sys.executable, "-m", "alpha_ckpt.cli", "verify", "--store", str(store),
-                            first["last_generation"]], capture_output=True, text=True, timeout=60)
+    check = alpha_ckpt_cli("verify", "--store", store, first["last_generation"])
     assert check.returncode == 0, check.stdout + check.stderr
     assert os.path.exists(out["output"])

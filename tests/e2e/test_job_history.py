@@ -5,13 +5,13 @@ import sys
 
 import pytest
 
+from cli_in_process import alpha_ckpt_cli
 from test_job import CONFIG, SMALL, alpha_run, final
 
 DIVERGE = ["--set", "optimizer=sgd", "--set", "lr=1e30", "--updates", "4", "--checkpoint-every", "1"]
 
 
-def cli(*args):
-    return subprocess.run([sys.executable, "-m", "alpha_ckpt.cli", *args], capture_output=True, text=True, timeout=120)
+cli = alpha_ckpt_cli
 
 
 def refs(store):

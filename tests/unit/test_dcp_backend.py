@@ -20,6 +20,7 @@ from alpha_ckpt.errors import Refusal
 from alpha_ckpt.format import MAGIC
 from alpha_ckpt.restore import verify_generation
 from alpha_ckpt.store import Store
+from cli_in_process import alpha_ckpt_cli
 from ranks import run_ranks
 from sharded_training import differing, fsdp2_gpt, full_state, train
 
@@ -356,11 +357,10 @@ def test_verify_inspect_and_export_work_on_a_dcp_checkpoint_and_export_gives_who
     from safetensors.torch import load_file
     store = str(tmp_path / "store")
     root = run_ranks(2, _save_sharded, store, tmp=tmp_path)[0]
-    cli = [sys.executable, "-m", "alpha_ckpt.cli"]
-    assert subprocess.run(cli + ["verify", "--store", store, root], capture_output=True).returncode == 0
-    assert subprocess.run(cli + ["inspect", "--store", store, "--json", root], capture_output=True).returncode == 0
+    assert alpha_ckpt_cli("verify", "--store", store, root).returncode == 0
+    assert alpha_ckpt_cli("inspect", "--store", store, "--json", root).returncode == 0
     out = tmp_path / "model.safetensors"
-    assert subprocess.run(cli + ["export", "--store", store, "--to", str(out), root], capture_output=True).returncode == 0
+    assert alpha_ckpt_cli("export", "--store", store, "--to", out, root).returncode == 0
     tensors = load_file(out)
     want = {"emb": _full(3, 10, 6), "proj": _full(4, 4, 9), "norm": _full(5, 6), "step": torch.tensor(3.0)}
     assert sorted(tensors) == sorted(want) and all(torch.equal(tensors[k], want[k]) for k in want)
