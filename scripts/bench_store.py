@@ -54,7 +54,7 @@ cost seconds per GiB when the guest uses it again: for page cache during a
 save, for fresh anonymous memory during a restore (torch.load's new tensors,
 a private copy of a mapped file). Without care that cost lands on whichever
 method happens to allocate first after the previous method freed its files,
-and it swamps the differences measured here. So (both untimed):
+and it swamps the differences measured here. So, untimed:
 
 * ``--warmup`` rounds (default 1) run every method once before the timed ones;
 * before every save and every restore, ``--prefault`` times the state size
@@ -62,6 +62,12 @@ and it swamps the differences measured here. So (both untimed):
   lists hold resident pages. Allocation itself (about 0.3 s/GiB of page
   faults and zeroing here) is still charged to the method that allocates.
   ``--prefault 0`` shows the raw effect.
+* every run starts by measuring that price and reports it beside the
+  results (``machine`` in the JSON): the GB/s of writing one byte per page
+  into new anonymous memory, and into the same pages once resident. On a
+  bare-metal node, where only the kernel supplies a page, expect several
+  GB/s for the first; on the 2-core VM these numbers come from it was
+  0.9-2.3 GB/s, so any method that first touches 1 GiB pays 0.5-1 s.
 
 Warm-up and prefault apply to every section (an owner or rank prefaults
 ``--prefault`` times its own bytes); ``--cold`` applies to the restores of
@@ -402,6 +408,25 @@ def prefault(nbytes: int) -> None:
     """Allocate, touch and free ``nbytes`` of anonymous memory, so the next allocations find resident pages."""
     if nbytes > 0:
         mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE).close()
+
+
+def memory_touch_rates(nbytes: int = 256 * MiB, rounds: int = 3) -> dict[str, list[float]]:
+    """GB/s of writing one byte per page of ``nbytes``, each round in new anonymous memory (the kernel
+    and, on a VM, the host supply every page: what any first touch, of page cache or of a fresh buffer,
+    pays) and then again in the same, now resident, pages. The gap between the two is this machine's
+    price of fresh memory, which decides cold restores on some VMs (docs/BENCHMARKS.md); it varies
+    from round to round there, so every round is kept."""
+    fresh, resident = [], []
+    for _ in range(rounds):
+        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        pages = np.frombuffer(buf, dtype=np.uint8)[::mmap.PAGESIZE]
+        for rates in (fresh, resident):
+            t0 = time.perf_counter()
+            pages.fill(rates is fresh)
+            rates.append(nbytes / 1e9 / (time.perf_counter() - t0))
+        del pages
+        buf.close()
+    return {"fresh_memory_touch_GBps": fresh, "resident_memory_touch_GBps": resident}
 
 
 def make_state(size_mib: int, tensors: int, seed: int) -> dict[str, torch.Tensor]:
@@ -1774,9 +1799,14 @@ def run(args: argparse.Namespace) -> dict:
         print(f"  python {platform.python_version()}, torch {torch.__version__}, torch threads {torch.get_num_threads()}, "
               f"cpus {os.cpu_count()}")
         print(f"  prefault {args.prefault:g} x the bytes about to be written or read before each save and restore")
+        machine = memory_touch_rates()
+        print(f"  memory of this machine, one write per {mmap.PAGESIZE >> 10} KiB page, "
+              f"{len(machine['fresh_memory_touch_GBps'])} rounds: new pages "
+              f"{', '.join(f'{r:.2f}' for r in machine['fresh_memory_touch_GBps'])} GB/s, the same pages resident "
+              f"{', '.join(f'{r:.0f}' for r in machine['resident_memory_touch_GBps'])} GB/s")
         sys.stdout.flush()
 
-        result: dict = {"sections": list(sections), "code": code}
+        result: dict = {"sections": list(sections), "code": code, "machine": machine}
         if "store" in sections:
             result.update(run_store(args, state, dest, top, code))  # top level, as before the other sections
         if "stall" in sections:

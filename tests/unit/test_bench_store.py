@@ -32,6 +32,9 @@ def test_every_section_runs_verifies_and_reports_its_medians_and_ratios(tmp_path
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["sections"] == ["store", "stall", "owners", "checkpointer", "sharded"]
+    # the machine's price of fresh memory, measured in this run beside the results
+    assert all(len(result["machine"][k]) == 3 and min(result["machine"][k]) > 0
+               for k in ("fresh_memory_touch_GBps", "resident_memory_touch_GBps"))
     assert list(tmp_path.iterdir()) == []  # the working directory is removed
 
     # store: the keys it always had, at the top level
