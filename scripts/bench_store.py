@@ -67,7 +67,7 @@ and it swamps the differences measured here. So, untimed:
   into new anonymous memory, and into the same pages once resident. On a
   bare-metal node, where only the kernel supplies a page, expect several
   GB/s for the first; on the 2-core VM these numbers come from it was
-  0.9-2.3 GB/s, so any method that first touches 1 GiB pays 0.5-1 s.
+  0.9-2.6 GB/s, so any method that first touches 1 GiB pays 0.4-1.1 s.
 
 Warm-up and prefault apply to every section (an owner or rank prefaults
 ``--prefault`` times its own bytes); ``--cold`` applies to the restores of
