@@ -59,8 +59,8 @@ and it swamps the differences measured here. So, untimed:
 * ``--warmup`` rounds (default 1) run every method once before the timed ones;
 * before every save and every restore, ``--prefault`` times the state size
   (default 2) of anonymous memory is touched and freed, so the kernel's free
-  lists hold resident pages. Allocation itself (about 0.3 s/GiB of page
-  faults and zeroing here) is still charged to the method that allocates.
+  lists hold resident pages. Allocation itself (page faults and zeroing,
+  priced below) is still charged to the method that allocates.
   ``--prefault 0`` shows the raw effect.
 * every run starts by measuring that price and reports it beside the
   results (``machine`` in the JSON): the GB/s of writing one byte per page
@@ -422,7 +422,7 @@ def memory_touch_rates(nbytes: int = 256 * MiB, rounds: int = 3) -> dict[str, li
         pages = np.frombuffer(buf, dtype=np.uint8)[::mmap.PAGESIZE]
         for rates in (fresh, resident):
             t0 = time.perf_counter()
-            pages.fill(rates is fresh)
+            pages.fill(1)
             rates.append(nbytes / 1e9 / (time.perf_counter() - t0))
         del pages
         buf.close()

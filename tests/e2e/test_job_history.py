@@ -11,11 +11,9 @@ from test_job import CONFIG, SMALL, alpha_run, final
 DIVERGE = ["--set", "optimizer=sgd", "--set", "lr=1e30", "--updates", "4", "--checkpoint-every", "1"]
 
 
-cli = alpha_ckpt_cli
-
 
 def refs(store):
-    listing = cli("list", "--store", str(store), "--json")
+    listing = alpha_ckpt_cli("list", "--store", str(store), "--json")
     assert listing.returncode == 0, listing.stderr
     return json.loads(listing.stdout)["generations"]
 
@@ -37,10 +35,10 @@ def test_a_diverging_job_stops_with_a_refusal_and_its_last_good_generation_survi
     published = refs(store)
     assert [g["update"] for g in published] == [1]
     good = published[0]["digest"]
-    assert cli("verify", "--store", str(store), good).returncode == 0
-    gc = cli("gc", "--store", str(store), "--keep", "2", "--grace", "0", "--json")
+    assert alpha_ckpt_cli("verify", "--store", str(store), good).returncode == 0
+    gc = alpha_ckpt_cli("gc", "--store", str(store), "--keep", "2", "--grace", "0", "--json")
     assert gc.returncode == 0, gc.stderr
-    latest = cli("latest", "--store", str(store), "--run", "nightly", "--step", "fit", "--json")
+    latest = alpha_ckpt_cli("latest", "--store", str(store), "--run", "nightly", "--step", "fit", "--json")
     assert latest.returncode == 0 and json.loads(latest.stdout)["latest"]["digest"] == good
     resumed = final(alpha_run(store, *DIVERGE[:4], "--updates", "1", "--resume", "latest", nproc=3))
     assert resumed["last_generation"] == good

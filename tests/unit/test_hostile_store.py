@@ -1,5 +1,4 @@
 """A hostile or damaged store: every case ends in a Refusal (or is ignored), never a crash or an escape."""
-import io
 import json
 import os
 import time
@@ -141,15 +140,14 @@ def test_a_refusal_in_the_first_slice_of_many_ends_the_restore(store_dir):
 
 # ---------------------------------------------------------------- hostile entries meet the command line
 
-from alpha_ckpt import cli  # noqa: E402
+from cli_in_process import alpha_ckpt_cli  # noqa: E402
 
 DEAD_PID = 99_999_999  # above the kernel's largest pid: no process has it
 
 
 def _run(argv):
-    out, err = io.StringIO(), io.StringIO()
-    code = cli.main(argv, out=out, err=err)
-    return code, out.getvalue(), err.getvalue()
+    done = alpha_ckpt_cli(*argv)
+    return done.returncode, done.stdout, done.stderr
 
 
 def _stale_temp_file(store_dir):
