@@ -26,7 +26,8 @@ import os
 import secrets
 import signal
 import stat
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 from .errors import DurableWriteError
 
@@ -136,6 +137,15 @@ def fsync_dir(dir_fd: int) -> None:
     os.fsync(dir_fd)
 
 
+@dataclass(frozen=True)
+class Commit:
+    """One file for :func:`durable_commit_all`: as the arguments of :func:`durable_commit`."""
+    write: Callable[[int], str | None]
+    dest_dir: int | Callable[[str], int]
+    name: str | None = None
+    kind: str = "object"
+
+
 def durable_commit(
     *,
     tmp_dir: int,
@@ -154,48 +164,84 @@ def durable_commit(
     :class:`DurableWriteError` for any I/O failure. The temporary file never
     outlives a failure of this process.
     """
-    tmp_name = f"{os.getpid()}-{secrets.token_hex(8)}.tmp"
-    # Read-only once published: nothing is meant to modify an object or a ref in place.
-    fd = os.open(tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444, dir_fd=tmp_dir)
-    published = False
+    (outcome,) = durable_commit_all(tmp_dir, [Commit(write, dest_dir, name, kind)])
+    if isinstance(outcome, FileExistsError):
+        raise outcome
+    return outcome
+
+
+def durable_commit_all(tmp_dir: int, commits: Sequence[Commit]) -> list[str | FileExistsError]:
+    """Durably publish several files, each as :func:`durable_commit` does, with the stages batched.
+
+    Every file is written, then every file fsynced and closed, then every one renamed
+    into place, then each destination directory fsynced once. A file's fsync thus
+    waits only for what is still unwritten when all are written: the disk streams
+    the whole batch (as one large file would), and renames of many files in one
+    directory cost one directory fsync. Returns each file's final name, or the
+    ``FileExistsError`` of one whose name was taken (its temporary file removed; the
+    others still published). Any other failure raises :class:`DurableWriteError`
+    with no temporary file left; files renamed before it stay published, none is
+    half-written. Every descriptor stays open from its write to its fsync, so a
+    writeback error is reported to the fsync that must see it.
+    """
+    files: list[list] = []  # [temporary name, fd or -1 once closed, final name, published]
+    outcomes: list[str | FileExistsError] = []
     try:
         stage = "write"
         try:
-            final = write(fd) or name
-            if not final:
-                raise ValueError("durable_commit needs a name from write() or the name argument")
+            for commit in commits:
+                tmp_name = f"{os.getpid()}-{secrets.token_hex(8)}.tmp"
+                # Read-only once published: nothing is meant to modify an object or a ref in place.
+                fd = os.open(tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444,
+                             dir_fd=tmp_dir)
+                files.append([tmp_name, fd, None, False])
+                final = commit.write(fd) or commit.name
+                if not final:
+                    raise ValueError("durable_commit needs a name from write() or the name argument")
+                files[-1][2] = final
             stage = "data-fsync"
-            _fault(kind, "before-data-fsync")
-            os.fsync(fd)  # never retried: see DurableWriteError
-            _fault(kind, "after-data-fsync")
+            for commit, file in zip(commits, files):
+                _fault(commit.kind, "before-data-fsync")
+                fd, file[1] = file[1], -1
+                try:
+                    os.fsync(fd)  # never retried: see DurableWriteError
+                finally:
+                    os.close(fd)
+                _fault(commit.kind, "after-data-fsync")
         except OSError as exc:
             raise DurableWriteError(stage, exc.errno or errno.EIO, str(exc)) from exc
-        finally:
-            os.close(fd)
-        if callable(dest_dir):
-            dest_dir = dest_dir(final)
-        _fault(kind, "before-rename")
-        try:
-            rename_noreplace(tmp_dir, tmp_name, dest_dir, final)
-        except FileExistsError:
-            raise
-        except OSError as exc:
-            raise DurableWriteError("rename", exc.errno or errno.EIO, str(exc)) from exc
-        published = True
-        _fault(kind, "after-rename")
-        _fault(kind, "before-dir-fsync")
-        try:
-            fsync_dir(dest_dir)
-        except OSError as exc:
-            raise DurableWriteError("dir-fsync", exc.errno or errno.EIO, str(exc)) from exc
-        _fault(kind, "after-dir-fsync")
-        return final
-    finally:
-        if not published:
+        synced: dict[int, str] = {}  # destination directories to fsync, with a kind for their fault points
+        for commit, file in zip(commits, files):
+            dest_dir = commit.dest_dir(file[2]) if callable(commit.dest_dir) else commit.dest_dir
+            _fault(commit.kind, "before-rename")
             try:
-                os.unlink(tmp_name, dir_fd=tmp_dir)
-            except FileNotFoundError:
-                pass
+                rename_noreplace(tmp_dir, file[0], dest_dir, file[2])
+            except FileExistsError as exc:
+                outcomes.append(exc)
+                continue
+            except OSError as exc:
+                raise DurableWriteError("rename", exc.errno or errno.EIO, str(exc)) from exc
+            file[3] = True
+            outcomes.append(file[2])
+            _fault(commit.kind, "after-rename")
+            synced.setdefault(dest_dir, commit.kind)
+        for dest_dir, kind in synced.items():
+            _fault(kind, "before-dir-fsync")
+            try:
+                fsync_dir(dest_dir)
+            except OSError as exc:
+                raise DurableWriteError("dir-fsync", exc.errno or errno.EIO, str(exc)) from exc
+            _fault(kind, "after-dir-fsync")
+        return outcomes
+    finally:
+        for tmp_name, fd, _, published in files:
+            if fd >= 0:
+                os.close(fd)
+            if not published:
+                try:
+                    os.unlink(tmp_name, dir_fd=tmp_dir)
+                except FileNotFoundError:
+                    pass
 
 
 def make_dir_durable(parent_fd: int, name: str) -> int:
@@ -213,6 +259,24 @@ def make_dir_durable(parent_fd: int, name: str) -> int:
     except OSError as exc:
         raise DurableWriteError("dir-fsync", exc.errno or errno.EIO, f"making {name!r} durable: {exc}") from exc
     return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
+
+
+def make_dirs_durable(parent_fd: int, names: Sequence[str]) -> None:
+    """mkdir each of ``names`` under ``parent_fd`` (if missing), then fsync the parent once.
+
+    One fsync makes every entry of the parent durable, so creating many directories costs
+    one journal commit, not one each (as for :func:`make_dir_durable`, existing ones are
+    covered too: an earlier process may have died before its fsync).
+    """
+    for name in names:
+        try:
+            os.mkdir(name, 0o755, dir_fd=parent_fd)
+        except FileExistsError:
+            pass
+    try:
+        os.fsync(parent_fd)
+    except OSError as exc:
+        raise DurableWriteError("dir-fsync", exc.errno or errno.EIO, f"making {', '.join(names)} durable: {exc}") from exc
 
 
 def file_kind(mode: int) -> str:

@@ -24,7 +24,7 @@ import stat
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -140,11 +140,12 @@ class Store:
         except FileNotFoundError:
             raise StoreUsageError(f"store {self.root!r} does not exist") from None
         if create:
-            for name in ("objects", "refs", "tmp", "outputs", PENDING_DIR):
-                os.close(durable.make_dir_durable(self._root_fd, name))
+            durable.make_dirs_durable(self._root_fd, ("objects", "refs", "tmp", "outputs", PENDING_DIR))
         self._objects_fd = self._open_dir(self._root_fd, "objects")
         self._tmp_fd = self._open_dir(self._root_fd, "tmp") if create or self._exists("tmp") else -1
         self._fan_fds: dict[str, int] = {}
+        self._fan_lock = threading.Lock()
+        self._fans_to_sync = False
         self._quarantine_fd = -1
         self._leases = _LeaseBook(self._root_fd)
         # (st_dev, st_ino, st_size) of objects this handle committed or read back in full: an existing
@@ -186,14 +187,32 @@ class Store:
 
     def _fan_dir(self, digest: str, create: bool) -> int:
         fan = digest[:2]
-        fd = self._fan_fds.get(fan)
-        if fd is None:
-            if create:
-                fd = durable.make_dir_durable(self._objects_fd, fan)
-            else:
+        with self._fan_lock:
+            fd = self._fan_fds.get(fan)
+            if fd is None:
+                if create:
+                    try:
+                        os.mkdir(fan, 0o755, dir_fd=self._objects_fd)
+                    except FileExistsError:
+                        pass
+                    # objects/ is fsynced once for every fan this handle first used in a batch
+                    # (see _sync_new_fans), not once per fan; even for one that existed, as an
+                    # earlier process may have died between its mkdir and its fsync.
+                    self._fans_to_sync = True
                 fd = os.open(fan, _DIR_FLAGS, dir_fd=self._objects_fd)
-            self._fan_fds[fan] = fd
-        return fd
+                self._fan_fds[fan] = fd
+            return fd
+
+    def _sync_new_fans(self) -> None:
+        """fsync objects/ if a fan directory was first used since the last time: before an object in
+        it is reported durable, its fan's own name is."""
+        with self._fan_lock:
+            if self._fans_to_sync:
+                try:
+                    os.fsync(self._objects_fd)
+                except OSError as exc:
+                    raise DurableWriteError("dir-fsync", exc.errno or errno.EIO, f"objects/: {exc}") from exc
+                self._fans_to_sync = False
 
     def write_mode_for_next_object(self) -> str:
         """'direct' or 'buffered' for the next large object: chosen by measurement, per file system.
@@ -256,30 +275,50 @@ class Store:
         gc's grace period protects it until the publish reusing it has its ref.
         """
         if digest_hint is not None and self._reusable(self.check_digest(digest_hint), size=None):
+            self._sync_new_fans()
             return digest_hint, False
+        return self.put_objects([write])[0]
+
+    def put_objects(self, writes: Sequence[Callable[[int], str]]) -> list[tuple[str, bool]]:
+        """Durably write several objects as :meth:`put_object` does, in one batched durable commit.
+
+        Every object is written before any is fsynced (see
+        :func:`alpha_ckpt.durable.durable_commit_all`), so the disk streams the
+        batch and each directory is fsynced once. Returns (digest, written) per
+        write, in order.
+        """
+        results: list[tuple[str, bool] | None] = [None] * len(writes)
+        left = list(range(len(writes)))
         for _ in range(3):  # again only if the existing copy was set aside or removed (gc) in between
-            names: list[str] = []
-            files: list[os.stat_result] = []
+            names: dict[int, str] = {}
+            files: dict[int, os.stat_result] = {}
 
-            def write_named(fd: int) -> str:
-                names.append(self.check_digest(write(fd)))
-                files.append(os.fstat(fd))  # the same inode once renamed into place
-                return names[0]
+            def named(i: int) -> Callable[[int], str]:
+                def write_named(fd: int) -> str:
+                    names[i] = self.check_digest(writes[i](fd))
+                    files[i] = os.fstat(fd)  # the same inode once renamed into place
+                    return names[i]
+                return write_named
 
-            try:
-                # The fan directory depends on the digest, known only once written.
-                digest = durable.durable_commit(
-                    tmp_dir=self._tmp_fd, dest_dir=lambda name: self._fan_dir(name, create=True),
-                    write=write_named, kind="object",
-                )
-            except FileExistsError:
-                if self._reusable(names[0], size=files[0].st_size):
-                    return names[0], False
-                continue
-            self.bytes_written += files[0].st_size
-            self._known_intact.add(_file_key(files[0]))
-            return digest, True
-        raise DurableWriteError("rename", errno.EEXIST, f"object {names[0]} kept disappearing while being reused")
+            # The fan directory depends on the digest, known only once written.
+            outcomes = durable.durable_commit_all(self._tmp_fd, [
+                durable.Commit(named(i), lambda name: self._fan_dir(name, create=True)) for i in left])
+            again = []
+            for i, outcome in zip(left, outcomes):
+                if isinstance(outcome, FileExistsError):
+                    if self._reusable(names[i], size=files[i].st_size):
+                        results[i] = (names[i], False)
+                    else:
+                        again.append(i)
+                    continue
+                self.bytes_written += files[i].st_size
+                self._known_intact.add(_file_key(files[i]))
+                results[i] = (outcome, True)
+            left = again
+            if not left:
+                self._sync_new_fans()
+                return results  # type: ignore[return-value]
+        raise DurableWriteError("rename", errno.EEXIST, f"object {names[left[0]]} kept disappearing while being reused")
 
     def _reusable(self, digest: str, size: int | None) -> bool:
         """Whether the entry named ``digest`` may stand for the object being written; renews it if so.

@@ -225,16 +225,13 @@ def _aligned_buffers() -> list[mmap.mmap]:
     return bufs
 
 
-def _fill(buf: mmap.mmap, start: int, end: int, segments: Sequence[tuple[int, memoryview]],
-          starts: Sequence[int]) -> int:
-    """Copy the file bytes [start, end) into ``buf`` (gaps zero); returns the length to write (aligned).
+def _fill(buf, start: int, end: int, segments: Sequence[tuple[int, memoryview]], starts: Sequence[int]) -> None:
+    """Copy the file bytes [start, end) into ``buf[:end - start]``, gaps zero.
 
     ``segments`` are in file order; ``starts`` (their offsets) lets a block find its first
     segment by bisection instead of scanning them all (a shard may hold thousands of slices).
     """
     out = np.frombuffer(buf, dtype=np.uint8)
-    length = end - start
-    padded = length + (-length % _DIRECT_ALIGN)
     first = max(0, bisect.bisect_right(starts, start) - 1)
     pos = start  # bytes of the block before pos are filled
     for offset, view in segments[first:]:
@@ -245,8 +242,7 @@ def _fill(buf: mmap.mmap, start: int, end: int, segments: Sequence[tuple[int, me
             out[pos - start:lo - start] = 0
             out[lo - start:hi - start] = np.frombuffer(view[lo - offset:hi - offset], dtype=np.uint8)
             pos = hi
-    out[pos - start:padded] = 0
-    return padded
+    out[pos - start:end - start] = 0
 
 
 def write_direct(fd: int, total: int, segments: Sequence[tuple[int, memoryview]], head: Callable[[], bytes],
@@ -258,37 +254,44 @@ def write_direct(fd: int, total: int, segments: Sequence[tuple[int, memoryview]]
     for the digests). Copying a block into the buffer overlaps writing the
     previous one; the page cache is bypassed, so there are no page faults on
     fresh page-cache memory, which cap buffered writes here near 1 GB/s.
+
+    Only the aligned run that holds the head waits for the digests, so what is
+    written after the hashing is a few pages, not a block; the unaligned last
+    bytes are written buffered, so the file never needs truncating.
     """
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     try:
         fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
     except OSError:
         return False
+    direct_end = total - total % _DIRECT_ALIGN
+    head_end = min(direct_end, head_len + (-head_len % _DIRECT_ALIGN))
     first, *spare = _aligned_buffers()
-    # The first region, written last, holds the whole head: more than one block for a head
-    # over _DIRECT_BLOCK (block digests make a head about 1/1024 of its payload).
-    first_len = max(_DIRECT_BLOCK, -(-head_len // _DIRECT_BLOCK) * _DIRECT_BLOCK)
-    if first_len > len(first):
-        first = mmap.mmap(-1, first_len)
+    if head_end > len(first):
+        first = mmap.mmap(-1, head_end)
     starts = [offset for offset, _ in segments]
     try:
         pending = []
-        for i, start in enumerate(range(first_len, total, _DIRECT_BLOCK)):
+        for i, start in enumerate(range(head_end, direct_end, _DIRECT_BLOCK)):
             buf = spare[i % 2]
             if len(pending) == 2:
                 pending.pop(0).result()  # the buffer is free again
-            n = _fill(buf, start, min(total, start + _DIRECT_BLOCK), segments, starts)
-            pending.append(writer.submit(_pwrite_all, fd, memoryview(buf)[:n], start))
-        n = _fill(first, 0, min(total, first_len), segments, starts)
+            end = min(direct_end, start + _DIRECT_BLOCK)
+            _fill(buf, start, end, segments, starts)
+            pending.append(writer.submit(_pwrite_all, fd, memoryview(buf)[:end - start], start))
         for f in pending:
             f.result()
-        head_bytes = head()
-        first[:len(head_bytes)] = head_bytes
-        _pwrite_all(fd, memoryview(first)[:n], 0)
-        if n != total or os.fstat(fd).st_size != total:
-            os.ftruncate(fd, total)  # drop the alignment padding of the last block
+        with_head = [(0, memoryview(head()))] + list(segments)
+        with_head_starts = [0] + starts
+        if head_end:
+            _fill(first, 0, head_end, with_head, with_head_starts)
+            _pwrite_all(fd, memoryview(first)[:head_end], 0)
     finally:
         fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+    if direct_end < total:
+        tail = bytearray(total - direct_end)
+        _fill(tail, direct_end, total, with_head, with_head_starts)
+        _pwrite_all(fd, memoryview(tail), direct_end)
     return True
 
 
@@ -331,18 +334,28 @@ def _refuse_non_finite(region: RegionDecl, piece: Piece, raw: memoryview, index:
                    "allow_nonfinite)")
 
 
-def write_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regions: Sequence[RegionDecl],
-                parts: Sequence[tuple[Piece, memoryview, str]], pool: ThreadPoolExecutor,
-                raw_digests: Sequence[tuple[str, str | None] | None] = (),
-                digests_out: list[tuple[str, str | None]] | None = None,
-                check_finite: bool = True) -> ShardRef:
-    """Durably write one shard holding ``parts`` = (piece, its raw bytes, requested codec).
+@dataclass
+class ShardWrite:
+    """One shard ready to be written: ``write(fd)`` writes it and returns its name; ``size`` bytes."""
+    write: Callable[[int], str]
+    size: int
+    parts: tuple[tuple[int, int, int], ...]  # (ordinal, lo, hi) of each part, as its ShardRef names them
+    refused_direct: list[bool]               # set when the file system refused O_DIRECT for it
 
+
+def prepare_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regions: Sequence[RegionDecl],
+                  parts: Sequence[tuple[Piece, memoryview, str]], pool: ThreadPoolExecutor, mode: str,
+                  raw_digests: Sequence[tuple[str, str | None] | None] = (),
+                  digests_out: list[tuple[str, str | None]] | None = None,
+                  check_finite: bool = True) -> ShardWrite:
+    """One shard holding ``parts`` = (piece, its raw bytes, requested codec), ready for a durable commit.
+
+    ``mode`` ('direct' or 'buffered') is how a large shard is written; a small one is written buffered.
     ``raw_digests`` may give parts' raw (digest, block digests) as :func:`block_digests` computes
     them, so they are not hashed twice;
     ``digests_out``, if given, receives every part's raw (digest, block digests) (replacing what it held).
     Every float word is checked while it is hashed: a NaN or inf raises a ``non-finite``
-    :class:`Refusal` naming the region and word, and the shard is not committed.
+    :class:`Refusal` naming the region and word from the write, so the shard is not committed.
     """
     known = list(raw_digests) + [None] * (len(parts) - len(raw_digests))
     records: list[SliceRecord] = []
@@ -410,13 +423,33 @@ def write_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regions
             os.ftruncate(fd, end)
         return digest_bytes(encoded)
 
-    mode = store.write_mode_for_next_object() if end >= DIRECT_MIN_BYTES else "buffered"
+    if end < DIRECT_MIN_BYTES:
+        mode = "buffered"
     refused: list[bool] = []
-    started = time.perf_counter()
-    digest, written = store.put_object(write)
-    if end >= DIRECT_MIN_BYTES and written:
-        store.record_write("buffered" if refused else mode, end, time.perf_counter() - started, bool(refused))
-    return ShardRef(digest, end, tuple((p.ordinal, p.lo, p.hi) for p, _, _ in parts))
+    return ShardWrite(write, end, tuple((p.ordinal, p.lo, p.hi) for p, _, _ in parts), refused)
+
+
+COMMIT_BATCH = 64  # shards per durable commit: each holds a descriptor open from its write to its fsync
+
+
+def commit_shards(store: Store, shards: Sequence[ShardWrite], mode: str) -> list[ShardRef]:
+    """Durably write prepared shards, in batches of :data:`COMMIT_BATCH` (one batched commit each).
+
+    ``mode`` is the write mode the large ones were prepared with: a batch's throughput (its large
+    shards' bytes over the batch's time) is what the store learns the write modes from.
+    """
+    out: list[ShardRef] = []
+    for at in range(0, len(shards), COMMIT_BATCH):
+        batch = shards[at:at + COMMIT_BATCH]
+        started = time.perf_counter()
+        results = store.put_objects([s.write for s in batch])
+        seconds = time.perf_counter() - started
+        large = [(s, written) for s, (_, written) in zip(batch, results) if s.size >= DIRECT_MIN_BYTES]
+        if any(written for _, written in large):
+            refused = any(s.refused_direct for s, _ in large)
+            store.record_write("buffered" if refused else mode, sum(s.size for s, _ in large), seconds, refused)
+        out += [ShardRef(digest, s.size, s.parts) for s, (digest, _) in zip(batch, results)]
+    return out
 
 
 _writers = threading.local()
@@ -460,30 +493,34 @@ def write_shards(store: Store, prefix: CapturePrefix, regions: Sequence[RegionDe
 
 
 def _write_all(store, prefix, schema, regions, shards, pool, carry, check_finite, digests_out) -> list[ShardRef]:
-    out = []
+    mode = store.write_mode_for_next_object()
+    out: list[ShardRef | None] = []
+    to_write: list[tuple[int, ShardWrite, list, tuple | None]] = []  # (index in out, shard, its digests, carry key)
     for parts in shards:
-        if carry is None or len(parts) != 1:
-            digests: list[tuple[str, str | None]] = []
-            out.append(write_shard(store, prefix, schema, regions, parts, pool, digests_out=digests,
-                                   check_finite=check_finite))
-            if digests_out is not None:
-                digests_out.update(((p.ordinal, p.lo, p.hi), d) for (p, _, _), d in zip(parts, digests))
-            continue
-        piece, raw, codec = parts[0]
-        key = ShardCarry.key(prefix, schema, piece, codec)
-        # Hash first only where there is something to compare with; otherwise the
-        # digest is computed while the shard is written, as for any shard.
-        known = [block_digests(raw)] if carry.knows(key) else []
-        digests = list(known)
-        record = carry.find(key, prefix, digests[0][0], store) if digests else None
-        if record is None:
-            record = write_shard(store, prefix, schema, regions, parts, pool, known, digests_out=digests,
-                                 check_finite=check_finite)
+        key = known = None
+        if carry is not None and len(parts) == 1:
+            piece, raw, codec = parts[0]
+            key = ShardCarry.key(prefix, schema, piece, codec)
+            # Hash first only where there is something to compare with; otherwise the
+            # digest is computed while the shard is written, as for any shard.
+            known = [block_digests(raw)] if carry.knows(key) else []
+            record = carry.find(key, prefix, known[0][0], store) if known else None
+            if record is not None:
+                if digests_out is not None:
+                    digests_out[(piece.ordinal, piece.lo, piece.hi)] = known[0]
+                out.append(record)
+                continue
+        digests: list[tuple[str, str | None]] = list(known or [])
+        to_write.append((len(out), prepare_shard(store, prefix, schema, regions, parts, pool, mode, known or (),
+                                                 digests_out=digests, check_finite=check_finite), digests, key))
+        out.append(None)
+    for (index, _, digests, key), record in zip(to_write, commit_shards(store, [w for _, w, _, _ in to_write], mode)):
+        out[index] = record
+        if key is not None:
             carry.remember(key, digests[0][0], record, prefix)
         if digests_out is not None:
-            digests_out[(piece.ordinal, piece.lo, piece.hi)] = digests[0]
-        out.append(record)
-    return out
+            digests_out.update(zip(record.slices, digests))
+    return out  # type: ignore[return-value]
 
 
 def write_manifest(store: Store, prefix: CapturePrefix, regions: Sequence[RegionDecl], shards: Sequence[ShardRef],

@@ -236,3 +236,15 @@ def test_zstd_pays_only_when_compressing_beats_writing_the_saved_bytes():
     assert zstd_pays(0.8, 0.7e9, 20e6)          # the same data on a 20 MB/s network file system
     assert not zstd_pays(1.0, 1e12, 1e6)        # incompressible never pays, however fast
     assert not zstd_pays(1.02, 1e12, 1e6)
+
+
+def test_a_nan_in_the_last_of_several_shards_refuses_the_save_and_commits_none_of_them(store_dir):
+    # The shards of one save are committed together: the refusal found while hashing the last one
+    # leaves no object of the earlier ones behind, and no temporary file.
+    state = {"a": torch.ones(64), "b": torch.ones(64), "c": torch.tensor([1.0, 2.0, float("nan")] * 20)}
+    with pytest.raises(Refusal) as info:
+        alpha_ckpt.save(state, store=store_dir, run="r", step="s", update=1, cursor=1, epoch=0, max_shard_bytes=256)
+    assert info.value.code == RefusalCode.NON_FINITE
+    with Store(store_dir) as s:
+        assert list(s.iter_objects()) == [] and s.list_refs("r", "s") == []
+    assert os.listdir(os.path.join(store_dir, "tmp")) == []

@@ -152,3 +152,49 @@ def test_fault_for_another_kind_does_not_fire(dirs):
     env = dict(os.environ, ALPHA_CKPT_FAULT="ref:before-rename")
     proc = subprocess.run([sys.executable, "-c", _KILL_SCRIPT, str(root)], env=env, capture_output=True, timeout=60)
     assert proc.returncode == 0 and b"returned" in proc.stdout
+
+
+def test_a_batch_fsyncs_every_file_before_renaming_any_and_each_directory_once(dirs, monkeypatch):
+    root, tmp, dest = dirs
+    (root / "other").mkdir()
+    other = os.open(root / "other", os.O_RDONLY | os.O_DIRECTORY)
+    events = []
+    real_fsync, real_rename = os.fsync, durable._renamer.renameat2_noreplace
+    dir_ids = {os.fstat(dest).st_ino: "dest", os.fstat(other).st_ino: "other"}
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", dir_ids.get(os.fstat(fd).st_ino, "file"))),
+                                                 real_fsync(fd))[1])
+    monkeypatch.setattr(durable._renamer, "renameat2_noreplace",
+                        lambda *a: (events.append(("rename", a[3])), real_rename(*a))[1])
+    try:
+        commits = [durable.Commit(_writer(b"a"), dest, "a"), durable.Commit(_writer(b"b"), other, "b"),
+                   durable.Commit(_writer(b"c"), dest, "c")]
+        assert durable.durable_commit_all(tmp, commits) == ["a", "b", "c"]
+    finally:
+        os.close(other)
+    assert events == [("fsync", "file")] * 3 + [("rename", n) for n in "abc"] + [("fsync", "dest"), ("fsync", "other")]
+    assert [(root / d / n).read_bytes() for d, n in (("dest", "a"), ("other", "b"), ("dest", "c"))] == [b"a", b"b", b"c"]
+    assert os.listdir(root / "tmp") == []
+
+
+def test_a_taken_name_in_a_batch_is_reported_and_the_others_published(dirs):
+    root, tmp, dest = dirs
+    durable.durable_commit(tmp_dir=tmp, dest_dir=dest, write=_writer(b"old"), name="b")
+    outcomes = durable.durable_commit_all(tmp, [durable.Commit(_writer(b"a"), dest, "a"),
+                                                durable.Commit(_writer(b"new"), dest, "b"),
+                                                durable.Commit(_writer(b"c"), dest, "c")])
+    assert outcomes[0] == "a" and isinstance(outcomes[1], FileExistsError) and outcomes[2] == "c"
+    assert (root / "dest" / "b").read_bytes() == b"old"
+    assert sorted(os.listdir(root / "dest")) == ["a", "b", "c"] and os.listdir(root / "tmp") == []
+
+
+def test_a_failing_write_in_a_batch_publishes_nothing_and_leaves_no_temporary(dirs):
+    root, tmp, dest = dirs
+
+    def failing(fd):
+        os.write(fd, b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(DurableWriteError) as info:
+        durable.durable_commit_all(tmp, [durable.Commit(_writer(b"a"), dest, "a"), durable.Commit(failing, dest, "b")])
+    assert info.value.stage == "write"
+    assert os.listdir(root / "dest") == [] and os.listdir(root / "tmp") == []
