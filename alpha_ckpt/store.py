@@ -51,6 +51,7 @@ def _madvise(address: int, length: int, advice: int) -> int:
 MAX_REF_BYTES = 4096
 WRITE_MODES = ("auto", "buffered", "direct")
 WRITE_MODE_ENV = "ALPHA_CKPT_WRITE_MODE"
+EXPLORE_EVERY = 8  # under "auto", after this many large writes in one mode, one in the other
 _write_stats: dict[int, dict] = {}  # st_dev -> measured write throughput per mode, in this process
 
 
@@ -217,11 +218,13 @@ class Store:
     def write_mode_for_next_object(self) -> str:
         """'direct' or 'buffered' for the next large object: chosen by measurement, per file system.
 
-        Under "auto" the first large objects alternate between the two modes;
+        Under "auto" the first large writes alternate between the two modes;
         after two of each, the one with the higher median throughput (write,
-        hash and fsync of real objects) is used, and measuring goes on, so a
-        change of the disk's behaviour is followed. A file system that refuses
-        O_DIRECT is written buffered.
+        hash and fsync of real objects) is used, and measuring goes on for
+        both: after :data:`EXPLORE_EVERY` writes in one mode the next is made in
+        the other, so two unlucky early measurements cannot lock in the slower
+        mode, and a change of the disk's behaviour is followed. A file system
+        that refuses O_DIRECT is written buffered.
         """
         if self.write_mode != "auto":
             return self.write_mode
@@ -231,6 +234,9 @@ class Store:
         seen = {m: len(v) for m, v in stats["gbps"].items()}
         if min(seen.values()) < 2:
             return "direct" if seen["direct"] <= seen["buffered"] else "buffered"
+        recent = stats["modes"][-EXPLORE_EVERY:]
+        if len(recent) == EXPLORE_EVERY and len(set(recent)) == 1:
+            return "buffered" if recent[0] == "direct" else "direct"
         medians = {m: sorted(v[-5:])[len(v[-5:]) // 2] for m, v in stats["gbps"].items()}
         return max(medians, key=medians.get)
 
@@ -240,6 +246,7 @@ class Store:
             stats["direct_refused"] = True
         elif seconds > 0:
             stats["gbps"][mode].append(nbytes / seconds / 1e9)
+            stats["modes"].append(mode)
 
     def measured_write_bytes_per_s(self) -> float | None:
         """The median measured throughput of large object writes on this file system (None before any)."""
@@ -250,11 +257,12 @@ class Store:
         """What the write-mode choice is based on (throughputs in GB/s per mode, newest last)."""
         stats = self._write_stats()
         return {"direct_refused": stats["direct_refused"], "gbps": {m: list(v) for m, v in stats["gbps"].items()},
-                "next": self.write_mode_for_next_object()}
+                "modes": list(stats["modes"]), "next": self.write_mode_for_next_object()}
 
     def _write_stats(self) -> dict:
         dev = os.fstat(self._tmp_fd).st_dev
-        return _write_stats.setdefault(dev, {"direct_refused": False, "gbps": {"direct": [], "buffered": []}})
+        return _write_stats.setdefault(dev, {"direct_refused": False, "gbps": {"direct": [], "buffered": []},
+                                             "modes": []})
 
     def has_object(self, digest: str) -> bool:
         self.check_digest(digest)

@@ -1222,6 +1222,7 @@ def report_owners(args: argparse.Namespace, result: dict) -> dict:
 
 CKPT_METHODS = ("ckpt-star", "ckpt-tree", "dcp", "dcp-t2", "raw")
 BASELINES = ("dcp", "dcp-t2", "raw")  # what ours are compared with (raw: the disk's rate, not a target)
+OURS_STORE_METHODS = ("ckpt-star", "ckpt-tree", "ckpt-star-bf", "dcp-alpha")  # the methods writing alpha_ckpt stores
 # The sharded section adds DCP with alpha_ckpt's storage (alpha_ckpt.dcp) as "dcp-alpha".
 SHARDED_METHODS = ("ckpt-star", "ckpt-tree", "dcp-alpha", "dcp", "dcp-t2", "raw")
 # Only by --ckpt-methods: the star with the store's writes forced buffered, as DCP's FileSystemWriter
@@ -1411,6 +1412,11 @@ def merge_round_halves(merged: dict, saved: dict, restored: dict) -> dict:
                     phases["save"] += saved[table][n][m]["save"]
                 else:
                     phases["save"] = list(saved[table][n][m]["save"])
+    modes = out.setdefault("write_modes", {})
+    for n, per_method in saved.get("write_modes", {}).items():
+        for m, saves in per_method.items():
+            modes.setdefault(n, {}).setdefault(m, [])
+            modes[n][m] = (modes[n][m] if merged else []) + saves  # the save launch's
     out["verified_restores"] += restored["verified_restores"]
     out["resumed_in_new_processes"] = True
     return out
@@ -1499,6 +1505,8 @@ def checkpointer_process(config: dict) -> None:
     cpu = {str(n): {m: {"save": [], "load": []} for m in methods} for n in counts}
     bytes_read = {str(n): {} for n in counts}
     disk_bytes = {str(n): {} for n in counts}
+    write_modes = {str(n): {m: [] for m in methods if m in OURS_STORE_METHODS} for n in counts}
+    modes_seen = 0  # of this process's store writes (the store measures per file system, per process)
     handles: dict[str, dict[str, str | None]] = {str(n): {} for n in counts}
     verified = 0
     top = config["dir"]
@@ -1608,6 +1616,14 @@ def checkpointer_process(config: dict) -> None:
                     handle, save_s, save_cpu, save_rss = timed_phase(n, lambda: save(n, method, directory, rnd, ckpt))
                     line += (f" save {save_s:7.3f} s  {state_bytes / save_s / 1e9:6.2f} GB/s   peak RSS +MiB save "
                              f"rank 0 {save_rss[0]:6.0f} (others max {max(save_rss[1:], default=0.0):5.0f})")
+                    if rank == 0 and method in OURS_STORE_METHODS:
+                        # The write mode(s) the store chose for this save's large shards ("auto": by measurement).
+                        with Store(directory) as store:
+                            modes = store.write_stats()["modes"]
+                        line += f"  write mode {'+'.join(modes[modes_seen:]) or '-'}"
+                        if timed:
+                            write_modes[str(n)][method].append(modes[modes_seen:])
+                        modes_seen = len(modes)
                     if rank == 0:
                         disk_bytes[str(n)][method] = tree_bytes(directory)
                         handles[str(n)][method] = handle if isinstance(handle, str) and method != "raw" else None
@@ -1663,7 +1679,7 @@ def checkpointer_process(config: dict) -> None:
         out = {"bytes": state_bytes, "replicated_bytes": replicated_bytes, "partitioned_bytes": state_bytes -
                replicated_bytes, "counts": counts, "times": times, "rss": rss, "cpu": cpu, "bytes_read": bytes_read,
                "disk_bytes": disk_bytes, "verified_restores": verified, "fanout": config["fanout"], "sharded": sharded,
-               "methods": list(methods), "handles": handles}
+               "methods": list(methods), "handles": handles, "write_modes": write_modes}
         path = os.path.join(top, CKPT_RESULT)
         with open(path + ".tmp", "w") as f:
             json.dump(out, f)
@@ -1711,6 +1727,12 @@ def report_checkpointer(args: argparse.Namespace, result: dict) -> dict:
     for n in counts:
         print(f"    {n} rank(s): " + "; ".join(f"{m} save {cpu[n][m]['save']:.2f} restore {cpu[n][m]['load']:.2f}"
                                               for m in methods))
+    modes = result.get("write_modes", {})
+    if any(modes.get(str(n)) for n in counts):
+        print("  write mode of rank 0's large shards in each timed save (the store's choice; 'auto' measures both):")
+        for n in counts:
+            print(f"    {n} rank(s): " + "; ".join(f"{m} {' '.join('+'.join(s) or '-' for s in saves)}"
+                                               for m, saves in modes.get(str(n), {}).items()))
     print("  bytes on disk after one save, and bytes each rank's Checkpointer restore read (MiB):")
     for n in counts:
         on_disk = ", ".join(f"{m} {result['disk_bytes'][str(n)].get(m, 0) / MiB:.0f}" for m in methods)
@@ -1756,6 +1778,7 @@ def report_checkpointer(args: argparse.Namespace, result: dict) -> dict:
             "raw_GBps": {str(n): {"write": gbps[n]["raw"]["save"], "read": gbps[n]["raw"]["load"]} for n in counts}
             if "raw" in methods else None, "methods": list(methods),
             "peak_rss_growth_MiB": {str(n): v for n, v in rss.items()}, "bytes_read": result["bytes_read"],
+            "write_modes": result.get("write_modes", {}),
             "busiest_rank_cpu_s": {str(n): v for n, v in cpu.items()},
             "disk_bytes": result["disk_bytes"], "ratios": ratios, "targets_met": met,
             "ratio_intervals_90": {n: {k: list(v) if v else None for k, v in iv.items()} for n, iv in intervals.items()},

@@ -297,19 +297,24 @@ def test_the_sharded_section_can_restore_every_round_in_new_processes(tmp_path):
     assert sharded["verified_restores"] == 2
     assert sharded["bytes_read"]["2"]["ckpt-star"] == [8 << 20, 8 << 20]  # each rank its half, in the new processes
     assert set(sharded["ratios"]["2"]) == {"ckpt-star_save_GBps/dcp_save_GBps", "ckpt-star_load_GBps/dcp_load_GBps"}
+    # one timed save, reported from its save launch: its 2 MiB shards are below the O_DIRECT size, so no mode measured
+    assert sharded["write_modes"] == {"2": {"ckpt-star": [[]]}}
     assert list(tmp_path.iterdir()) == []
 
 
 def test_the_halves_of_resumed_rounds_merge_into_one_runs_per_round_lists():
     bench = bench_module()
 
-    def half(save: list, load: list, verified: int) -> dict:
+    def half(save: list, load: list, verified: int, modes: list) -> dict:
         tables = {t: {"2": {"ckpt-star": {"save": list(save), "load": list(load)}}} for t in ("times", "rss", "cpu")}
-        return {**tables, "disk_bytes": {"2": {"ckpt-star": 7}}, "verified_restores": verified, "bytes_read": {}}
+        return {**tables, "disk_bytes": {"2": {"ckpt-star": 7}}, "verified_restores": verified, "bytes_read": {},
+                "write_modes": {"2": {"ckpt-star": modes}}}
 
     merged: dict = {}
-    for rnd in range(3):  # each save launch times only saves, each restore launch only loads
-        merged = bench.merge_round_halves(merged, half([1.0 + rnd], [], 0), half([], [10.0 + rnd], 2))
+    for rnd, mode in enumerate(("direct", "buffered", "direct")):  # each save launch times only saves, each
+        merged = bench.merge_round_halves(merged, half([1.0 + rnd], [], 0, [[mode]]),  # restore launch only loads
+                                          half([], [10.0 + rnd], 2, []))
+    assert merged["write_modes"] == {"2": {"ckpt-star": [["direct"], ["buffered"], ["direct"]]}}
     for table in ("times", "rss", "cpu"):
         assert merged[table]["2"]["ckpt-star"] == {"save": [1.0, 2.0, 3.0], "load": [10.0, 11.0, 12.0]}
     assert merged["verified_restores"] == 6 and merged["disk_bytes"] == {"2": {"ckpt-star": 7}}

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import alpha_ckpt
 from alpha_ckpt import writer
-from alpha_ckpt.store import Store
+from alpha_ckpt.store import EXPLORE_EVERY, Store
 
 
 @pytest.fixture
@@ -87,6 +87,25 @@ def test_auto_alternates_then_keeps_the_faster_mode(tmp_path, monkeypatch):
     assert store.write_mode_for_next_object() == "direct"
     for _ in range(5):
         store.record_write("direct", 1 << 30, 10.0)   # the disk changed: direct is now slow
+    assert store.write_mode_for_next_object() == "buffered"
+
+
+def test_auto_measures_the_mode_it_does_not_use_again_after_eight_writes(tmp_path, monkeypatch):
+    # Two unlucky early measurements of buffered writes must not keep them out for good.
+    monkeypatch.setattr("alpha_ckpt.store._write_stats", {})
+    store = Store(tmp_path)
+    rates = {"direct": 1.0, "buffered": 0.5}
+    picks = []
+    for i in range(4 + EXPLORE_EVERY + 1):
+        if i == 4:
+            rates["buffered"] = 2.0  # from now on buffered is the faster mode, but only a new measurement shows it
+        mode = store.write_mode_for_next_object()
+        picks.append(mode)
+        store.record_write(mode, 1 << 30, (1 << 30) / 1e9 / rates[mode])
+    assert picks[4:4 + EXPLORE_EVERY] == ["direct"] * EXPLORE_EVERY
+    assert picks[4 + EXPLORE_EVERY] == "buffered"
+    assert store.write_mode_for_next_object() == "direct"  # its median is still the lower until more samples
+    store.record_write("buffered", 1 << 30, (1 << 30) / 1e9 / 2.0)
     assert store.write_mode_for_next_object() == "buffered"
 
 
