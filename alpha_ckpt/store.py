@@ -226,19 +226,25 @@ class Store:
         mode, and a change of the disk's behaviour is followed. A file system
         that refuses O_DIRECT is written buffered.
         """
+        return self.next_write_mode()[0]
+
+    def next_write_mode(self) -> tuple[str, bool]:
+        """(mode, probe): the next large write's mode, as :meth:`write_mode_for_next_object` chooses it,
+        and whether that write is a probe of a mode (the first alternating ones, or the one after
+        :data:`EXPLORE_EVERY` in the other mode), which a writer keeps small."""
         if self.write_mode != "auto":
-            return self.write_mode
+            return self.write_mode, False
         stats = self._write_stats()
         if stats["direct_refused"]:
-            return "buffered"
+            return "buffered", False
         seen = {m: len(v) for m, v in stats["gbps"].items()}
         if min(seen.values()) < 2:
-            return "direct" if seen["direct"] <= seen["buffered"] else "buffered"
+            return ("direct" if seen["direct"] <= seen["buffered"] else "buffered"), True
         recent = stats["modes"][-EXPLORE_EVERY:]
         if len(recent) == EXPLORE_EVERY and len(set(recent)) == 1:
-            return "buffered" if recent[0] == "direct" else "direct"
+            return ("buffered" if recent[0] == "direct" else "direct"), True
         medians = {m: sorted(v[-5:])[len(v[-5:]) // 2] for m, v in stats["gbps"].items()}
-        return max(medians, key=medians.get)
+        return max(medians, key=medians.get), False
 
     def record_write(self, mode: str, nbytes: int, seconds: float, refused: bool = False) -> None:
         stats = self._write_stats()

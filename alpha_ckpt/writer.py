@@ -336,21 +336,29 @@ def _refuse_non_finite(region: RegionDecl, piece: Piece, raw: memoryview, index:
 
 @dataclass
 class ShardWrite:
-    """One shard ready to be written: ``write(fd)`` writes it and returns its name; ``size`` bytes."""
-    write: Callable[[int], str]
+    """One shard ready to be written: ``write(fd)`` writes it and returns its name; ``size`` bytes.
+
+    ``mode`` ('direct' or 'buffered') is how a large shard is written, set before it is committed;
+    a shard under :data:`DIRECT_MIN_BYTES` is always written buffered.
+    """
     size: int
     parts: tuple[tuple[int, int, int], ...]  # (ordinal, lo, hi) of each part, as its ShardRef names them
-    refused_direct: list[bool]               # set when the file system refused O_DIRECT for it
+    write: Callable[[int], str] = lambda fd: ""
+    mode: str = "buffered"
+    refused_direct: bool = False             # set when the file system refused O_DIRECT for it
+
+    @property
+    def large(self) -> bool:
+        return self.size >= DIRECT_MIN_BYTES
 
 
 def prepare_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regions: Sequence[RegionDecl],
-                  parts: Sequence[tuple[Piece, memoryview, str]], pool: ThreadPoolExecutor, mode: str,
+                  parts: Sequence[tuple[Piece, memoryview, str]], pool: ThreadPoolExecutor,
                   raw_digests: Sequence[tuple[str, str | None] | None] = (),
                   digests_out: list[tuple[str, str | None]] | None = None,
                   check_finite: bool = True) -> ShardWrite:
     """One shard holding ``parts`` = (piece, its raw bytes, requested codec), ready for a durable commit.
 
-    ``mode`` ('direct' or 'buffered') is how a large shard is written; a small one is written buffered.
     ``raw_digests`` may give parts' raw (digest, block digests) as :func:`block_digests` computes
     them, so they are not hashed twice;
     ``digests_out``, if given, receives every part's raw (digest, block digests) (replacing what it held).
@@ -410,10 +418,10 @@ def prepare_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regio
             return encoded
 
         segments = [(head_len + r.offset, stored) for r, stored in zip(records, payloads)]
-        if mode == "direct":
+        if shard.large and shard.mode == "direct":
             if write_direct(fd, end, segments, head, _direct_writer(), head_len):
                 return digest_bytes(head())
-            refused.append(True)  # this file system refuses O_DIRECT: buffered from now on
+            shard.refused_direct = True  # this file system refuses O_DIRECT: buffered from now on
         for offset, stored in segments:
             _pwrite_all(fd, stored, offset)
         encoded = head()
@@ -423,31 +431,39 @@ def prepare_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regio
             os.ftruncate(fd, end)
         return digest_bytes(encoded)
 
-    if end < DIRECT_MIN_BYTES:
-        mode = "buffered"
-    refused: list[bool] = []
-    return ShardWrite(write, end, tuple((p.ordinal, p.lo, p.hi) for p, _, _ in parts), refused)
+    shard = ShardWrite(end, tuple((p.ordinal, p.lo, p.hi) for p, _, _ in parts), write)
+    return shard
 
 
 COMMIT_BATCH = 64  # shards per durable commit: each holds a descriptor open from its write to its fsync
 
 
-def commit_shards(store: Store, shards: Sequence[ShardWrite], mode: str) -> list[ShardRef]:
+def commit_shards(store: Store, shards: Sequence[ShardWrite]) -> list[ShardRef]:
     """Durably write prepared shards, in batches of :data:`COMMIT_BATCH` (one batched commit each).
 
-    ``mode`` is the write mode the large ones were prepared with: a batch's throughput (its large
-    shards' bytes over the batch's time) is what the store learns the write modes from.
+    Each batch's write mode is the store's choice (:meth:`Store.next_write_mode`), and its
+    throughput (its large shards' bytes over its time) is what the store learns the modes
+    from. While the store probes a mode, a batch ends at its first large shard: the first save
+    of a process measures both modes on a few shards, not on whole saves.
     """
     out: list[ShardRef] = []
-    for at in range(0, len(shards), COMMIT_BATCH):
-        batch = shards[at:at + COMMIT_BATCH]
+    at = 0
+    while at < len(shards):
+        mode, probe = store.next_write_mode()
+        take = COMMIT_BATCH
+        if probe:  # up to the next large shard (small ones are written buffered whatever the mode)
+            take = next((i + 1 for i, s in enumerate(shards[at:at + COMMIT_BATCH]) if s.large), COMMIT_BATCH)
+        batch = shards[at:at + take]
+        at += len(batch)
+        for s in batch:
+            s.mode = mode
         started = time.perf_counter()
         results = store.put_objects([s.write for s in batch])
         seconds = time.perf_counter() - started
-        large = [(s, written) for s, (_, written) in zip(batch, results) if s.size >= DIRECT_MIN_BYTES]
-        if any(written for _, written in large):
-            refused = any(s.refused_direct for s, _ in large)
-            store.record_write("buffered" if refused else mode, sum(s.size for s, _ in large), seconds, refused)
+        large = [s for s, (_, written) in zip(batch, results) if s.large and written]
+        if large:
+            refused = any(s.refused_direct for s in large)
+            store.record_write("buffered" if refused else mode, sum(s.size for s in large), seconds, refused)
         out += [ShardRef(digest, s.size, s.parts) for s, (digest, _) in zip(batch, results)]
     return out
 
@@ -493,7 +509,6 @@ def write_shards(store: Store, prefix: CapturePrefix, regions: Sequence[RegionDe
 
 
 def _write_all(store, prefix, schema, regions, shards, pool, carry, check_finite, digests_out) -> list[ShardRef]:
-    mode = store.write_mode_for_next_object()
     out: list[ShardRef | None] = []
     to_write: list[tuple[int, ShardWrite, list, tuple | None]] = []  # (index in out, shard, its digests, carry key)
     for parts in shards:
@@ -511,10 +526,10 @@ def _write_all(store, prefix, schema, regions, shards, pool, carry, check_finite
                 out.append(record)
                 continue
         digests: list[tuple[str, str | None]] = list(known or [])
-        to_write.append((len(out), prepare_shard(store, prefix, schema, regions, parts, pool, mode, known or (),
+        to_write.append((len(out), prepare_shard(store, prefix, schema, regions, parts, pool, known or (),
                                                  digests_out=digests, check_finite=check_finite), digests, key))
         out.append(None)
-    for (index, _, digests, key), record in zip(to_write, commit_shards(store, [w for _, w, _, _ in to_write], mode)):
+    for (index, _, digests, key), record in zip(to_write, commit_shards(store, [w for _, w, _, _ in to_write])):
         out[index] = record
         if key is not None:
             carry.remember(key, digests[0][0], record, prefix)

@@ -160,3 +160,22 @@ def test_a_direct_write_puts_every_byte_at_its_offset_whatever_the_alignment(tmp
     finally:
         os.close(fd)
     assert path.read_bytes() == bytes(expected)
+
+
+def test_a_new_process_probes_each_mode_on_single_shards_then_commits_the_rest_as_one_batch(tmp_path, monkeypatch,
+                                                                                            small_blocks):
+    # The first large writes alternate between the modes one shard at a time (two samples of each),
+    # so one save measures both; its remaining shards go in one batch, in the mode measured faster.
+    monkeypatch.setattr("alpha_ckpt.store._write_stats", {})
+    g = torch.Generator().manual_seed(5)
+    state = {f"t{i}": torch.randn(300_000, generator=g) for i in range(8)}  # 1.2 MB each: one shard each
+    store = Store(tmp_path / "store")
+    root = alpha_ckpt.save(state, store=store, run="r", step="s", update=1, cursor=1, epoch=0,
+                           max_shard_bytes=1_300_000)
+    stats = store.write_stats()
+    modes = stats["modes"]
+    assert modes[:4] == ["direct", "buffered", "direct", "buffered"] and len(modes) == 5
+    # the rest: one batch, in the mode whose median (of two: the higher) of the probes was higher
+    probes = {m: sorted(stats["gbps"][m][:2])[1] for m in ("direct", "buffered")}
+    assert modes[4] == max(probes, key=probes.get)
+    alpha_ckpt.verify(store, root)
