@@ -336,7 +336,8 @@ def _refuse_non_finite(region: RegionDecl, piece: Piece, raw: memoryview, index:
 
 @dataclass
 class ShardWrite:
-    """One shard ready to be written: ``write(fd)`` writes it and returns its name; ``size`` bytes.
+    """One shard ready to be written: ``write(fd)`` writes it and returns its name; ``size`` bytes
+    (its raw bytes until it is written, then its file's size).
 
     ``mode`` ('direct' or 'buffered') is how a large shard is written, set before it is committed;
     a shard under :data:`DIRECT_MIN_BYTES` is always written buffered.
@@ -366,29 +367,36 @@ def prepare_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regio
     :class:`Refusal` naming the region and word from the write, so the shard is not committed.
     """
     known = list(raw_digests) + [None] * (len(parts) - len(raw_digests))
-    records: list[SliceRecord] = []
-    payloads: list[memoryview] = []
-    offset = 0
-    disk = store.measured_write_bytes_per_s() or DEFAULT_DISK_BYTES_PER_S
-    for piece, raw, requested in parts:
-        region = regions[piece.ordinal]
-        codec = choose_codec(raw, requested, disk)
-        stored = raw if codec == "raw" else memoryview(
-            zstandard.ZstdCompressor(level=_ZSTD_LEVEL, write_content_size=True).compress(raw))
-        offset = aligned(offset)
-        records.append(SliceRecord(
-            ordinal=piece.ordinal, dtype=region.dtype, shape=region.shape, lo=piece.lo, hi=piece.hi, offset=offset,
-            stored=len(stored), codec=codec, raw=len(raw), blake3=_PLACEHOLDER,
-            stored_blake3=_PLACEHOLDER if codec == "zstd" else None,
-            blocks=_PLACEHOLDER * block_count(len(raw)) if blocked(len(raw)) else None,
-        ))
-        payloads.append(stored)
-        offset += len(stored)
-    head_len = len(encode_head(shard_header(prefix, schema_digest, records)))
 
-    end = head_len + max((r.offset + r.stored for r in records), default=0)
+    def layout() -> tuple[list[SliceRecord], list[memoryview], int, int]:
+        """The slice records, payloads, head length and size: compressed only when the shard is
+        written, so a batch of shards never holds more than one shard's compressed bytes."""
+        records: list[SliceRecord] = []
+        payloads: list[memoryview] = []
+        offset = 0
+        disk = store.measured_write_bytes_per_s() or DEFAULT_DISK_BYTES_PER_S
+        for piece, raw, requested in parts:
+            region = regions[piece.ordinal]
+            codec = choose_codec(raw, requested, disk)
+            stored = raw if codec == "raw" else memoryview(
+                zstandard.ZstdCompressor(level=_ZSTD_LEVEL, write_content_size=True).compress(raw))
+            offset = aligned(offset)
+            records.append(SliceRecord(
+                ordinal=piece.ordinal, dtype=region.dtype, shape=region.shape, lo=piece.lo, hi=piece.hi, offset=offset,
+                stored=len(stored), codec=codec, raw=len(raw), blake3=_PLACEHOLDER,
+                stored_blake3=_PLACEHOLDER if codec == "zstd" else None,
+                blocks=_PLACEHOLDER * block_count(len(raw)) if blocked(len(raw)) else None,
+            ))
+            payloads.append(stored)
+            offset += len(stored)
+        head_len = len(encode_head(shard_header(prefix, schema_digest, records)))
+
+        end = head_len + max((r.offset + r.stored for r in records), default=0)
+        return records, payloads, head_len, end
 
     def write(fd: int) -> str:
+        records, payloads, head_len, end = layout()
+        shard.size = end
         futures = []
         for record, stored, (piece, raw, _), digest in zip(records, payloads, parts, known):
             if check_finite and not regions[piece.ordinal].nonfinite:
@@ -418,7 +426,7 @@ def prepare_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regio
             return encoded
 
         segments = [(head_len + r.offset, stored) for r, stored in zip(records, payloads)]
-        if shard.large and shard.mode == "direct":
+        if end >= DIRECT_MIN_BYTES and shard.mode == "direct":
             if write_direct(fd, end, segments, head, _direct_writer(), head_len):
                 return digest_bytes(head())
             shard.refused_direct = True  # this file system refuses O_DIRECT: buffered from now on
@@ -431,7 +439,8 @@ def prepare_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regio
             os.ftruncate(fd, end)
         return digest_bytes(encoded)
 
-    shard = ShardWrite(end, tuple((p.ordinal, p.lo, p.hi) for p, _, _ in parts), write)
+    # Sized by its raw bytes until written (a compressed shard is smaller): what decides "large" for planning.
+    shard = ShardWrite(sum(len(raw) for _, raw, _ in parts), tuple((p.ordinal, p.lo, p.hi) for p, _, _ in parts), write)
     return shard
 
 
