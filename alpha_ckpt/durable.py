@@ -250,14 +250,7 @@ def make_dir_durable(parent_fd: int, name: str) -> int:
     The parent is fsynced even when the directory already exists: an earlier
     process may have died between its mkdir and its fsync.
     """
-    try:
-        os.mkdir(name, 0o755, dir_fd=parent_fd)
-    except FileExistsError:
-        pass
-    try:
-        os.fsync(parent_fd)
-    except OSError as exc:
-        raise DurableWriteError("dir-fsync", exc.errno or errno.EIO, f"making {name!r} durable: {exc}") from exc
+    make_dirs_durable(parent_fd, [name])
     return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
 
 
@@ -276,7 +269,8 @@ def make_dirs_durable(parent_fd: int, names: Sequence[str]) -> None:
     try:
         os.fsync(parent_fd)
     except OSError as exc:
-        raise DurableWriteError("dir-fsync", exc.errno or errno.EIO, f"making {', '.join(names)} durable: {exc}") from exc
+        raise DurableWriteError("dir-fsync", exc.errno or errno.EIO,
+                                f"making {', '.join(map(repr, names))} durable: {exc}") from exc
 
 
 def file_kind(mode: int) -> str:
