@@ -95,15 +95,15 @@ def test_fsync_failure_is_final_not_retried_and_publishes_nothing(dirs, monkeypa
     assert os.listdir(root / "dest") == [] and os.listdir(root / "tmp") == []
 
 
+def _write_then_run_out_of_space(fd):
+    os.write(fd, b"partial")
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
 def test_enospc_while_writing_removes_the_temporary_file(dirs):
     root, tmp, dest = dirs
-
-    def write(fd):
-        os.write(fd, b"partial")
-        raise OSError(errno.ENOSPC, "No space left on device")
-
     with pytest.raises(DurableWriteError) as info:
-        durable.durable_commit(tmp_dir=tmp, dest_dir=dest, write=write, name="a")
+        durable.durable_commit(tmp_dir=tmp, dest_dir=dest, write=_write_then_run_out_of_space, name="a")
     assert info.value.stage == "write"
     assert os.listdir(root / "dest") == [] and os.listdir(root / "tmp") == []
 
@@ -189,12 +189,8 @@ def test_a_taken_name_in_a_batch_is_reported_and_the_others_published(dirs):
 
 def test_a_failing_write_in_a_batch_publishes_nothing_and_leaves_no_temporary(dirs):
     root, tmp, dest = dirs
-
-    def failing(fd):
-        os.write(fd, b"partial")
-        raise OSError(errno.ENOSPC, "No space left on device")
-
     with pytest.raises(DurableWriteError) as info:
-        durable.durable_commit_all(tmp, [durable.Commit(_writer(b"a"), dest, "a"), durable.Commit(failing, dest, "b")])
+        durable.durable_commit_all(tmp, [durable.Commit(_writer(b"a"), dest, "a"),
+                                         durable.Commit(_write_then_run_out_of_space, dest, "b")])
     assert info.value.stage == "write"
     assert os.listdir(root / "dest") == [] and os.listdir(root / "tmp") == []
