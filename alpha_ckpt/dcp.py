@@ -289,7 +289,10 @@ class StorageWriter(_DcpStorageWriter):
         for r in regions:
             if matches_any(r["name"].partition("@")[0], self.allow_nonfinite):
                 r["nonfinite"] = True
-        common = {"regions": regions, "epoch": epoch, "follows": follows}
+        # writers: how many ranks write at once, so that each rank's store learns its write modes for that count
+        # and one write mode for every rank's large shards (None while the coordinator's store probes)
+        common = {"regions": regions, "epoch": epoch, "follows": follows, "writers": len(plans),
+                  "write_mode": self._open_store().save_write_mode(len(plans))}
         self._planned = (_region_decls(regions), epoch, follows)
         return [SavePlan(p.items, storage_data={**common, "ordinals": mine}, planner_data=p.planner_data,
                          usable=p.usable) for p, mine in zip(plans, per_plan)]
@@ -317,7 +320,8 @@ class StorageWriter(_DcpStorageWriter):
         # O_DIRECT path, one durable commit per shard instead of one per slice.
         failure: BaseException | None = None
         try:
-            shards = write_shards(self._open_store(), prefix, regions, group_parts(parts, SHARD_BYTES))
+            shards = write_shards(self._open_store(), prefix, regions, group_parts(parts, SHARD_BYTES),
+                                  writers=data["writers"], agreed_mode=data["write_mode"])
         except BaseException as exc:  # noqa: BLE001 - every rank must reach the agreement below
             failure = exc
         # DCP calls no hook on the coordinator when another rank's writes fail: the ranks agree here,

@@ -52,7 +52,7 @@ MAX_REF_BYTES = 4096
 WRITE_MODES = ("auto", "buffered", "direct")
 WRITE_MODE_ENV = "ALPHA_CKPT_WRITE_MODE"
 EXPLORE_EVERY = 8  # under "auto", after this many large writes in one mode, one in the other
-_write_stats: dict[int, dict] = {}  # st_dev -> measured write throughput per mode, in this process
+_write_stats: dict[int, dict] = {}  # st_dev -> measured write throughput per writer count and mode, in this process
 
 
 @dataclass(frozen=True)
@@ -215,8 +215,9 @@ class Store:
                     raise DurableWriteError("dir-fsync", exc.errno or errno.EIO, f"objects/: {exc}") from exc
                 self._fans_to_sync = False
 
-    def write_mode_for_next_object(self) -> str:
-        """'direct' or 'buffered' for the next large object: chosen by measurement, per file system.
+    def write_mode_for_next_object(self, writers: int = 1) -> str:
+        """'direct' or 'buffered' for the next large object: chosen by measurement, per file system
+        and number of concurrent writers.
 
         Under "auto" the first large writes alternate between the two modes;
         after two of each, the one with the higher median throughput (write,
@@ -225,18 +226,24 @@ class Store:
         the other, so two unlucky early measurements cannot lock in the slower
         mode, and a change of the disk's behaviour is followed. A file system
         that refuses O_DIRECT is written buffered.
-        """
-        return self.next_write_mode()[0]
 
-    def next_write_mode(self) -> tuple[str, bool]:
+        ``writers`` is how many processes write to the store at once in the
+        caller's save (the ranks of a collective save, 1 for one process). Each
+        count is measured on its own: one writer's throughput alone and with
+        three others beside it are not comparable samples, and the faster mode
+        alone need not be the faster one under contention.
+        """
+        return self.next_write_mode(writers)[0]
+
+    def next_write_mode(self, writers: int = 1) -> tuple[str, bool]:
         """(mode, probe): the next large write's mode, as :meth:`write_mode_for_next_object` chooses it,
         and whether that write is a probe of a mode (the first alternating ones, or the one after
         :data:`EXPLORE_EVERY` in the other mode), which a writer keeps small."""
         if self.write_mode != "auto":
             return self.write_mode, False
-        stats = self._write_stats()
-        if stats["direct_refused"]:
+        if self.direct_refused():
             return "buffered", False
+        stats = self._write_stats(writers)
         seen = {m: len(v) for m, v in stats["gbps"].items()}
         if min(seen.values()) < 2:
             return ("direct" if seen["direct"] <= seen["buffered"] else "buffered"), True
@@ -246,29 +253,52 @@ class Store:
         medians = {m: sorted(v[-5:])[len(v[-5:]) // 2] for m, v in stats["gbps"].items()}
         return max(medians, key=medians.get), False
 
-    def record_write(self, mode: str, nbytes: int, seconds: float, refused: bool = False) -> None:
-        stats = self._write_stats()
+    def save_write_mode(self, writers: int) -> str | None:
+        """The mode for every rank of a collective save to use, as this (the coordinator's) store would
+        choose it now; None while it probes, when each rank probes on its own store. Probes alternate
+        in the same order on every rank, and a save whose ranks all write in one mode gives the
+        coordinator a measurement of that mode under the save's whole contention (and a restore
+        after a buffered save finds every rank's shards in the page cache)."""
+        mode, probe = self.next_write_mode(writers)
+        return None if probe else mode
+
+    def record_write(self, mode: str, nbytes: int, seconds: float, refused: bool = False, writers: int = 1) -> None:
+        """Learn from one batch of large writes: ``nbytes`` in ``seconds`` in ``mode`` with ``writers``
+        writing at once; ``refused``: the file system refused O_DIRECT (it is written buffered from now on)."""
         if refused:
-            stats["direct_refused"] = True
+            self._fs_write_stats()["direct_refused"] = True
         elif seconds > 0:
+            stats = self._write_stats(writers)
             stats["gbps"][mode].append(nbytes / seconds / 1e9)
             stats["modes"].append(mode)
 
-    def measured_write_bytes_per_s(self) -> float | None:
-        """The median measured throughput of large object writes on this file system (None before any)."""
-        rates = sorted(r for v in self._write_stats()["gbps"].values() for r in v[-5:])
+    def measured_write_bytes_per_s(self, writers: int = 1) -> float | None:
+        """The median measured throughput of one writer's large object writes on this file system, with
+        ``writers`` writing at once (None before any)."""
+        rates = sorted(r for v in self._write_stats(writers)["gbps"].values() for r in v[-5:])
         return rates[len(rates) // 2] * 1e9 if rates else None
 
-    def write_stats(self) -> dict:
-        """What the write-mode choice is based on (throughputs in GB/s per mode, newest last)."""
-        stats = self._write_stats()
-        return {"direct_refused": stats["direct_refused"], "gbps": {m: list(v) for m, v in stats["gbps"].items()},
-                "modes": list(stats["modes"]), "next": self.write_mode_for_next_object()}
+    def write_stats(self, writers: int = 1) -> dict:
+        """What the write-mode choice with ``writers`` writing at once is based on (throughputs in GB/s
+        per mode, newest last)."""
+        stats = self._write_stats(writers)
+        return {"direct_refused": self.direct_refused(),
+                "gbps": {m: list(v) for m, v in stats["gbps"].items()},
+                "modes": list(stats["modes"]), "next": self.write_mode_for_next_object(writers)}
 
-    def _write_stats(self) -> dict:
+    def direct_refused(self) -> bool:
+        """Whether this file system refused O_DIRECT (its large objects are then written buffered)."""
+        return self._fs_write_stats()["direct_refused"]
+
+    def _fs_write_stats(self) -> dict:
         dev = os.fstat(self._tmp_fd).st_dev
-        return _write_stats.setdefault(dev, {"direct_refused": False, "gbps": {"direct": [], "buffered": []},
-                                             "modes": []})
+        return _write_stats.setdefault(dev, {"direct_refused": False, "by_writers": {}})
+
+    def _write_stats(self, writers: int) -> dict:
+        if isinstance(writers, bool) or not isinstance(writers, int) or writers < 1:
+            raise StoreUsageError(f"writers is a positive int, not {writers!r}")
+        return self._fs_write_stats()["by_writers"].setdefault(
+            writers, {"gbps": {"direct": [], "buffered": []}, "modes": []})
 
     def has_object(self, digest: str) -> bool:
         self.check_digest(digest)

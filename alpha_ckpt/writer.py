@@ -357,7 +357,7 @@ def prepare_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regio
                   parts: Sequence[tuple[Piece, memoryview, str]], pool: ThreadPoolExecutor,
                   raw_digests: Sequence[tuple[str, str | None] | None] = (),
                   digests_out: list[tuple[str, str | None]] | None = None,
-                  check_finite: bool = True) -> ShardWrite:
+                  check_finite: bool = True, writers: int = 1) -> ShardWrite:
     """One shard holding ``parts`` = (piece, its raw bytes, requested codec), ready for a durable commit.
 
     ``raw_digests`` may give parts' raw (digest, block digests) as :func:`block_digests` computes
@@ -365,6 +365,7 @@ def prepare_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regio
     ``digests_out``, if given, receives every part's raw (digest, block digests) (replacing what it held).
     Every float word is checked while it is hashed: a NaN or inf raises a ``non-finite``
     :class:`Refusal` naming the region and word from the write, so the shard is not committed.
+    ``writers``: how many processes write at once (what the disk rate that decides compression is measured under).
     """
     known = list(raw_digests) + [None] * (len(parts) - len(raw_digests))
 
@@ -374,7 +375,7 @@ def prepare_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regio
         records: list[SliceRecord] = []
         payloads: list[memoryview] = []
         offset = 0
-        disk = store.measured_write_bytes_per_s() or DEFAULT_DISK_BYTES_PER_S
+        disk = store.measured_write_bytes_per_s(writers) or DEFAULT_DISK_BYTES_PER_S
         for piece, raw, requested in parts:
             region = regions[piece.ordinal]
             codec = choose_codec(raw, requested, disk)
@@ -447,18 +448,23 @@ def prepare_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regio
 COMMIT_BATCH = 64  # shards per durable commit: each holds a descriptor open from its write to its fsync
 
 
-def commit_shards(store: Store, shards: Sequence[ShardWrite]) -> list[ShardRef]:
+def commit_shards(store: Store, shards: Sequence[ShardWrite], writers: int = 1,
+                  agreed_mode: str | None = None) -> list[ShardRef]:
     """Durably write prepared shards, in batches of :data:`COMMIT_BATCH` (one batched commit each).
 
     Each batch's write mode is the store's choice (:meth:`Store.next_write_mode`), and its
     throughput (its large shards' bytes over its time) is what the store learns the modes
-    from. While the store probes a mode, a batch ends at its first large shard: the first save
-    of a process measures both modes on a few shards, not on whole saves.
+    from, for ``writers`` processes writing at once. While the store probes a mode, a batch ends
+    at its first large shard: the first save of a process measures both modes on a few shards,
+    not on whole saves. ``agreed_mode`` (:meth:`Store.save_write_mode` of the save's coordinator)
+    is used for every batch this store would not probe with, so that a save's ranks write alike.
     """
     out: list[ShardRef] = []
     at = 0
     while at < len(shards):
-        mode, probe = store.next_write_mode()
+        mode, probe = store.next_write_mode(writers)
+        if agreed_mode is not None and store.write_mode == "auto" and not probe and not store.direct_refused():
+            mode = agreed_mode
         take = COMMIT_BATCH
         if probe:  # up to the next large shard (small ones are written buffered whatever the mode)
             take = next((i + 1 for i, s in enumerate(shards[at:at + COMMIT_BATCH]) if s.large), COMMIT_BATCH)
@@ -472,7 +478,7 @@ def commit_shards(store: Store, shards: Sequence[ShardWrite]) -> list[ShardRef]:
         large = [s for s, (_, written) in zip(batch, results) if s.large and written]
         if large:
             refused = any(s.refused_direct for s in large)
-            store.record_write("buffered" if refused else mode, sum(s.size for s in large), seconds, refused)
+            store.record_write("buffered" if refused else mode, sum(s.size for s in large), seconds, refused, writers)
         out += [ShardRef(digest, s.size, s.parts) for s, (digest, _) in zip(batch, results)]
     return out
 
@@ -497,7 +503,8 @@ def _done(value) -> Future:
 def write_shards(store: Store, prefix: CapturePrefix, regions: Sequence[RegionDecl],
                  shards: Sequence[Sequence[tuple[Piece, memoryview, str]]],
                  pool: ThreadPoolExecutor | None = None, carry: ShardCarry | None = None,
-                 check_finite: bool = True, digests_out: dict | None = None) -> list[ShardRef]:
+                 check_finite: bool = True, digests_out: dict | None = None, writers: int = 1,
+                 agreed_mode: str | None = None) -> list[ShardRef]:
     """Durably write each shard (its (piece, raw bytes, codec) parts in physical order).
 
     With ``carry``, large parts get shards of their own, and a part whose bytes
@@ -505,6 +512,9 @@ def write_shards(store: Store, prefix: CapturePrefix, regions: Sequence[RegionDe
     again: its old shard is named, marked carried. ``digests_out``, if given,
     receives every part's raw (digest, block digests) under its (ordinal, lo, hi),
     as hashed while it was written (a caller that needs them hashes nothing again).
+    ``writers`` is how many processes write this save at once (the ranks of a collective save): the
+    store learns its write modes per count (:meth:`Store.next_write_mode`); ``agreed_mode`` as
+    :func:`commit_shards`.
     """
     schema = schema_digest_of(regions)
     if not shards:
@@ -513,11 +523,14 @@ def write_shards(store: Store, prefix: CapturePrefix, regions: Sequence[RegionDe
         shards = isolate_large_pieces(shards)
     if pool is None:
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="alpha-ckpt-hash") as own_pool:
-            return _write_all(store, prefix, schema, regions, shards, own_pool, carry, check_finite, digests_out)
-    return _write_all(store, prefix, schema, regions, shards, pool, carry, check_finite, digests_out)
+            return _write_all(store, prefix, schema, regions, shards, own_pool, carry, check_finite, digests_out,
+                              writers, agreed_mode)
+    return _write_all(store, prefix, schema, regions, shards, pool, carry, check_finite, digests_out, writers,
+                      agreed_mode)
 
 
-def _write_all(store, prefix, schema, regions, shards, pool, carry, check_finite, digests_out) -> list[ShardRef]:
+def _write_all(store, prefix, schema, regions, shards, pool, carry, check_finite, digests_out, writers,
+               agreed_mode) -> list[ShardRef]:
     out: list[ShardRef | None] = []
     to_write: list[tuple[int, ShardWrite, list, tuple | None]] = []  # (index in out, shard, its digests, carry key)
     for parts in shards:
@@ -536,9 +549,11 @@ def _write_all(store, prefix, schema, regions, shards, pool, carry, check_finite
                 continue
         digests: list[tuple[str, str | None]] = list(known or [])
         to_write.append((len(out), prepare_shard(store, prefix, schema, regions, parts, pool, known or (),
-                                                 digests_out=digests, check_finite=check_finite), digests, key))
+                                                 digests_out=digests, check_finite=check_finite, writers=writers),
+                         digests, key))
         out.append(None)
-    for (index, _, digests, key), record in zip(to_write, commit_shards(store, [w for _, w, _, _ in to_write])):
+    committed = commit_shards(store, [w for _, w, _, _ in to_write], writers, agreed_mode)
+    for (index, _, digests, key), record in zip(to_write, committed):
         out[index] = record
         if key is not None:
             carry.remember(key, digests[0][0], record, prefix)

@@ -1506,7 +1506,7 @@ def checkpointer_process(config: dict) -> None:
     bytes_read = {str(n): {} for n in counts}
     disk_bytes = {str(n): {} for n in counts}
     write_modes = {str(n): {m: [] for m in methods if m in OURS_STORE_METHODS} for n in counts}
-    modes_seen = 0  # of this process's store writes (the store measures per file system, per process)
+    modes_seen = {n: 0 for n in counts}  # this process's store writes (measured per file system and count of ranks)
     handles: dict[str, dict[str, str | None]] = {str(n): {} for n in counts}
     verified = 0
     top = config["dir"]
@@ -1619,11 +1619,11 @@ def checkpointer_process(config: dict) -> None:
                     if rank == 0 and method in OURS_STORE_METHODS:
                         # The write mode(s) the store chose for this save's large shards ("auto": by measurement).
                         with Store(directory) as store:
-                            modes = store.write_stats()["modes"]
-                        line += f"  write mode {'+'.join(modes[modes_seen:]) or '-'}"
+                            modes = store.write_stats(n)["modes"]  # the saves of n ranks at once
+                        line += f"  write mode {'+'.join(modes[modes_seen[n]:]) or '-'}"
                         if timed:
-                            write_modes[str(n)][method].append(modes[modes_seen:])
-                        modes_seen = len(modes)
+                            write_modes[str(n)][method].append(modes[modes_seen[n]:])
+                        modes_seen[n] = len(modes)
                     if rank == 0:
                         disk_bytes[str(n)][method] = tree_bytes(directory)
                         handles[str(n)][method] = handle if isinstance(handle, str) and method != "raw" else None

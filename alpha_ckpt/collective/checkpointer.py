@@ -323,7 +323,9 @@ class Checkpointer:
                 skeleton, regions = merge_captures(descriptors)
                 layout = {"ok": True, "state": skeleton, "regions": [r.to_json() for r in regions],
                           "devices": [d["device"] for d in descriptors],
-                          "layout": saved_layout(descriptors, regions)}
+                          "layout": saved_layout(descriptors, regions),
+                          # every rank writes this save's large shards alike (None: each still probes)
+                          "write_mode": self.store.save_write_mode(self.world)}
             except Refusal as refusal:
                 layout = {"ok": False, "code": refusal.code.value, "reason": refusal.message}
             # Every rank writes its own shards against the agreed regions.
@@ -371,7 +373,8 @@ class Checkpointer:
         lease = self.store.pending_publish(prefix.run, prefix.step)
         try:
             shard_refs, failure = write_or_fail(self.store, prefix, regions, [parts] if parts else [],
-                                                f"rank {self.rank}", carry=self._carry, digests_out=written)
+                                                f"rank {self.rank}", carry=self._carry, digests_out=written,
+                                                writers=self.world, agreed_mode=layout.get("write_mode"))
             report = {"shards": [s.to_json() for s in shard_refs], "failure": list(failure) if failure else None,
                       "replicas": self._replica_digests(regions, wrote, written, others)}
             reports = gather_json(report, root0, group)
@@ -410,7 +413,8 @@ class Checkpointer:
                         carry=self._carry, tamper=self.tree_tamper)
         written: dict[tuple, str] = {}
         try:
-            failure = role.write_own(prefix, regions, [parts] if parts else [], digests_out=written)
+            failure = role.write_own(prefix, regions, [parts] if parts else [], digests_out=written,
+                                     agreed_mode=layout.get("write_mode"))
             report = {"replicas": self._replica_digests(regions, wrote, written, others),
                       "failure": list(failure) if failure else None}
             reports = gather_json(report, self._global(0), group)

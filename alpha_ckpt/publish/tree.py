@@ -207,11 +207,14 @@ class _MemoryEndpoint:
 def write_or_fail(store: Store, prefix: CapturePrefix, regions: Sequence[RegionDecl],
                   shards: Sequence[Sequence[tuple[Piece, memoryview, str]]], who: str, *,
                   pool: ThreadPoolExecutor | None = None, carry: ShardCarry | None = None,
-                  digests_out: dict | None = None) -> tuple[list, tuple[str, str | None] | None]:
+                  digests_out: dict | None = None, writers: int = 1,
+                  agreed_mode: str | None = None) -> tuple[list, tuple[str, str | None] | None]:
     """Write ``who``'s own shards: (shard records, None), or ([], (reason, refusal code or None)) when a
-    write failed or refused (a NaN), so that the failure can travel to every owner."""
+    write failed or refused (a NaN), so that the failure can travel to every owner. ``writers``: how
+    many owners write at once, ``agreed_mode`` the save's (both as :func:`alpha_ckpt.writer.write_shards`)."""
     try:
-        return write_shards(store, prefix, regions, shards, pool, carry=carry, digests_out=digests_out), None
+        return write_shards(store, prefix, regions, shards, pool, carry=carry, digests_out=digests_out,
+                            writers=writers, agreed_mode=agreed_mode), None
     except (OSError, DurableWriteError) as exc:
         return [], (f"{who} could not write its shards: {exc}", None)
     except Refusal as refusal:
@@ -281,7 +284,7 @@ class TreeRole:
 
     def write_own(self, prefix: CapturePrefix, regions: Sequence[RegionDecl],
                   own_shards: Sequence[Sequence[tuple[Piece, memoryview, str]]],
-                  digests_out: dict | None = None) -> tuple[str, str | None] | None:
+                  digests_out: dict | None = None, agreed_mode: str | None = None) -> tuple[str, str | None] | None:
         """Step 1 alone: take the lease and write this role's shards; the failure (reason, refusal code) or None.
 
         A caller that must check something between the shards and the manifests (the
@@ -292,7 +295,8 @@ class TreeRole:
         try:
             self._written, self._write_failure = write_or_fail(self.store, prefix, regions, own_shards,
                                                                f"role {self.role}", pool=self.pool, carry=self.carry,
-                                                               digests_out=digests_out)
+                                                               digests_out=digests_out, writers=self.hierarchy.owners,
+                                                               agreed_mode=agreed_mode)
         except BaseException:
             self.release()
             raise

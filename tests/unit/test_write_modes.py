@@ -179,3 +179,93 @@ def test_a_new_process_probes_each_mode_on_single_shards_then_commits_the_rest_a
     probes = {m: sorted(stats["gbps"][m][:2])[1] for m in ("direct", "buffered")}
     assert modes[4] == max(probes, key=probes.get)
     alpha_ckpt.verify(store, root)
+
+
+def test_auto_learns_each_count_of_concurrent_writers_on_its_own(tmp_path, monkeypatch):
+    # Alone, direct is the faster mode here; with four writers at once, buffered is. Samples of one
+    # count must not decide the other's mode.
+    monkeypatch.setattr("alpha_ckpt.store._write_stats", {})
+    store = Store(tmp_path)
+    rates = {1: {"direct": 2.0, "buffered": 1.0}, 4: {"direct": 0.3, "buffered": 0.9}}
+    for writers in (1, 4, 1, 4, 1, 4, 1, 4):
+        mode = store.write_mode_for_next_object(writers)
+        store.record_write(mode, 1 << 30, (1 << 30) / 1e9 / rates[writers][mode], writers=writers)
+    assert store.write_mode_for_next_object(1) == "direct"
+    assert store.write_mode_for_next_object(4) == "buffered"
+    assert {m: [round(r, 6) for r in v] for m, v in store.write_stats(4)["gbps"].items()} == \
+        {"direct": [0.3, 0.3], "buffered": [0.9, 0.9]}
+    assert store.measured_write_bytes_per_s(2) is None  # a count never seen starts its own probes
+    assert store.next_write_mode(2) == ("direct", True)
+
+
+def test_a_refusal_of_o_direct_holds_for_every_count_of_writers(tmp_path, monkeypatch):
+    monkeypatch.setattr("alpha_ckpt.store._write_stats", {})
+    store = Store(tmp_path)
+    store.record_write("direct", 1 << 20, 0.1, refused=True, writers=3)
+    assert all(store.write_mode_for_next_object(n) == "buffered" for n in (1, 2, 3, 8))
+
+
+def test_writers_is_a_positive_count(tmp_path):
+    from alpha_ckpt.errors import StoreUsageError
+    store = Store(tmp_path)
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(StoreUsageError, match="writers"):
+            store.write_mode_for_next_object(bad)
+
+
+def _collective_saves_write_in_the_coordinators_mode(rank, world, store_dir, publisher):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from alpha_ckpt import Checkpointer
+    from alpha_ckpt import dcp as alpha_dcp
+    writer.DIRECT_MIN_BYTES = 1 << 20  # each rank's shard of 2 MB takes part in the mode choice
+    # Each rank's own measurements (of saves by 2 ranks) favour another mode: rank 0 buffered, rank 1 direct.
+    faster = "buffered" if rank == 0 else "direct"
+    store = Store(os.path.join(store_dir, "ckpt"))  # measurements are per file system: both stores share them
+    for mode in ("direct", "buffered") * 2:
+        store.record_write(mode, 1 << 30, 0.5 if mode == faster else 2.0, writers=world)
+    w = distribute_tensor(torch.randn(1_000_000, generator=torch.Generator().manual_seed(1)),
+                          init_device_mesh("cpu", (world,)), [Shard(0)])
+    Checkpointer(os.path.join(store_dir, "ckpt"), run="r", step="s", publisher=publisher).save(
+        {"w": w}, update=1, cursor=1)
+    after_checkpointer = store.write_stats(world)["modes"][4:]
+    dcp.save({"w": w}, storage_writer=alpha_dcp.StorageWriter(os.path.join(store_dir, "dcp"), run="r", update=1))
+    dist.barrier()
+    return {"checkpointer": after_checkpointer, "dcp": store.write_stats(world)["modes"][5:],
+            "alone": store.write_stats(1)["modes"]}
+
+
+@pytest.mark.parametrize("publisher", ["star", "tree"])
+def test_the_ranks_of_a_collective_save_write_in_the_coordinators_mode(tmp_path, publisher):
+    # The Checkpointer and the DCP backend tell the store how many ranks write at once, and rank 0's
+    # choice of mode holds for every rank: a save is written all buffered or all with O_DIRECT.
+    from ranks import run_ranks
+    results = run_ranks(2, _collective_saves_write_in_the_coordinators_mode, str(tmp_path), publisher, tmp=tmp_path,
+                        timeout=120)
+    assert results == [{"checkpointer": ["buffered"], "dcp": ["buffered"], "alone": []}] * 2
+
+
+def _save_with_agreed_mode(store, monkeypatch, agreed, shards):
+    commit = writer.commit_shards
+    monkeypatch.setattr(writer, "commit_shards", lambda st, sh, writers=1, agreed_mode=None: commit(st, sh, writers, agreed))
+    g = torch.Generator().manual_seed(5)
+    alpha_ckpt.save({f"t{i}": torch.randn(300_000, generator=g) for i in range(shards)}, store=store, run="r",
+                    step="s", update=1, cursor=1, epoch=0, max_shard_bytes=1_300_000)
+
+
+@pytest.mark.parametrize("seeded, expected", [
+    # measured: direct far faster; agreed: buffered -> the save is buffered
+    ({"direct": [1e-3, 1e-3], "buffered": [10.0, 10.0]}, ["buffered"]),
+    # still probing (one direct sample): the probe is made in direct whatever was agreed
+    ({"direct": [1.0], "buffered": [1.0, 1.0]}, ["direct", "buffered"]),
+])
+def test_an_agreed_mode_holds_except_for_probes(tmp_path, monkeypatch, small_blocks, seeded, expected):
+    monkeypatch.setattr("alpha_ckpt.store._write_stats", {})
+    store = Store(tmp_path / "store")
+    for mode, seconds in seeded.items():
+        for s in seconds:
+            store.record_write(mode, 1 << 30, s)
+    _save_with_agreed_mode(store, monkeypatch, "buffered", 2)
+    assert store.write_stats()["modes"][sum(map(len, seeded.values())):] == expected
