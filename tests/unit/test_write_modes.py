@@ -269,3 +269,18 @@ def test_an_agreed_mode_holds_except_for_probes(tmp_path, monkeypatch, small_blo
             store.record_write(mode, 1 << 30, s)
     _save_with_agreed_mode(store, monkeypatch, "buffered", 2)
     assert store.write_stats()["modes"][sum(map(len, seeded.values())):] == expected
+
+
+@pytest.mark.parametrize("direct_over_margin, chosen", [(0.9, "buffered"), (1.05, "direct")])
+def test_auto_takes_o_direct_only_when_it_is_clearly_faster(tmp_path, monkeypatch, direct_over_margin, chosen):
+    # An O_DIRECT object is not left in the page cache, so a restore right after its save pays the
+    # device: a small gain in the save does not buy that. Buffered writes here: 1.0 GB/s.
+    from alpha_ckpt.store import DIRECT_MARGIN
+    assert DIRECT_MARGIN > 1.0
+    monkeypatch.setattr("alpha_ckpt.store._write_stats", {})
+    store = Store(tmp_path)
+    direct_gbps = DIRECT_MARGIN * direct_over_margin  # faster than buffered either way
+    for _ in range(2):
+        store.record_write("direct", 1 << 30, (1 << 30) / 1e9 / direct_gbps)
+        store.record_write("buffered", 1 << 30, (1 << 30) / 1e9 / 1.0)
+    assert store.next_write_mode() == (chosen, False)
