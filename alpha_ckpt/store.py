@@ -54,8 +54,8 @@ WRITE_MODE_ENV = "ALPHA_CKPT_WRITE_MODE"
 EXPLORE_EVERY = 8  # under "auto", after this many large writes in one mode, one in the other
 # Under "auto", O_DIRECT is chosen only when it writes at least this much faster than buffered: an
 # O_DIRECT object is not left in the page cache, so a restore soon after the save (a restart on the
-# same node) reads it from the device; measured at 1 GiB on 2 and 4 ranks, such a restore took
-# 0.9-1.1 s against 0.21-0.28 s after a buffered save, while the two modes' saves were within noise.
+# same node) reads it from the device; measured hot at 1 GiB on 2 and 4 ranks, such a restore took
+# 0.63-1.28 s against 0.21-0.36 s after a buffered save, while the two modes' saves were within noise.
 DIRECT_MARGIN = 1.25
 _write_stats: dict[int, dict] = {}  # st_dev -> measured write throughput per writer count and mode, in this process
 
