@@ -241,10 +241,12 @@ class Store:
         """
         return self.next_write_mode(writers)[0]
 
-    def next_write_mode(self, writers: int = 1) -> tuple[str, bool]:
+    def next_write_mode(self, writers: int = 1, agreed: str | None = None) -> tuple[str, bool]:
         """(mode, probe): the next large write's mode, as :meth:`write_mode_for_next_object` chooses it,
         and whether that write is a probe of a mode (the first alternating ones, or the one after
-        :data:`EXPLORE_EVERY` in the other mode), which a writer keeps small."""
+        :data:`EXPLORE_EVERY` in the other mode), which a writer keeps small. ``agreed`` (a collective
+        save's :meth:`save_write_mode`) replaces this store's own choice, not a probe, a forced mode or
+        a refusal of O_DIRECT."""
         if self.write_mode != "auto":
             return self.write_mode, False
         if self.direct_refused():
@@ -256,6 +258,8 @@ class Store:
         recent = stats["modes"][-EXPLORE_EVERY:]
         if len(recent) == EXPLORE_EVERY and len(set(recent)) == 1:
             return ("buffered" if recent[0] == "direct" else "direct"), True
+        if agreed is not None:
+            return agreed, False
         medians = {m: sorted(v[-5:])[len(v[-5:]) // 2] for m, v in stats["gbps"].items()}
         return ("direct" if medians["direct"] >= DIRECT_MARGIN * medians["buffered"] else "buffered"), False
 

@@ -462,9 +462,7 @@ def commit_shards(store: Store, shards: Sequence[ShardWrite], writers: int = 1,
     out: list[ShardRef] = []
     at = 0
     while at < len(shards):
-        mode, probe = store.next_write_mode(writers)
-        if agreed_mode is not None and store.write_mode == "auto" and not probe and not store.direct_refused():
-            mode = agreed_mode
+        mode, probe = store.next_write_mode(writers, agreed_mode)
         take = COMMIT_BATCH
         if probe:  # up to the next large shard (small ones are written buffered whatever the mode)
             take = next((i + 1 for i, s in enumerate(shards[at:at + COMMIT_BATCH]) if s.large), COMMIT_BATCH)
