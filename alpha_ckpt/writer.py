@@ -209,6 +209,25 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         durable.start_writeback(fd, start, length)
 
 
+def _pwrite_segments(fd: int, segments: Sequence[tuple[int, memoryview]]) -> None:
+    """pwrite each (offset, bytes) in order, starting writeback of every run of at least
+    :data:`_WRITEBACK_MIN_BYTES` written, however small the segments: a shard of many small
+    slices otherwise leaves its whole size dirty for the final fsync to write."""
+    run_start = run_end = None
+    for offset, view in segments:
+        _pwrite_all(fd, view, offset)
+        if len(view) >= _WRITEBACK_MIN_BYTES:
+            continue  # _pwrite_all started its writeback
+        if run_start is None or offset < run_end:
+            run_start = offset
+        run_end = offset + len(view)
+        if run_end - run_start >= _WRITEBACK_MIN_BYTES:
+            durable.start_writeback(fd, run_start, run_end - run_start)
+            run_start = None
+    if run_start is not None and run_end > run_start:
+        durable.start_writeback(fd, run_start, run_end - run_start)
+
+
 _DIRECT_BLOCK = 16 << 20        # bytes per O_DIRECT write, from a reused page-aligned buffer
 _DIRECT_ALIGN = 4096            # O_DIRECT offsets and lengths: multiples of the logical block size
 DIRECT_MIN_BYTES = 16 << 20     # smaller files are written buffered: too short to win anything
@@ -431,8 +450,7 @@ def prepare_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regio
             if write_direct(fd, end, segments, head, _direct_writer(), head_len):
                 return digest_bytes(head())
             shard.refused_direct = True  # this file system refuses O_DIRECT: buffered from now on
-        for offset, stored in segments:
-            _pwrite_all(fd, stored, offset)
+        _pwrite_segments(fd, segments)
         encoded = head()
         _pwrite_all(fd, memoryview(encoded), 0)
         # Zero padding is implicit: pwrite past a hole leaves zeros.

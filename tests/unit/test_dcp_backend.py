@@ -434,3 +434,33 @@ def test_a_ranks_slices_go_into_shards_of_at_most_shard_bytes_and_load_back_whol
     dest = {"w": torch.zeros(40_000), "b": torch.zeros(10)}
     dcp.load(dest, storage_reader=StorageReader(store, root), no_dist=True)
     assert torch.equal(dest["w"], state["w"]) and torch.equal(dest["b"], state["b"])
+
+
+def test_a_shard_of_small_slices_hands_all_its_payload_to_writeback_before_its_fsync(tmp_path, monkeypatch):
+    # DCP's 4 MiB slices are each under the writeback threshold: unless runs of them start writeback,
+    # a shard's whole size is left dirty for its fsync to write (measured: 0.4 s of a 0.6 s save).
+    import alpha_ckpt.dcp
+    from alpha_ckpt import durable, writer
+    monkeypatch.setattr(alpha_ckpt.dcp, "SHARD_BYTES", 96 << 10)  # stands in for 32 MiB
+    monkeypatch.setattr(writer, "_WRITEBACK_MIN_BYTES", 32 << 10)  # stands in for 8 MiB
+    handed: dict[int, list[tuple[int, int]]] = {}
+    monkeypatch.setattr(durable, "start_writeback",
+                        lambda fd, offset, length: handed.setdefault(os.fstat(fd).st_ino, []).append((offset, length)))
+    store = str(tmp_path / "store")
+    state = {"w": torch.arange(60_000, dtype=torch.float32)}
+    root = dcp.save(state, storage_writer=StorageWriter(store, run="r", update=1, slice_bytes=16 << 10),
+                    no_dist=True).storage_meta.checkpoint_id
+    with Store(store, create=False) as s, verify_generation(s, root) as generation:
+        digests = [shard.digest for shard in generation.manifest.shards]
+    payload = 0
+    for digest in digests:
+        path = next(Path(store, "objects").rglob(digest))
+        size = path.stat().st_size
+        covered = set()
+        for offset, length in handed.get(path.stat().st_ino, []):
+            assert 0 <= offset and offset + length <= size
+            covered.update(range(offset >> 12, (offset + length + 4095) >> 12))  # 4 KiB pages
+        # every page from the first slice's to the end was handed over (the head at 0 is written last)
+        assert set(range(1, (size + 4095) >> 12)) <= covered, (digest, size, sorted(covered))
+        payload += size
+    assert payload >= 240_000
