@@ -290,7 +290,7 @@ class StorageWriter(_DcpStorageWriter):
             if matches_any(r["name"].partition("@")[0], self.allow_nonfinite):
                 r["nonfinite"] = True
         # writers: how many ranks write at once, so that each rank's store learns its write modes for that count
-        # and one write mode for every rank's large shards (None while the coordinator's store probes)
+        # and one write mode for every rank's large shards beyond its own probes (buffered while the coordinator probes)
         common = {"regions": regions, "epoch": epoch, "follows": follows, "writers": len(plans),
                   "write_mode": self._open_store().save_write_mode(len(plans))}
         self._planned = (_region_decls(regions), epoch, follows)

@@ -263,14 +263,15 @@ class Store:
         medians = {m: sorted(v[-5:])[len(v[-5:]) // 2] for m, v in stats["gbps"].items()}
         return ("direct" if medians["direct"] >= DIRECT_MARGIN * medians["buffered"] else "buffered"), False
 
-    def save_write_mode(self, writers: int) -> str | None:
+    def save_write_mode(self, writers: int) -> str:
         """The mode for every rank of a collective save to use, as this (the coordinator's) store would
-        choose it now; None while it probes, when each rank probes on its own store. Probes alternate
-        in the same order on every rank, and a save whose ranks all write in one mode gives the
-        coordinator a measurement of that mode under the save's whole contention (and a restore
-        after a buffered save finds every rank's shards in the page cache)."""
+        choose it now; buffered while it probes (it has no choice yet): each rank still makes its own
+        probes first, in the same order on every rank, and writes the rest of the save buffered. So a
+        save is in one mode beyond its probes, a save whose ranks all write in one mode gives the
+        coordinator a measurement of that mode under the save's whole contention, and a restore
+        after a buffered save finds every rank's shards in the page cache."""
         mode, probe = self.next_write_mode(writers)
-        return None if probe else mode
+        return "buffered" if probe else mode
 
     def record_write(self, mode: str, nbytes: int, seconds: float, refused: bool = False, writers: int = 1) -> None:
         """Learn from one batch of large writes: ``nbytes`` in ``seconds`` in ``mode`` with ``writers``

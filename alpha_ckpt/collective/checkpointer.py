@@ -324,7 +324,7 @@ class Checkpointer:
                 layout = {"ok": True, "state": skeleton, "regions": [r.to_json() for r in regions],
                           "devices": [d["device"] for d in descriptors],
                           "layout": saved_layout(descriptors, regions),
-                          # every rank writes this save's large shards alike (None: each still probes)
+                          # every rank writes this save's large shards alike, beyond its own probes
                           "write_mode": self.store.save_write_mode(self.world)}
             except Refusal as refusal:
                 layout = {"ok": False, "code": refusal.code.value, "reason": refusal.message}

@@ -284,3 +284,31 @@ def test_auto_takes_o_direct_only_when_it_is_clearly_faster(tmp_path, monkeypatc
         store.record_write("direct", 1 << 30, (1 << 30) / 1e9 / direct_gbps)
         store.record_write("buffered", 1 << 30, (1 << 30) / 1e9 / 1.0)
     assert store.next_write_mode() == (chosen, False)
+
+
+def _first_collective_save(rank, world, store_dir, publisher):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from alpha_ckpt import Checkpointer
+    writer.DIRECT_MIN_BYTES = 1 << 20  # each rank's 2 MB share of a tensor is a large shard
+    # No measurements yet, so rank 0 probes; each rank's probes then favour another mode (rank 0's
+    # buffered, rank 1's direct), which each rank alone would take for the rest of the save.
+    faster = "buffered" if rank == 0 else "direct"
+    real = Store.record_write
+    Store.record_write = lambda self, mode, nbytes, seconds, refused=False, writers=1: real(
+        self, mode, nbytes, seconds / 100 if mode == faster else seconds, refused, writers)
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(2)
+    state = {f"w{i}": distribute_tensor(torch.randn(1_000_000, generator=g), mesh, [Shard(0)]) for i in range(6)}
+    ckpt = Checkpointer(os.path.join(store_dir, "ckpt"), run="r", step="s", publisher=publisher)
+    ckpt.save(state, update=1, cursor=1)
+    return ckpt.store.write_stats(world)["modes"]
+
+
+@pytest.mark.parametrize("publisher", ["star", "tree"])
+def test_a_first_collective_save_writes_buffered_beyond_each_ranks_probes(tmp_path, publisher):
+    # While rank 0 has no measurement to send, the ranks make their probes (one large shard each, in
+    # the same order on every rank) and write the rest of the save buffered, not each in its own choice.
+    from ranks import run_ranks
+    results = run_ranks(2, _first_collective_save, str(tmp_path), publisher, tmp=tmp_path, timeout=120)
+    assert results == [["direct", "buffered", "direct", "buffered", "buffered"]] * 2
