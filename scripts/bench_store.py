@@ -182,9 +182,9 @@ places swapped which of them loaded slowly):
   ckpt-tree  as ckpt-star with ``publisher="tree"`` and ``fanout=--fanout``: every
              rank writes its own shards and group manifest, the same replica share.
   ckpt-star-bf  only when named in ``--ckpt-methods``: as ckpt-star with the
-             store's writes forced buffered (``store.write_mode = "buffered"``,
-             what ``ALPHA_CKPT_WRITE_MODE=buffered`` does), as DCP's writer
-             writes; compared with DCP as ours are.
+             store's writes buffered whatever ``ALPHA_CKPT_WRITE_MODE`` says
+             (``store.write_mode = "buffered"``, the store's default), as DCP's
+             writer writes; compared with DCP as ours are.
   dcp        ``dcp.save(state, checkpoint_id=DIR, process_group=...)``, default
              FileSystemWriter; ``dcp.load`` in place. The replicated tensors under
              the same keys on every rank (``model.<name>``), each rank's shares as
@@ -246,8 +246,9 @@ docs/BENCHMARKS.md, "The first touch of page-cache memory").
 ``--ckpt-methods`` runs only some of the checkpointer and sharded sections'
 methods (dcp and one of ours at least), in the same balanced order: what the
 other methods of a round leave behind is part of what each one measures. It
-also adds ckpt-star-bf, the star writing buffered: beside ckpt-star in one run
-it shows what the writing mode costs the save and the next cold restore.
+also adds ckpt-star-bf, the star writing buffered: beside ckpt-star in a run
+with ``ALPHA_CKPT_WRITE_MODE=auto`` or ``direct`` it shows what the writing
+mode costs the save and the next restore.
 
 Every section ends with its tables; the last line is one JSON object with
 every median and ratio (the store section's keys at the top level, as before
@@ -1225,8 +1226,9 @@ BASELINES = ("dcp", "dcp-t2", "raw")  # what ours are compared with (raw: the di
 OURS_STORE_METHODS = ("ckpt-star", "ckpt-tree", "ckpt-star-bf", "dcp-alpha")  # the methods writing alpha_ckpt stores
 # The sharded section adds DCP with alpha_ckpt's storage (alpha_ckpt.dcp) as "dcp-alpha".
 SHARDED_METHODS = ("ckpt-star", "ckpt-tree", "dcp-alpha", "dcp", "dcp-t2", "raw")
-# Only by --ckpt-methods: the star with the store's writes forced buffered, as DCP's FileSystemWriter
-# writes, so one run compares how the writing mode moves cost between a save and the next cold restore.
+# Only by --ckpt-methods: the star with the store's writes buffered whatever ALPHA_CKPT_WRITE_MODE says,
+# as DCP's FileSystemWriter writes, so a run under "auto" or "direct" compares how the writing mode moves
+# cost between a save and the next restore.
 BUFFERED_STAR = "ckpt-star-bf"
 SHARDED_COLS = 1024  # columns of every sharded matrix (rows: what the size leaves)
 CKPT_RESULT = "checkpointer_result.json"
