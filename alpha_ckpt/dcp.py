@@ -245,6 +245,7 @@ class StorageWriter(_DcpStorageWriter):
         self.root: str | None = None
         self._lease = None
         self._planned: tuple | None = None  # the coordinator's: (regions, epoch, follows)
+        self.is_coordinator = False  # set_up_storage_writer says
         self._collective = True  # whether DCP runs this save on every rank (set_up_storage_writer)
 
     # DCP's call order: reset, set_up_storage_writer, prepare_local_plan, (coordinator)
@@ -328,8 +329,11 @@ class StorageWriter(_DcpStorageWriter):
         # so the coordinator gives its lease back at once (DCP then raises every rank's failure).
         if _any_rank_failed(failure is not None, self.group, self._collective):
             self._release()
+            self._close_own_store()
             if failure is not None:
                 raise failure
+        if not self.is_coordinator:  # its part is durable; finish() runs on the coordinator only
+            self._close_own_store()
         records = [s.to_json() for s in shards]
         # The shards travel with the first result: finish() names every rank's in the manifest.
         if results:
@@ -364,6 +368,7 @@ class StorageWriter(_DcpStorageWriter):
             self.root = record.root
         finally:
             self._release()
+            self._close_own_store()
         # dcp.save returns this Metadata on every rank: it names the generation it became.
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
@@ -373,6 +378,18 @@ class StorageWriter(_DcpStorageWriter):
         if self._lease is not None:
             self._lease()  # the finalizer: releases once, and never again when the writer is dropped
             self._lease = None
+
+    def _close_own_store(self) -> None:
+        _close_own_store(self)
+
+
+def _close_own_store(storage) -> None:
+    """Close the store a writer or reader opened from a path, at the end of its save or load (a next
+    one opens it again): its directory descriptors are not held from one checkpoint to the next. A
+    Store the caller passed stays open: it is the caller's."""
+    if storage._store is not None and not isinstance(storage._store_arg, Store):
+        storage._store.close()
+        storage._store = None
 
 
 def _region_decls(regions: list[dict]) -> tuple[RegionDecl, ...]:
@@ -471,6 +488,12 @@ class StorageReader(_DcpStorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Validate every chunk this rank reads, agree with every rank, then copy (or copy nothing)."""
+        try:
+            return self._read_data(plan, planner)
+        finally:
+            _close_own_store(self)  # read_data is a load's last call on every rank
+
+    def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         wanted, boxes, values = [], [], []
         failure: BaseException | None = None
         generation = prepared = None

@@ -195,6 +195,12 @@ class Store:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def __del__(self) -> None:
+        # A handle dropped without close() gives its directory descriptors back: a long job that
+        # opens a store per save would otherwise run out of them.
+        if hasattr(self, "_leases"):  # not when __init__ failed before opening everything
+            self.close()
+
     # ------------------------------------------------------------ objects
 
     def _fan_dir(self, digest: str, create: bool) -> int:

@@ -464,3 +464,39 @@ def test_a_shard_of_small_slices_hands_all_its_payload_to_writeback_before_its_f
         assert set(range(1, (size + 4095) >> 12)) <= covered, (digest, size, sorted(covered))
         payload += size
     assert payload >= 240_000
+
+
+def _open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _descriptors_over_saves_and_loads(rank, world, store):
+    # DCP makes a writer and a reader per checkpoint, as a training loop does; each opens the store by
+    # its path. A store's directories (root, objects/ and its fans, tmp/, pending/) held past the save
+    # would pile up with every checkpoint of a long run.
+    w = _full(3, 256, 64)
+    counts = []
+    for update in range(1, 5):
+        w.add_(1)
+        root = dcp.save({"w": w}, storage_writer=StorageWriter(store, run="r", update=update)).storage_meta.checkpoint_id
+        dest = {"w": torch.zeros(256, 64)}
+        dcp.load(dest, storage_reader=StorageReader(store, root))
+        assert torch.equal(dest["w"], w)
+        counts.append(_open_descriptors())
+    return counts
+
+
+def test_dcp_saves_and_loads_by_store_path_hold_no_descriptors_from_one_checkpoint_to_the_next(tmp_path):
+    results = run_ranks(2, _descriptors_over_saves_and_loads, str(tmp_path / "store"), tmp=tmp_path)
+    for counts in results:  # the coordinator and the other rank alike
+        assert counts == [counts[0]] * len(counts), counts
+
+
+def test_a_store_handle_dropped_without_close_gives_its_descriptors_back(tmp_path):
+    Store(tmp_path / "store").close()  # created once
+    before = _open_descriptors()
+    store = Store(tmp_path / "store")
+    store.pending_publish("r", "s").release()  # opens pending/ too
+    assert _open_descriptors() >= before + 4
+    del store
+    assert _open_descriptors() == before
