@@ -329,11 +329,11 @@ class StorageWriter(_DcpStorageWriter):
         # so the coordinator gives its lease back at once (DCP then raises every rank's failure).
         if _any_rank_failed(failure is not None, self.group, self._collective):
             self._release()
-            self._close_own_store()
+            _close_own_store(self)
             if failure is not None:
                 raise failure
         if not self.is_coordinator:  # its part is durable; finish() runs on the coordinator only
-            self._close_own_store()
+            _close_own_store(self)
         records = [s.to_json() for s in shards]
         # The shards travel with the first result: finish() names every rank's in the manifest.
         if results:
@@ -368,7 +368,7 @@ class StorageWriter(_DcpStorageWriter):
             self.root = record.root
         finally:
             self._release()
-            self._close_own_store()
+            _close_own_store(self)
         # dcp.save returns this Metadata on every rank: it names the generation it became.
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
@@ -378,9 +378,6 @@ class StorageWriter(_DcpStorageWriter):
         if self._lease is not None:
             self._lease()  # the finalizer: releases once, and never again when the writer is dropped
             self._lease = None
-
-    def _close_own_store(self) -> None:
-        _close_own_store(self)
 
 
 def _close_own_store(storage) -> None:
