@@ -1309,10 +1309,11 @@ def reset_peak_rss() -> int | None:
     return proc_status_kib("VmRSS")
 
 
-def process_cpu_s() -> float:
-    """User plus system CPU seconds of this process so far (every thread of it)."""
+def process_cpu_s() -> tuple[float, float]:
+    """User and system CPU seconds of this process so far (every thread of it). Kept apart: on a VM
+    the system time of the same page-cache write varies from round to round, for every method."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    return usage.ru_utime, usage.ru_stime
 
 
 def proc_status_kib(field: str) -> int | None:
@@ -1406,7 +1407,7 @@ def merge_round_halves(merged: dict, saved: dict, restored: dict) -> dict:
     restore launch wrote ``restored``: each launch timed one half ("save" lists in the first,
     "load" lists in the second); the per-round lists are appended, the restores counted."""
     out = json.loads(json.dumps(merged or {**restored, "disk_bytes": saved["disk_bytes"], "verified_restores": 0}))
-    for table in ("times", "rss", "cpu"):
+    for table in ("times", "rss", "cpu", "cpu_sys"):
         for n, per_method in out[table].items():
             for m, phases in per_method.items():
                 if merged:
@@ -1504,7 +1505,8 @@ def checkpointer_process(config: dict) -> None:
     gc.freeze()  # the per-step gc.collect() then scans only what the methods left, not torch's own objects
     times = {str(n): {m: {"save": [], "load": []} for m in methods} for n in counts}
     rss = {str(n): {m: {"save": [], "load": []} for m in methods} for n in counts}
-    cpu = {str(n): {m: {"save": [], "load": []} for m in methods} for n in counts}
+    cpu = {str(n): {m: {"save": [], "load": []} for m in methods} for n in counts}  # user + system, per rank
+    cpu_sys = {str(n): {m: {"save": [], "load": []} for m in methods} for n in counts}  # system alone, per rank
     bytes_read = {str(n): {} for n in counts}
     disk_bytes = {str(n): {} for n in counts}
     write_modes = {str(n): {m: [] for m in methods if m in OURS_STORE_METHODS} for n in counts}
@@ -1552,9 +1554,11 @@ def checkpointer_process(config: dict) -> None:
             ckpt.store.write_mode = "buffered"
         return ckpt
 
-    def timed_phase(n: int, run: Callable[[], object]) -> tuple[object, float, list[float], list[float]]:
+    def timed_phase(n: int, run: Callable[[], object]) -> tuple[object, float, tuple[list[float], list[float]],
+                                                                 list[float]]:
         """Prefault, then time ``run`` on the members of count n: (its result, the slowest rank's
-        seconds, each rank's CPU seconds, each rank's peak RSS growth)."""
+        seconds, (each rank's CPU seconds, user + system, and its system seconds), each rank's peak
+        RSS growth)."""
         member = rank < n
         gc.collect()
         if member:
@@ -1565,7 +1569,8 @@ def checkpointer_process(config: dict) -> None:
         t = time.perf_counter()
         result = run() if member else None
         elapsed = time.perf_counter() - t if member else 0.0
-        used = per_rank(process_cpu_s() - cpu0 if member else 0.0)[:n]
+        user, system = (b - a for a, b in zip(cpu0, process_cpu_s())) if member else (0.0, 0.0)
+        used = per_rank(user + system)[:n], per_rank(system)[:n]
         grown = per_rank(peak_growth_mib(base) if member else 0.0)[:n]
         return result, largest(elapsed), used, grown
 
@@ -1632,7 +1637,8 @@ def checkpointer_process(config: dict) -> None:
                         if timed:
                             times[str(n)][method]["save"].append(save_s)
                             rss[str(n)][method]["save"].append(save_rss)
-                            cpu[str(n)][method]["save"].append(save_cpu)
+                            cpu[str(n)][method]["save"].append(save_cpu[0])
+                            cpu_sys[str(n)][method]["save"].append(save_cpu[1])
                     if phase == "save":
                         if ckpt is not None:
                             ckpt.close()
@@ -1673,13 +1679,15 @@ def checkpointer_process(config: dict) -> None:
                     if timed:
                         times[str(n)][method]["load"].append(load_s)
                         rss[str(n)][method]["load"].append(load_rss)
-                        cpu[str(n)][method]["load"].append(load_cpu)
+                        cpu[str(n)][method]["load"].append(load_cpu[0])
+                        cpu_sys[str(n)][method]["load"].append(load_cpu[1])
                     print(f"{line}   restore {load_s:7.3f} s  {state_bytes / load_s / 1e9:6.2f} GB/s   peak RSS +MiB "
                           f"restore rank 0 {load_rss[0]:6.0f}", flush=True)
     barrier()
     if rank == 0:
         out = {"bytes": state_bytes, "replicated_bytes": replicated_bytes, "partitioned_bytes": state_bytes -
-               replicated_bytes, "counts": counts, "times": times, "rss": rss, "cpu": cpu, "bytes_read": bytes_read,
+               replicated_bytes, "counts": counts, "times": times, "rss": rss, "cpu": cpu, "cpu_sys": cpu_sys,
+               "bytes_read": bytes_read,
                "disk_bytes": disk_bytes, "verified_restores": verified, "fanout": config["fanout"], "sharded": sharded,
                "methods": list(methods), "handles": handles, "write_modes": write_modes}
         path = os.path.join(top, CKPT_RESULT)
@@ -1702,9 +1710,16 @@ def report_checkpointer(args: argparse.Namespace, result: dict) -> dict:
         return [median([s[r] for s in samples]) for r in range(n)]
 
     rss = {n: {m: {p: rss_median(n, m, p) for p in ("save", "load")} for m in methods} for n in counts}
-    # The busiest rank's CPU seconds in each round, median over the rounds: where the time is CPU, not waiting.
-    cpu = {n: {m: {p: median([max(s) for s in result["cpu"][str(n)][m][p]]) for p in ("save", "load")}
-               for m in methods} for n in counts}
+    def busiest(n: int, m: str, p: str) -> tuple[float, float]:
+        """The CPU seconds of each round's busiest rank, user + system and system alone, medians over
+        the rounds: where the time is CPU and not waiting, and how much of it the kernel's."""
+        rounds = [max(zip(total, system)) for total, system in
+                  zip(result["cpu"][str(n)][m][p], result["cpu_sys"][str(n)][m][p])]
+        return median([t for t, _ in rounds]), median([s for _, s in rounds])
+
+    busy = {n: {m: {p: busiest(n, m, p) for p in ("save", "load")} for m in methods} for n in counts}
+    cpu = {n: {m: {p: busy[n][m][p][0] for p in busy[n][m]} for m in methods} for n in counts}
+    cpu_sys = {n: {m: {p: busy[n][m][p][1] for p in busy[n][m]} for m in methods} for n in counts}
     print()
     print(f"{name}: medians over {args.reps} rep(s), {nbytes / 1e9:.3f} GB per save in all "
           f"({result['replicated_bytes'] / 1e9:.3f} GB replicated on every rank, {result['partitioned_bytes'] / 1e9:.3f}"
@@ -1725,10 +1740,12 @@ def report_checkpointer(args: argparse.Namespace, result: dict) -> dict:
                   f"{gbps[n]['raw']['save']:.2f} GB/s, readinto {gbps[n]['raw']['load']:.2f} GB/s")
     print("  (peak RSS +MiB: how far each rank's resident set peaked above its start of the phase, median over reps; "
           "it counts mapped file pages too)")
-    print("  CPU seconds of the busiest rank in the phase (its process, user + system; median over reps):")
+    print("  CPU seconds of the busiest rank in the phase (its process, user + system, and of that the system "
+          "time; medians over reps):")
     for n in counts:
-        print(f"    {n} rank(s): " + "; ".join(f"{m} save {cpu[n][m]['save']:.2f} restore {cpu[n][m]['load']:.2f}"
-                                              for m in methods))
+        print(f"    {n} rank(s): " + "; ".join(
+            f"{m} save {cpu[n][m]['save']:.2f} (sys {cpu_sys[n][m]['save']:.2f}) restore {cpu[n][m]['load']:.2f} "
+            f"(sys {cpu_sys[n][m]['load']:.2f})" for m in methods))
     modes = result.get("write_modes", {})
     if any(modes.get(str(n)) for n in counts):
         print("  write mode of rank 0's large shards in each timed save (the store's choice; 'auto' measures both):")
@@ -1782,6 +1799,7 @@ def report_checkpointer(args: argparse.Namespace, result: dict) -> dict:
             "peak_rss_growth_MiB": {str(n): v for n, v in rss.items()}, "bytes_read": result["bytes_read"],
             "write_modes": result.get("write_modes", {}),
             "busiest_rank_cpu_s": {str(n): v for n, v in cpu.items()},
+            "busiest_rank_system_cpu_s": {str(n): v for n, v in cpu_sys.items()},
             "disk_bytes": result["disk_bytes"], "ratios": ratios, "targets_met": met,
             "ratio_intervals_90": {n: {k: list(v) if v else None for k, v in iv.items()} for n, iv in intervals.items()},
             "noise_verdicts": {n: {k: noise_verdict(ratios[n][k], v, targets[k][1]) for k, v in iv.items()}

@@ -240,6 +240,9 @@ def test_a_subset_of_the_sharded_methods_is_measured_and_compared_alone(tmp_path
     cpu = sharded["busiest_rank_cpu_s"]["2"]
     assert set(cpu) == {"ckpt-star", "ckpt-star-bf", "dcp"}
     assert all(0.0 < cpu[m][p] < 60.0 for m in cpu for p in ("save", "load"))  # each phase did work on a CPU
+    system = sharded["busiest_rank_system_cpu_s"]["2"]  # the kernel's part of it, reported apart
+    assert set(system) == set(cpu)
+    assert all(0.0 <= system[m][p] <= cpu[m][p] for m in cpu for p in ("save", "load"))
 
 
 def test_a_method_subset_needs_dcp_and_one_of_ours_and_known_names():
@@ -306,7 +309,7 @@ def test_the_halves_of_resumed_rounds_merge_into_one_runs_per_round_lists():
     bench = bench_module()
 
     def half(save: list, load: list, verified: int, modes: list) -> dict:
-        tables = {t: {"2": {"ckpt-star": {"save": list(save), "load": list(load)}}} for t in ("times", "rss", "cpu")}
+        tables = {t: {"2": {"ckpt-star": {"save": list(save), "load": list(load)}}} for t in ("times", "rss", "cpu", "cpu_sys")}
         return {**tables, "disk_bytes": {"2": {"ckpt-star": 7}}, "verified_restores": verified, "bytes_read": {},
                 "write_modes": {"2": {"ckpt-star": modes}}}
 
@@ -315,7 +318,7 @@ def test_the_halves_of_resumed_rounds_merge_into_one_runs_per_round_lists():
         merged = bench.merge_round_halves(merged, half([1.0 + rnd], [], 0, [[mode]]),  # restore launch only loads
                                           half([], [10.0 + rnd], 2, []))
     assert merged["write_modes"] == {"2": {"ckpt-star": [["direct"], ["buffered"], ["direct"]]}}
-    for table in ("times", "rss", "cpu"):
+    for table in ("times", "rss", "cpu", "cpu_sys"):
         assert merged[table]["2"]["ckpt-star"] == {"save": [1.0, 2.0, 3.0], "load": [10.0, 11.0, 12.0]}
     assert merged["verified_restores"] == 6 and merged["disk_bytes"] == {"2": {"ckpt-star": 7}}
     assert merged["resumed_in_new_processes"] is True
