@@ -225,6 +225,19 @@ def test_the_ratio_interval_is_ordered_reproducible_and_within_the_rounds_extrem
     assert min(base) / max(ours) * (1 - 1e-12) <= lo <= hi <= max(base) / min(ours) * (1 + 1e-12)
 
 
+def test_fastest_round_ratios_compare_each_methods_own_fastest_round_whatever_the_order():
+    bench = bench_module()
+    times = {"ckpt-star": {"save": [2.0, 0.5, 2.4], "load": [0.2, 0.3, 0.25]},
+             "dcp": {"save": [0.6, 2.5, 0.8], "load": [0.9, 0.6, 0.7]},
+             "dcp-t2": {"save": [1.0, 1.0, 1.0], "load": [0.5, 0.5, 0.5]}}
+    ratios = bench.fastest_round_ratios(times, ["ckpt-star"], ["dcp", "dcp-t2"])
+    # each method's own fastest round, not the rounds paired: ckpt-star's 0.5 s against DCP's 0.6 s
+    assert ratios == pytest.approx({"ckpt-star_save_GBps/dcp_save_GBps": 0.6 / 0.5,
+                                    "ckpt-star_load_GBps/dcp_load_GBps": 0.6 / 0.2,
+                                    "ckpt-star_save_GBps/dcp_t2_save_GBps": 1.0 / 0.5,
+                                    "ckpt-star_load_GBps/dcp_t2_load_GBps": 0.5 / 0.2})
+
+
 def test_a_subset_of_the_sharded_methods_is_measured_and_compared_alone(tmp_path):
     run = subprocess.run([sys.executable, str(SCRIPT), "--section", "sharded", "--ckpt-methods", "dcp", "ckpt-star-bf",
                           "ckpt-star", "--ckpt-ranks", "2", "--size-mib", "16", "--tensors", "4", "--reps", "1", "--warmup", "0",
@@ -243,6 +256,8 @@ def test_a_subset_of_the_sharded_methods_is_measured_and_compared_alone(tmp_path
     system = sharded["busiest_rank_system_cpu_s"]["2"]  # the kernel's part of it, reported apart
     assert set(system) == set(cpu)
     assert all(0.0 <= system[m][p] <= cpu[m][p] for m in cpu for p in ("save", "load"))
+    # one round: its fastest round is its median round
+    assert sharded["fastest_round_ratios"]["2"] == pytest.approx(sharded["ratios"]["2"])
 
 
 def test_a_method_subset_needs_dcp_and_one_of_ours_and_known_names():
