@@ -201,8 +201,9 @@ rank's; throughput is the whole state's bytes over it. After every restore
 tensors with the source with ``torch.equal`` (NaN-poisoned before each
 restore). Also reported, untimed: each rank's peak RSS growth during each
 phase (VmHWM reset through /proc/self/clear_refs; it counts mapped file pages
-too), the CPU seconds (user + system) of the busiest rank's process in each
-phase, the bytes each rank's Checkpointer restore read (``last_restore``), and
+too), the CPU seconds of the busiest rank's process in each phase (user +
+system, and the system part alone: on a VM the system time of the same
+page-cache write varies from round to round, for every method), the bytes each rank's Checkpointer restore read (``last_restore``), and
 the bytes each method left on disk. Ratios: ckpt-star and ckpt-tree throughput
 over dcp's and dcp-t2's, save and load (target: at least 1.0; reported, never
 enforced), and every method's save throughput over raw write. Beside each
@@ -214,7 +215,12 @@ beyond noise": all of it below; otherwise "within noise"; under 5 rounds no
 interval is claimed). On a machine whose
 disk rate varies 2x between rounds, a median of a few rounds can land on
 either side of 1.0; the interval says which verdicts more rounds would not
-overturn.
+overturn. For information, the same ratios of each method's fastest round
+(as ``timeit`` reports its minimum): where the host supplies page-cache memory
+fast in some rounds and slowly in others, whichever method saves, they show
+each method's speed without the slow rounds. The bootstrap takes a run's
+rounds as exchangeable; a host slow for a stretch of the run breaks that
+(docs/BENCHMARKS.md, "what decides a save on this VM").
 
 Section "sharded"
 -----------------
