@@ -203,8 +203,9 @@ restore). Also reported, untimed: each rank's peak RSS growth during each
 phase (VmHWM reset through /proc/self/clear_refs; it counts mapped file pages
 too), the CPU seconds of the busiest rank's process in each phase (user +
 system, and the system part alone: on a VM the system time of the same
-page-cache write varies from round to round, for every method), the bytes each rank's Checkpointer restore read (``last_restore``), and
-the bytes each method left on disk. Ratios: ckpt-star and ckpt-tree throughput
+page-cache write varies from round to round, for every method), the bytes
+each rank's Checkpointer restore read (``last_restore``), and the bytes each
+method left on disk. Ratios: ckpt-star and ckpt-tree throughput
 over dcp's and dcp-t2's, save and load (target: at least 1.0; reported, never
 enforced), and every method's save throughput over raw write. Beside each
 target ratio: its 90% interval from a paired bootstrap over the rounds (both
@@ -1735,8 +1736,8 @@ def report_checkpointer(args: argparse.Namespace, result: dict) -> dict:
         return median([t for t, _ in rounds]), median([s for _, s in rounds])
 
     busy = {n: {m: {p: busiest(n, m, p) for p in ("save", "load")} for m in methods} for n in counts}
-    cpu = {n: {m: {p: busy[n][m][p][0] for p in busy[n][m]} for m in methods} for n in counts}
-    cpu_sys = {n: {m: {p: busy[n][m][p][1] for p in busy[n][m]} for m in methods} for n in counts}
+    cpu, cpu_sys = ({n: {m: {p: pair[i] for p, pair in busy[n][m].items()} for m in methods} for n in counts}
+                    for i in (0, 1))
     print()
     print(f"{name}: medians over {args.reps} rep(s), {nbytes / 1e9:.3f} GB per save in all "
           f"({result['replicated_bytes'] / 1e9:.3f} GB replicated on every rank, {result['partitioned_bytes'] / 1e9:.3f}"
@@ -1807,7 +1808,7 @@ def report_checkpointer(args: argparse.Namespace, result: dict) -> dict:
                                       f"{g['raw']['load']:.2f} GB/s)" if "raw" in methods else "(no raw method)"))
         print_ratios(r, targets, indent="    ", intervals=spread)
         print("    the same ratios of each method's fastest round (information: what a method does when the "
-              "kernel's slow rounds miss it):")
+              "host's slow rounds miss it):")
         for m in ours:
             print(f"      {m:<12} " + "; ".join(
                 f"{phase} " + ", ".join(f"vs {d} {fastest[str(n)][f'{m}_{phase}_GBps/{key}_{phase}_GBps']:.3f}"

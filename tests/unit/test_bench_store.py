@@ -324,7 +324,8 @@ def test_the_halves_of_resumed_rounds_merge_into_one_runs_per_round_lists():
     bench = bench_module()
 
     def half(save: list, load: list, verified: int, modes: list) -> dict:
-        tables = {t: {"2": {"ckpt-star": {"save": list(save), "load": list(load)}}} for t in ("times", "rss", "cpu", "cpu_sys")}
+        tables = {t: {"2": {"ckpt-star": {"save": list(save), "load": list(load)}}}
+                  for t in ("times", "rss", "cpu", "cpu_sys")}
         return {**tables, "disk_bytes": {"2": {"ckpt-star": 7}}, "verified_restores": verified, "bytes_read": {},
                 "write_modes": {"2": {"ckpt-star": modes}}}
 
