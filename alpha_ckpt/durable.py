@@ -26,6 +26,7 @@ import os
 import secrets
 import signal
 import stat
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -170,7 +171,8 @@ def durable_commit(
     return outcome
 
 
-def durable_commit_all(tmp_dir: int, commits: Sequence[Commit]) -> list[str | FileExistsError]:
+def durable_commit_all(tmp_dir: int, commits: Sequence[Commit],
+                       write_threads: int = 1) -> list[str | FileExistsError]:
     """Durably publish several files, each as :func:`durable_commit` does, with the stages batched.
 
     Every file is written, then every file fsynced and closed, then every one renamed
@@ -182,23 +184,41 @@ def durable_commit_all(tmp_dir: int, commits: Sequence[Commit]) -> list[str | Fi
     others still published). Any other failure raises :class:`DurableWriteError`
     with no temporary file left; files renamed before it stay published, none is
     half-written. Every descriptor stays open from its write to its fsync, so a
-    writeback error is reported to the fsync that must see it.
+    writeback error is reported to the fsync that must see it. ``write_threads``:
+    how many files are written at once (each ``write`` callback must then be safe to
+    run beside the others); after a failed write none not yet started is begun, the
+    lowest-numbered failure is raised, and nothing is fsynced or renamed.
     """
-    files: list[list] = []  # [temporary name, fd or -1 once closed, final name, published]
+    files: list[list | None] = [None] * len(commits)  # [temporary name, fd or -1 once closed, final name, published]
     outcomes: list[str | FileExistsError] = []
     try:
         stage = "write"
         try:
-            for commit in commits:
+            def write_one(i: int) -> None:
                 tmp_name = f"{os.getpid()}-{secrets.token_hex(8)}.tmp"
                 # Read-only once published: nothing is meant to modify an object or a ref in place.
                 fd = os.open(tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444,
                              dir_fd=tmp_dir)
-                files.append([tmp_name, fd, None, False])
-                final = commit.write(fd) or commit.name
+                files[i] = file = [tmp_name, fd, None, False]
+                final = commits[i].write(fd) or commits[i].name
                 if not final:
                     raise ValueError("durable_commit needs a name from write() or the name argument")
-                files[-1][2] = final
+                file[2] = final
+
+            threads = min(write_threads, len(commits))
+            if threads <= 1:
+                for i in range(len(commits)):
+                    write_one(i)
+            else:
+                with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="alpha-ckpt-write") as pool:
+                    futures = [pool.submit(write_one, i) for i in range(len(commits))]
+                    wait(futures, return_when=FIRST_EXCEPTION)
+                    for f in futures:  # after a failure, the writes not yet started never start
+                        f.cancel()
+                # (the pool has joined: every started write has ended before any temporary file is removed)
+                for f in futures:
+                    if not f.cancelled():
+                        f.result()
             stage = "data-fsync"
             for commit, file in zip(commits, files):
                 _fault(commit.kind, "before-data-fsync")
@@ -234,7 +254,7 @@ def durable_commit_all(tmp_dir: int, commits: Sequence[Commit]) -> list[str | Fi
             _fault(kind, "after-dir-fsync")
         return outcomes
     finally:
-        for tmp_name, fd, _, published in files:
+        for tmp_name, fd, _, published in filter(None, files):
             if fd >= 0:
                 os.close(fd)
             if not published:

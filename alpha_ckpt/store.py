@@ -57,6 +57,13 @@ WRITE_MODE_ENV = "ALPHA_CKPT_WRITE_MODE"
 # every run, while "auto", wherever it measured O_DIRECT faster and took it, lost every hot restore
 # (0.64-0.88x DCP's). "auto" stays for disks shared with other jobs, where O_DIRECT can write faster.
 DEFAULT_WRITE_MODE = "buffered"
+WRITE_THREADS_ENV = "ALPHA_CKPT_WRITE_THREADS"
+# Files of one batched commit (a save's shards) written at once, as DCP's thread_count. A buffered
+# write spends its time in the kernel filling page cache, and writes side by side overlap those waits:
+# on 2 cores, 1 GiB on 4 ranks saved 1.03-1.17x faster with 2 threads than 1, and 1.15x faster with 4
+# than 2 (30 rounds each; docs/BENCHMARKS.md). More than 4 gained less consistently, and each thread
+# holds at most one compressed shard.
+DEFAULT_WRITE_THREADS = 4
 EXPLORE_EVERY = 8  # under "auto", after this many large writes in one mode, one in the other
 # Under "auto", O_DIRECT is chosen only when it writes at least this much faster than buffered: an
 # O_DIRECT object is not left in the page cache, so a restore soon after the save (a restart on the
@@ -144,6 +151,10 @@ class Store:
         self.write_mode = os.environ.get(WRITE_MODE_ENV, DEFAULT_WRITE_MODE)
         if self.write_mode not in WRITE_MODES:
             raise StoreUsageError(f"{WRITE_MODE_ENV}={self.write_mode!r}: choose from {', '.join(WRITE_MODES)}")
+        threads = os.environ.get(WRITE_THREADS_ENV, str(DEFAULT_WRITE_THREADS))
+        self.write_threads = int(threads) if threads.isascii() and threads.isdigit() else 0
+        if self.write_threads < 1:  # a save's shards written at once (put_objects' write_threads)
+            raise StoreUsageError(f"{WRITE_THREADS_ENV}={threads!r}: a positive number of files written at once")
         if create:
             os.makedirs(self.root, exist_ok=True)
         try:
@@ -346,13 +357,13 @@ class Store:
             return digest_hint, False
         return self.put_objects([write])[0]
 
-    def put_objects(self, writes: Sequence[Callable[[int], str]]) -> list[tuple[str, bool]]:
+    def put_objects(self, writes: Sequence[Callable[[int], str]], write_threads: int = 1) -> list[tuple[str, bool]]:
         """Durably write several objects as :meth:`put_object` does, in one batched durable commit.
 
         Every object is written before any is fsynced (see
         :func:`alpha_ckpt.durable.durable_commit_all`), so the disk streams the
-        batch and each directory is fsynced once. Returns (digest, written) per
-        write, in order.
+        batch and each directory is fsynced once; ``write_threads`` of them are
+        written at once. Returns (digest, written) per write, in order.
         """
         results: list[tuple[str, bool] | None] = [None] * len(writes)
         left = list(range(len(writes)))
@@ -369,7 +380,8 @@ class Store:
 
             # The fan directory depends on the digest, known only once written.
             outcomes = durable.durable_commit_all(self._tmp_fd, [
-                durable.Commit(named(i), lambda name: self._fan_dir(name, create=True)) for i in left])
+                durable.Commit(named(i), lambda name: self._fan_dir(name, create=True)) for i in left],
+                write_threads)
             again = []
             for i, outcome in zip(left, outcomes):
                 if isinstance(outcome, FileExistsError):

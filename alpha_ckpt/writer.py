@@ -390,7 +390,8 @@ def prepare_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regio
 
     def layout() -> tuple[list[SliceRecord], list[memoryview], int, int]:
         """The slice records, payloads, head length and size: compressed only when the shard is
-        written, so a batch of shards never holds more than one shard's compressed bytes."""
+        written, so a batch holds the compressed bytes of only the shards being written at once
+        (``store.write_threads``)."""
         records: list[SliceRecord] = []
         payloads: list[memoryview] = []
         offset = 0
@@ -489,7 +490,7 @@ def commit_shards(store: Store, shards: Sequence[ShardWrite], writers: int = 1,
         for s in batch:
             s.mode = mode
         started = time.perf_counter()
-        results = store.put_objects([s.write for s in batch])
+        results = store.put_objects([s.write for s in batch], store.write_threads)
         seconds = time.perf_counter() - started
         large = [s for s, (_, written) in zip(batch, results) if s.large and written]
         if large:

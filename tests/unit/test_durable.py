@@ -5,6 +5,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 
@@ -193,4 +195,51 @@ def test_a_failing_write_in_a_batch_publishes_nothing_and_leaves_no_temporary(di
         durable.durable_commit_all(tmp, [durable.Commit(_writer(b"a"), dest, "a"),
                                          durable.Commit(_write_then_run_out_of_space, dest, "b")])
     assert info.value.stage == "write"
+    assert os.listdir(root / "dest") == [] and os.listdir(root / "tmp") == []
+
+
+def test_a_batch_with_two_write_threads_writes_two_files_at_once_and_publishes_all_in_order(dirs):
+    root, tmp, dest = dirs
+    both_writing = threading.Barrier(2, timeout=30)  # broken unless the first two writes overlap
+
+    def meeting_writer(data: bytes):
+        def write(fd):
+            both_writing.wait()
+            os.write(fd, data)
+        return write
+
+    commits = [durable.Commit(meeting_writer(b"a"), dest, "a"), durable.Commit(meeting_writer(b"b"), dest, "b"),
+               durable.Commit(_writer(b"c"), dest, "c")]
+    assert durable.durable_commit_all(tmp, commits, write_threads=2) == ["a", "b", "c"]
+    assert [(root / "dest" / n).read_bytes() for n in "abc"] == [b"a", b"b", b"c"]
+    assert os.listdir(root / "tmp") == []
+
+
+def test_a_failed_write_among_concurrent_ones_starts_no_more_publishes_nothing_and_leaves_no_temporary(dirs):
+    root, tmp, dest = dirs
+    failed, started = threading.Event(), []
+
+    def slow_ok(fd):  # still writing when its neighbour fails; its file is removed too
+        assert failed.wait(timeout=30)
+        time.sleep(0.2)
+        os.write(fd, b"ok")
+
+    def fail(fd):
+        os.write(fd, b"partial")
+        failed.set()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def later(i):
+        def write(fd):
+            started.append(i)
+            time.sleep(0.05)
+            os.write(fd, b"later")
+        return write
+
+    commits = [durable.Commit(slow_ok, dest, "a"), durable.Commit(fail, dest, "b")]
+    commits += [durable.Commit(later(i), dest, f"c{i}") for i in range(30)]
+    with pytest.raises(DurableWriteError) as info:
+        durable.durable_commit_all(tmp, commits, write_threads=2)
+    assert info.value.stage == "write" and info.value.errno == errno.ENOSPC
+    assert len(started) < 30  # the writes queued behind the failure never began
     assert os.listdir(root / "dest") == [] and os.listdir(root / "tmp") == []

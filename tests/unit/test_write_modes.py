@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import alpha_ckpt
-from alpha_ckpt import writer
+from alpha_ckpt import durable, writer
 from alpha_ckpt.store import EXPLORE_EVERY, Store
 
 
@@ -137,6 +137,53 @@ def test_an_unknown_write_mode_is_a_usage_error(tmp_path, monkeypatch):
     from alpha_ckpt.errors import StoreUsageError
     monkeypatch.setenv("ALPHA_CKPT_WRITE_MODE", "fast")
     with pytest.raises(StoreUsageError, match="ALPHA_CKPT_WRITE_MODE"):
+        Store(tmp_path)
+
+
+def _many_shards():
+    g = torch.Generator().manual_seed(5)
+    return {f"t{i}": torch.randn(300_000 + i, generator=g) for i in range(6)}
+
+
+@pytest.mark.parametrize("setting, threads", [(None, 4), ("1", 1), ("3", 3)])
+def test_a_saves_shards_are_written_as_many_at_once_as_alpha_ckpt_write_threads_says(tmp_path, monkeypatch, setting,
+                                                                                       threads):
+    monkeypatch.setenv("ALPHA_CKPT_WRITE_MODE", "buffered")
+    if setting is None:
+        monkeypatch.delenv("ALPHA_CKPT_WRITE_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("ALPHA_CKPT_WRITE_THREADS", setting)
+    batches, real = [], durable.durable_commit_all
+    monkeypatch.setattr(durable, "durable_commit_all", lambda tmp_dir, commits, write_threads=1: (
+        batches.append((len(commits), write_threads)), real(tmp_dir, commits, write_threads))[1])
+    store = Store(tmp_path / "s")
+    root = alpha_ckpt.save(_many_shards(), store=store, run="r", step="s", update=1, cursor=1, epoch=0,
+                           max_shard_bytes=1 << 20)
+    # the six 1.2 MB tensors' shards in one batch, written `threads` at a time
+    assert any(n >= 6 and t == threads for n, t in batches), batches
+    restored = {k: torch.empty_like(v) for k, v in _many_shards().items()}
+    alpha_ckpt.load(restored, store=store, digest=root)
+    assert all(torch.equal(restored[k], v) for k, v in _many_shards().items())
+
+
+def test_shards_written_four_at_once_with_o_direct_hold_the_bytes_of_shards_written_one_at_a_time(
+        tmp_path, monkeypatch, small_blocks):
+    roots = []
+    for name, mode, threads in (("one", "buffered", "1"), ("four", "direct", "4")):
+        monkeypatch.setenv("ALPHA_CKPT_WRITE_MODE", mode)
+        monkeypatch.setenv("ALPHA_CKPT_WRITE_THREADS", threads)
+        store = Store(tmp_path / name)
+        roots.append(alpha_ckpt.save(_many_shards(), store=store, run="r", step="s", update=1, cursor=1, epoch=0,
+                                     max_shard_bytes=1 << 20))
+    assert store.write_stats()["gbps"]["direct"], "the direct path was not taken"
+    assert roots[0] == roots[1] and _objects(tmp_path / "one") == _objects(tmp_path / "four")
+
+
+@pytest.mark.parametrize("setting", ["0", "-2", "four", "\u00b2", ""])
+def test_a_write_threads_setting_that_is_not_a_positive_number_is_a_usage_error(tmp_path, monkeypatch, setting):
+    from alpha_ckpt.errors import StoreUsageError
+    monkeypatch.setenv("ALPHA_CKPT_WRITE_THREADS", setting)
+    with pytest.raises(StoreUsageError, match="ALPHA_CKPT_WRITE_THREADS"):
         Store(tmp_path)
 
 
