@@ -60,9 +60,9 @@ DEFAULT_WRITE_MODE = "buffered"
 WRITE_THREADS_ENV = "ALPHA_CKPT_WRITE_THREADS"
 # Files of one batched commit (a save's shards) written at once, as DCP's thread_count. A buffered
 # write spends its time in the kernel filling page cache, and writes side by side overlap those waits:
-# on 2 cores, 1 GiB on 4 ranks saved 1.03-1.17x faster with 2 threads than 1, and 1.15x faster with 4
-# than 2 (30 rounds each; docs/BENCHMARKS.md). More than 4 gained less consistently, and each thread
-# holds at most one compressed shard.
+# in paired 30-round probes on 2 cores (1 GiB, 2 and 4 ranks), 2 threads saved 1.03-1.29x faster than
+# 1, and 4 1.13-1.15x faster than 2; more than 4 gained less consistently. The benchmark at 4 ranks
+# showed no gain over one thread (docs/BENCHMARKS.md). Each thread holds at most one compressed shard.
 DEFAULT_WRITE_THREADS = 4
 EXPLORE_EVERY = 8  # under "auto", after this many large writes in one mode, one in the other
 # Under "auto", O_DIRECT is chosen only when it writes at least this much faster than buffered: an
