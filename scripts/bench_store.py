@@ -292,6 +292,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -751,11 +752,23 @@ class Pending:
         self.fence, self.wait, self.load = fence, wait, load
 
 
-def completion_clock(future) -> list[float]:
-    """perf_counter() at the moment ``future`` completes (filled by a done callback)."""
+def completion_clock(future) -> Callable[[], float]:
+    """A function that returns perf_counter() at the moment ``future`` completed, as a done callback
+    saw it; it waits for that callback, since ``future.result()`` can return before callbacks run."""
     done: list[float] = []
-    future.add_done_callback(lambda _: done.append(time.perf_counter()))
-    return done
+    recorded = threading.Event()
+
+    def record(_) -> None:
+        done.append(time.perf_counter())
+        recorded.set()
+
+    future.add_done_callback(record)
+
+    def completed_at() -> float:
+        recorded.wait()
+        return done[0]
+
+    return completed_at
 
 
 class StallMethods:
@@ -800,7 +813,7 @@ class StallMethods:
 
             def wait_default() -> float:
                 future.result()
-                return done[0] - t0
+                return done() - t0
 
             return Pending(wait=wait_default, load=lambda dest: dcp_restore(dest, workdir, workdir))
         if name == "dcp-async-staged":
@@ -809,7 +822,7 @@ class StallMethods:
 
             def wait_staged() -> float:
                 response.upload_completion.result()
-                return done[0] - t0
+                return done() - t0
 
             return Pending(fence=response.staging_completion.result, wait=wait_staged,
                            load=lambda dest: dcp_restore(dest, workdir, workdir))

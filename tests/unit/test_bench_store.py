@@ -338,3 +338,20 @@ def test_the_halves_of_resumed_rounds_merge_into_one_runs_per_round_lists():
         assert merged[table]["2"]["ckpt-star"] == {"save": [1.0, 2.0, 3.0], "load": [10.0, 11.0, 12.0]}
     assert merged["verified_restores"] == 6 and merged["disk_bytes"] == {"2": {"ckpt-star": 7}}
     assert merged["resumed_in_new_processes"] is True
+
+
+def test_the_completion_clock_waits_for_its_callback_when_the_result_is_read_before_callbacks_run():
+    import threading
+    import time
+    from concurrent.futures import Future
+    bench = bench_module()
+    future = Future()
+    future.add_done_callback(lambda _: time.sleep(0.3))  # runs first: result() returns before the clock's
+    clock = bench.completion_clock(future)
+    setter = threading.Thread(target=future.set_result, args=(None,))
+    before = time.perf_counter()
+    setter.start()
+    future.result()
+    completed = clock()
+    setter.join()
+    assert before <= completed <= time.perf_counter()
