@@ -153,7 +153,7 @@ class Store:
             raise StoreUsageError(f"{WRITE_MODE_ENV}={self.write_mode!r}: choose from {', '.join(WRITE_MODES)}")
         threads = os.environ.get(WRITE_THREADS_ENV, str(DEFAULT_WRITE_THREADS))
         self.write_threads = int(threads) if threads.isascii() and threads.isdigit() else 0
-        if self.write_threads < 1:  # a save's shards written at once (put_objects' write_threads)
+        if self.write_threads < 1:  # the objects of one put_objects batch (a save's shards) written at once
             raise StoreUsageError(f"{WRITE_THREADS_ENV}={threads!r}: a positive number of files written at once")
         if create:
             os.makedirs(self.root, exist_ok=True)
@@ -357,12 +357,12 @@ class Store:
             return digest_hint, False
         return self.put_objects([write])[0]
 
-    def put_objects(self, writes: Sequence[Callable[[int], str]], write_threads: int = 1) -> list[tuple[str, bool]]:
+    def put_objects(self, writes: Sequence[Callable[[int], str]]) -> list[tuple[str, bool]]:
         """Durably write several objects as :meth:`put_object` does, in one batched durable commit.
 
         Every object is written before any is fsynced (see
         :func:`alpha_ckpt.durable.durable_commit_all`), so the disk streams the
-        batch and each directory is fsynced once; ``write_threads`` of them are
+        batch and each directory is fsynced once; :attr:`write_threads` of them are
         written at once. Returns (digest, written) per write, in order.
         """
         results: list[tuple[str, bool] | None] = [None] * len(writes)
@@ -381,7 +381,7 @@ class Store:
             # The fan directory depends on the digest, known only once written.
             outcomes = durable.durable_commit_all(self._tmp_fd, [
                 durable.Commit(named(i), lambda name: self._fan_dir(name, create=True)) for i in left],
-                write_threads)
+                self.write_threads)
             again = []
             for i, outcome in zip(left, outcomes):
                 if isinstance(outcome, FileExistsError):

@@ -490,7 +490,7 @@ def commit_shards(store: Store, shards: Sequence[ShardWrite], writers: int = 1,
         for s in batch:
             s.mode = mode
         started = time.perf_counter()
-        results = store.put_objects([s.write for s in batch], store.write_threads)
+        results = store.put_objects([s.write for s in batch])
         seconds = time.perf_counter() - started
         large = [s for s, (_, written) in zip(batch, results) if s.large and written]
         if large:
