@@ -72,11 +72,10 @@ DCP_KEY = "dcp"  # the root manifest's metadata entry that holds DCP's Metadata
 # Each chunk is stored as slices of at most this many bytes, each with its own BLAKE3 and block
 # digests. A resharded load reads only the 64 KiB blocks that hold its words, whatever the slice
 # size; 4, 16 and 32 MiB slices loaded a 1 GiB Shard(0) state cold on 4 ranks in the same time
-# (medians 0.50, 0.53 and 0.51 s). Saves are not indifferent: with 4 MiB slices a 4-rank save of
-# that state took 1.04-1.27x as long as with 16 MiB ones, in 16 or 32 MiB shards alike (medians of
-# 3 paired runs of 30 rounds; the
-# Checkpointer, which writes each of those 16 MiB chunks as one slice, was 1.02-1.17x as fast again).
-SLICE_BYTES = 16 << 20
+# (medians 0.50, 0.53 and 0.51 s). Saves of that state (paired probes of 30 rounds) took 1.14x
+# and 1.22x as long on 2 ranks with 16 and 32 MiB slices as with 4 MiB ones, and 0.79-0.96x as
+# long on 4 ranks with 16 MiB ones: 4 MiB stays, for the loss at 2 ranks was the larger.
+SLICE_BYTES = 4 << 20
 # A rank's slices go into shards of at most this many bytes. Cold loads of a rank's whole share in
 # one shard ran at 0.60-0.92x DCP's throughput in every benchmark run; 32 MiB shards at 1.12-1.23x
 # in one run and 0.78-0.99x in the next (saves: one durable commit per shard, 10-20% slower).
