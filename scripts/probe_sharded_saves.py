@@ -1,0 +1,224 @@
+#!/usr/bin/env python3
+"""Paired probe: sharded saves only, several ways, the order rotated every round.
+
+``scripts/bench_store.py --section sharded`` runs every method's save and restore
+in a fixed balanced design and reports against DCP. This probe answers narrower
+questions, such as "does a slice size, a shard size or the benchmark's surroundings
+change the DCP backend's saves?", by timing saves of the same state in the same
+processes, one method after another, with the method order rotated every round.
+Each round's times are paired, so what slowed a whole round moves both sides of a
+ratio together.
+
+The state: 16 float32 matrices of ``--rows`` x 1024 as DTensors placed ``Shard(0)``
+on a 1-D mesh of ``--ranks`` gloo ranks (the default 16384 rows: 1 GiB), each
+method saving into a fresh directory that is removed after the round. Methods:
+
+  dcp-alpha[-sN][-shM]  ``dcp.save`` with ``alpha_ckpt.dcp.StorageWriter``; ``-sN``:
+                        slices of N MiB (default: the backend's), ``-shM``: shards of
+                        at most M MiB (default: the backend's)
+  ckpt                  ``alpha_ckpt.Checkpointer.save`` (the Checkpointer is built,
+                        and its fresh store opened, before the timer, as the benchmark does)
+  dcp, dcp-t2           ``dcp.save`` with DCP's ``FileSystemWriter`` (one thread, two)
+
+Optional, as the benchmark does: ``--restore`` (load each save back into poisoned
+DTensors, untimed, and check it with ``torch.equal``), ``--sync`` (``os.sync()``
+after each ``mkdir`` and ``rmtree``), ``--prefault X`` (touch and free X times each
+rank's bytes before every save and restore; default 2, as the benchmark).
+
+    python scripts/probe_sharded_saves.py --ranks 4 --rounds 30 --methods dcp-alpha dcp-alpha-s16 ckpt dcp-t2
+
+Prints each method's median save (the slowest rank's seconds), then every pair's
+ratio of medians with a 90 % paired-bootstrap interval and the rounds each side
+won, then one JSON line with every round's times.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from torch.distributed.checkpoint import FileSystemWriter
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_store import paired_ratio_interval, prefault  # noqa: E402
+
+import alpha_ckpt  # noqa: E402
+import alpha_ckpt.dcp as alpha_dcp  # noqa: E402
+
+MiB = 1 << 20
+COLS = 1024
+TENSORS = 16
+DEFAULT_SHARD_BYTES = alpha_dcp.SHARD_BYTES  # -shM changes the module's value per save; this restores it
+BACKEND = re.compile(r"^dcp-alpha(?:-s(?P<slice>\d+))?(?:-sh(?P<shard>\d+))?$")
+
+
+def method_ok(name: str) -> bool:
+    return name in ("ckpt", "dcp", "dcp-t2") or BACKEND.match(name) is not None
+
+
+def rotated(methods: list[str], rnd: int) -> list[str]:
+    """Round ``rnd``'s order: the methods rotated by ``rnd`` places, so each leads equally often."""
+    k = rnd % len(methods)
+    return methods[k:] + methods[:k]
+
+
+def pair_stats(first: list[float], second: list[float]) -> dict:
+    """How much faster ``first`` saved than ``second`` (paired seconds of the same rounds): the ratio
+    of medians (>1: first faster), its 90 % paired-bootstrap interval (None under 5 rounds), the
+    geometric mean of the per-round ratios, and the rounds in which first was faster."""
+    ratio = statistics.median(second) / statistics.median(first)
+    interval = paired_ratio_interval(first, second) if len(first) >= 5 else None
+    geo = math.exp(statistics.fmean(math.log(b / a) for a, b in zip(first, second)))
+    return {"ratio": ratio, "interval_90": interval, "geo_mean": geo,
+            "first_faster": sum(a < b for a, b in zip(first, second)), "rounds": len(first)}
+
+
+def save(method: str, state: dict, directory: str, rnd: int, ckpt) -> str | None:
+    if method == "ckpt":
+        return ckpt.save({"model": state}, update=rnd + 1, cursor=rnd + 1)
+    if method == "dcp":
+        dcp.save(state, checkpoint_id=directory)
+        return None
+    if method == "dcp-t2":
+        dcp.save(state, storage_writer=FileSystemWriter(directory, thread_count=2))
+        return None
+    m = BACKEND.match(method)
+    slice_bytes = int(m["slice"]) * MiB if m["slice"] else alpha_dcp.SLICE_BYTES
+    alpha_dcp.SHARD_BYTES = int(m["shard"]) * MiB if m["shard"] else DEFAULT_SHARD_BYTES
+    writer = alpha_dcp.StorageWriter(directory, run="probe", step="fit", update=rnd + 1, slice_bytes=slice_bytes)
+    return dcp.save(state, storage_writer=writer).storage_meta.checkpoint_id
+
+
+def restore(method: str, dest: dict, directory: str, handle, ckpt) -> None:
+    if method == "ckpt":
+        ckpt.restore({"model": dest}, root=handle)
+    elif method in ("dcp", "dcp-t2"):
+        dcp.load(dest, checkpoint_id=directory)
+    else:
+        dcp.load(dest, storage_reader=alpha_dcp.StorageReader(directory, handle))
+
+
+
+def rank_main(rank: int, config: dict) -> None:
+    from torch.distributed.tensor import DeviceMesh, distribute_tensor, Shard
+    world, methods = config["ranks"], config["methods"]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{config['port']}", rank=rank, world_size=world)
+    mesh = DeviceMesh("cpu", list(range(world)))
+    generator = torch.Generator().manual_seed(0)
+    state = {f"m{i:02d}": distribute_tensor(torch.randn(config["rows"], COLS, generator=generator), mesh, [Shard(0)])
+             for i in range(TENSORS)}
+    dest = {k: distribute_tensor(torch.zeros(config["rows"], COLS), mesh, [Shard(0)]) for k in state}
+    own_bytes = sum(t.to_local().nbytes for t in state.values())
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    verified = 0
+    for rnd in range(config["warmup"] + config["rounds"]):
+        for method in rotated(methods, rnd):
+            directory = os.path.join(config["dir"], f"{method}-{rnd}")
+            if rank == 0:
+                os.mkdir(directory)
+                if config["sync"]:
+                    os.sync()
+            dist.barrier()
+            ckpt = None
+            if method == "ckpt":
+                ckpt = alpha_ckpt.Checkpointer(directory, run="probe", step="fit")
+                ckpt.restore({"model": state}, root=None)  # a fresh start, untimed (collective)
+            prefault(int(config["prefault"] * own_bytes))
+            dist.barrier()
+            started = time.perf_counter()
+            handle = save(method, state, directory, rnd, ckpt)
+            slowest = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            if rnd >= config["warmup"]:
+                times[method].append(float(slowest.item()))
+            if config["restore"]:
+                for t in dest.values():
+                    t.to_local().fill_(float("nan"))
+                prefault(int(config["prefault"] * own_bytes))
+                dist.barrier()
+                restore(method, dest, directory, handle, ckpt)
+                differ = torch.tensor([sum(not torch.equal(dest[k].to_local(), state[k].to_local()) for k in state)])
+                dist.all_reduce(differ)
+                if int(differ.item()):
+                    raise SystemExit(f"{method} round {rnd}: {int(differ.item())} restored tensor(s) differ")
+                verified += 1
+            if ckpt is not None:
+                ckpt.close()
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(directory)
+                if config["sync"]:
+                    os.sync()
+    if rank == 0:
+        with open(os.path.join(config["dir"], "times.json"), "w") as f:
+            json.dump({"times": times, "verified_restores": verified}, f)
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=30, help="timed rounds (default 30)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
+    parser.add_argument("--rows", type=int, default=16384, help="rows of each of the 16 matrices (default 16384: 1 GiB)")
+    parser.add_argument("--methods", nargs="+", default=["dcp-alpha", "ckpt", "dcp-t2"])
+    parser.add_argument("--restore", action="store_true", help="restore and check every save (untimed)")
+    parser.add_argument("--sync", action="store_true", help="os.sync() after each mkdir and rmtree")
+    parser.add_argument("--prefault", type=float, default=2.0)
+    parser.add_argument("--dir", default=None, help="where the saves go (default: a new directory under /tmp)")
+    args = parser.parse_args(argv)
+    bad = [m for m in args.methods if not method_ok(m)]
+    if bad or len(set(args.methods)) != len(args.methods) or len(args.methods) < 2:
+        parser.error(f"--methods: two or more distinct of ckpt, dcp, dcp-t2, dcp-alpha[-sN][-shM] (not {bad or args.methods})")
+    if args.ranks < 1 or args.rounds < 1 or args.warmup < 0 or args.rows < args.ranks:
+        parser.error("--ranks and --rounds at least 1, --warmup at least 0, --rows at least --ranks")
+    top = tempfile.mkdtemp(prefix="probe_sharded_saves.", dir=args.dir)
+    config = {"ranks": args.ranks, "rounds": args.rounds, "warmup": args.warmup, "rows": args.rows,
+              "methods": args.methods, "restore": args.restore, "sync": args.sync, "prefault": args.prefault,
+              "dir": top, "port": free_port()}
+    try:
+        mp.spawn(rank_main, args=(config,), nprocs=args.ranks)
+        with open(os.path.join(top, "times.json")) as f:
+            result = json.load(f)
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+    times = result["times"]
+    gib = TENSORS * args.rows * COLS * 4 / (1 << 30)
+    print(f"probe: {args.ranks} rank(s), {gib:.3f} GiB of Shard(0) DTensors, {args.rounds} timed round(s) after "
+          f"{args.warmup}, order rotated every round; restores {'checked' if args.restore else 'off'}, "
+          f"sync {'on' if args.sync else 'off'}, prefault {args.prefault:g}x")
+    for m, v in times.items():
+        print(f"  {m:<20} median save {statistics.median(v):7.3f} s  (min {min(v):.3f}, max {max(v):.3f})")
+    pairs = {}
+    for i, a in enumerate(args.methods):
+        for b in args.methods[i + 1:]:
+            s = pairs[f"{a} over {b}"] = pair_stats(times[a], times[b])
+            interval = "" if s["interval_90"] is None else " 90% [{:.3f}, {:.3f}]".format(*s["interval_90"])
+            print(f"  {a} over {b}: {s['ratio']:.3f}x{interval}, geometric mean {s['geo_mean']:.3f}, "
+                  f"faster in {s['first_faster']} of {s['rounds']} rounds")
+    out = {"config": {k: v for k, v in config.items() if k not in ("dir", "port")}, "times": times, "pairs": pairs,
+           "verified_restores": result["verified_restores"]}
+    print(json.dumps(out), flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()
