@@ -74,7 +74,8 @@ DCP_KEY = "dcp"  # the root manifest's metadata entry that holds DCP's Metadata
 # size; 4, 16 and 32 MiB slices loaded a 1 GiB Shard(0) state cold on 4 ranks in the same time
 # (medians 0.50, 0.53 and 0.51 s). Saves of that state (paired probes of 30 rounds) took 1.14x
 # and 1.22x as long on 2 ranks with 16 and 32 MiB slices as with 4 MiB ones, and 0.79-0.96x as
-# long on 4 ranks with 16 MiB ones: 4 MiB stays, for the loss at 2 ranks was the larger.
+# long on 4 ranks with 16 MiB ones (in 16 or 32 MiB shards); the 2-rank benchmark with 16 MiB
+# slices missed DCP (0.67x) where 4 MiB ones met it (1.46x). So 4 MiB stays.
 SLICE_BYTES = 4 << 20
 # A rank's slices go into shards of at most this many bytes. Cold loads of a rank's whole share in
 # one shard ran at 0.60-0.92x DCP's throughput in every benchmark run; 32 MiB shards at 1.12-1.23x

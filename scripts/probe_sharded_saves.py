@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""Paired probe: sharded saves only, several ways, the order rotated every round.
+"""Paired probe: sharded saves only, several ways, in the benchmark's balanced method orders.
 
 ``scripts/bench_store.py --section sharded`` runs every method's save and restore
 in a fixed balanced design and reports against DCP. This probe answers narrower
 questions, such as "does a slice size, a shard size or the benchmark's surroundings
 change the DCP backend's saves?", by timing saves of the same state in the same
-processes, one method after another, with the method order rotated every round.
-Each round's times are paired, so what slowed a whole round moves both sides of a
-ratio together.
+processes, one method after another. Each round takes the next of the benchmark's
+balanced orders (``bench_store.balanced_orders``: every method directly follows every
+other equally often over a full cycle, so what one method leaves behind does not
+always land on the same other). Each round's times are paired, so what slowed a
+whole round moves both sides of a ratio together.
 
 The state: 16 float32 matrices of ``--rows`` x 1024 as DTensors placed ``Shard(0)``
 on a 1-D mesh of ``--ranks`` gloo ranks (the default 16384 rows: 1 GiB), each
@@ -16,14 +18,16 @@ method saving into a fresh directory that is removed after the round. Methods:
   dcp-alpha[-sN][-shM]  ``dcp.save`` with ``alpha_ckpt.dcp.StorageWriter``; ``-sN``:
                         slices of N MiB (default: the backend's), ``-shM``: shards of
                         at most M MiB (default: the backend's)
-  ckpt                  ``alpha_ckpt.Checkpointer.save`` (the Checkpointer is built,
-                        and its fresh store opened, before the timer, as the benchmark does)
+  ckpt                  ``alpha_ckpt.Checkpointer.save`` (synchronous, star; built, and its
+                        fresh store opened, before the timer, as the benchmark does)
   dcp, dcp-t2           ``dcp.save`` with DCP's ``FileSystemWriter`` (one thread, two)
 
 Optional, as the benchmark does: ``--restore`` (load each save back into poisoned
 DTensors, untimed, and check it with ``torch.equal``), ``--sync`` (``os.sync()``
 after each ``mkdir`` and ``rmtree``), ``--prefault X`` (touch and free X times each
-rank's bytes before every save and restore; default 2, as the benchmark).
+rank's bytes before every save and restore; default 2, as the benchmark). As the
+benchmark, it freezes the garbage collector's view of the state once and collects
+before every timed save.
 
     python scripts/probe_sharded_saves.py --ranks 4 --rounds 30 --methods dcp-alpha dcp-alpha-s16 ckpt dcp-t2
 
@@ -34,6 +38,7 @@ won, then one JSON line with every round's times.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -52,7 +57,7 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint import FileSystemWriter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_store import paired_ratio_interval, prefault  # noqa: E402
+from bench_store import balanced_orders, paired_ratio_interval, prefault  # noqa: E402
 
 import alpha_ckpt  # noqa: E402
 import alpha_ckpt.dcp as alpha_dcp  # noqa: E402
@@ -60,18 +65,17 @@ import alpha_ckpt.dcp as alpha_dcp  # noqa: E402
 MiB = 1 << 20
 COLS = 1024
 TENSORS = 16
-DEFAULT_SHARD_BYTES = alpha_dcp.SHARD_BYTES  # -shM changes the module's value per save; this restores it
-BACKEND = re.compile(r"^dcp-alpha(?:-s(?P<slice>\d+))?(?:-sh(?P<shard>\d+))?$")
+BACKEND = re.compile(r"^dcp-alpha(?:-s(?P<slice>[1-9]\d*))?(?:-sh(?P<shard>[1-9]\d*))?$")
 
 
 def method_ok(name: str) -> bool:
     return name in ("ckpt", "dcp", "dcp-t2") or BACKEND.match(name) is not None
 
 
-def rotated(methods: list[str], rnd: int) -> list[str]:
-    """Round ``rnd``'s order: the methods rotated by ``rnd`` places, so each leads equally often."""
-    k = rnd % len(methods)
-    return methods[k:] + methods[:k]
+def round_order(methods: list[str], rnd: int) -> tuple[str, ...]:
+    """Round ``rnd``'s order of the methods: the next of the benchmark's balanced orders."""
+    orders = balanced_orders(methods)
+    return orders[rnd % len(orders)]
 
 
 def pair_stats(first: list[float], second: list[float]) -> dict:
@@ -96,9 +100,13 @@ def save(method: str, state: dict, directory: str, rnd: int, ckpt) -> str | None
         return None
     m = BACKEND.match(method)
     slice_bytes = int(m["slice"]) * MiB if m["slice"] else alpha_dcp.SLICE_BYTES
-    alpha_dcp.SHARD_BYTES = int(m["shard"]) * MiB if m["shard"] else DEFAULT_SHARD_BYTES
-    writer = alpha_dcp.StorageWriter(directory, run="probe", step="fit", update=rnd + 1, slice_bytes=slice_bytes)
-    return dcp.save(state, storage_writer=writer).storage_meta.checkpoint_id
+    default_shard_bytes = alpha_dcp.SHARD_BYTES
+    alpha_dcp.SHARD_BYTES = int(m["shard"]) * MiB if m["shard"] else default_shard_bytes  # read by write_data
+    try:
+        writer = alpha_dcp.StorageWriter(directory, run="probe", step="fit", update=rnd + 1, slice_bytes=slice_bytes)
+        return dcp.save(state, storage_writer=writer).storage_meta.checkpoint_id
+    finally:
+        alpha_dcp.SHARD_BYTES = default_shard_bytes
 
 
 def restore(method: str, dest: dict, directory: str, handle, ckpt) -> None:
@@ -122,9 +130,11 @@ def rank_main(rank: int, config: dict) -> None:
     dest = {k: distribute_tensor(torch.zeros(config["rows"], COLS), mesh, [Shard(0)]) for k in state}
     own_bytes = sum(t.to_local().nbytes for t in state.values())
     times: dict[str, list[float]] = {m: [] for m in methods}
+    objects: dict[str, list[int]] = {m: [] for m in methods if m.startswith("dcp-alpha")}  # files each save stored
     verified = 0
+    gc.freeze()  # the collections before each save then scan only what the methods left
     for rnd in range(config["warmup"] + config["rounds"]):
-        for method in rotated(methods, rnd):
+        for method in round_order(methods, rnd - config["warmup"]):
             directory = os.path.join(config["dir"], f"{method}-{rnd}")
             if rank == 0:
                 os.mkdir(directory)
@@ -133,8 +143,9 @@ def rank_main(rank: int, config: dict) -> None:
             dist.barrier()
             ckpt = None
             if method == "ckpt":
-                ckpt = alpha_ckpt.Checkpointer(directory, run="probe", step="fit")
+                ckpt = alpha_ckpt.Checkpointer(directory, run="probe", step="fit", save="sync", publisher="star")
                 ckpt.restore({"model": state}, root=None)  # a fresh start, untimed (collective)
+            gc.collect()
             prefault(int(config["prefault"] * own_bytes))
             dist.barrier()
             started = time.perf_counter()
@@ -143,6 +154,8 @@ def rank_main(rank: int, config: dict) -> None:
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             if rnd >= config["warmup"]:
                 times[method].append(float(slowest.item()))
+                if rank == 0 and method in objects:
+                    objects[method].append(sum(len(files) for _, _, files in os.walk(os.path.join(directory, "objects"))))
             if config["restore"]:
                 for t in dest.values():
                     t.to_local().fill_(float("nan"))
@@ -162,8 +175,9 @@ def rank_main(rank: int, config: dict) -> None:
                 if config["sync"]:
                     os.sync()
     if rank == 0:
+        left = sorted(os.listdir(config["dir"]))  # every round's directory is removed
         with open(os.path.join(config["dir"], "times.json"), "w") as f:
-            json.dump({"times": times, "verified_restores": verified}, f)
+            json.dump({"times": times, "objects": objects, "verified_restores": verified, "left_behind": left}, f)
     dist.destroy_process_group()
 
 
@@ -188,8 +202,8 @@ def main(argv: list[str] | None = None) -> dict:
     bad = [m for m in args.methods if not method_ok(m)]
     if bad or len(set(args.methods)) != len(args.methods) or len(args.methods) < 2:
         parser.error(f"--methods: two or more distinct of ckpt, dcp, dcp-t2, dcp-alpha[-sN][-shM] (not {bad or args.methods})")
-    if args.ranks < 1 or args.rounds < 1 or args.warmup < 0 or args.rows < args.ranks:
-        parser.error("--ranks and --rounds at least 1, --warmup at least 0, --rows at least --ranks")
+    if args.ranks < 1 or args.rounds < 1 or args.warmup < 0 or args.prefault < 0 or args.rows % args.ranks:
+        parser.error("--ranks and --rounds at least 1, --warmup and --prefault at least 0, --rows a multiple of --ranks")
     top = tempfile.mkdtemp(prefix="probe_sharded_saves.", dir=args.dir)
     config = {"ranks": args.ranks, "rounds": args.rounds, "warmup": args.warmup, "rows": args.rows,
               "methods": args.methods, "restore": args.restore, "sync": args.sync, "prefault": args.prefault,
@@ -203,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
     times = result["times"]
     gib = TENSORS * args.rows * COLS * 4 / (1 << 30)
     print(f"probe: {args.ranks} rank(s), {gib:.3f} GiB of Shard(0) DTensors, {args.rounds} timed round(s) after "
-          f"{args.warmup}, order rotated every round; restores {'checked' if args.restore else 'off'}, "
+          f"{args.warmup}, balanced method orders; restores {'checked' if args.restore else 'off'}, "
           f"sync {'on' if args.sync else 'off'}, prefault {args.prefault:g}x")
     for m, v in times.items():
         print(f"  {m:<20} median save {statistics.median(v):7.3f} s  (min {min(v):.3f}, max {max(v):.3f})")
@@ -215,7 +229,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"  {a} over {b}: {s['ratio']:.3f}x{interval}, geometric mean {s['geo_mean']:.3f}, "
                   f"faster in {s['first_faster']} of {s['rounds']} rounds")
     out = {"config": {k: v for k, v in config.items() if k not in ("dir", "port")}, "times": times, "pairs": pairs,
-           "verified_restores": result["verified_restores"]}
+           "objects": result["objects"], "verified_restores": result["verified_restores"],
+           "left_behind": result["left_behind"]}
     print(json.dumps(out), flush=True)
     return out
 
