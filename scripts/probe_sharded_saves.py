@@ -44,7 +44,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -57,12 +56,11 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint import FileSystemWriter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_store import balanced_orders, paired_ratio_interval, prefault  # noqa: E402
+from bench_store import MiB, balanced_orders, free_port, paired_ratio_interval, prefault  # noqa: E402
 
 import alpha_ckpt  # noqa: E402
 import alpha_ckpt.dcp as alpha_dcp  # noqa: E402
 
-MiB = 1 << 20
 COLS = 1024
 TENSORS = 16
 BACKEND = re.compile(r"^dcp-alpha(?:-s(?P<slice>[1-9]\d*))?(?:-sh(?P<shard>[1-9]\d*))?$")
@@ -179,12 +177,6 @@ def rank_main(rank: int, config: dict) -> None:
         with open(os.path.join(config["dir"], "times.json"), "w") as f:
             json.dump({"times": times, "objects": objects, "verified_restores": verified, "left_behind": left}, f)
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> dict:
