@@ -15,16 +15,18 @@ The state: 16 float32 matrices of ``--rows`` x 1024 as DTensors placed ``Shard(0
 on a 1-D mesh of ``--ranks`` gloo ranks (the default 16384 rows: 1 GiB), each
 method saving into a fresh directory that is removed after the round. Methods:
 
-  dcp-alpha[-sN][-shM]  ``dcp.save`` with ``alpha_ckpt.dcp.StorageWriter``; ``-sN``:
+  dcp-alpha[-sN][-shM][-wK]  ``dcp.save`` with ``alpha_ckpt.dcp.StorageWriter``; ``-sN``:
                         slices of N MiB (default: the backend's), ``-shM``: shards of
-                        at most M MiB (default: the backend's)
+                        at most M MiB (default: the backend's), ``-wK``: K files written
+                        at once (``ALPHA_CKPT_WRITE_THREADS`` for that save; default the store's)
   ckpt                  ``alpha_ckpt.Checkpointer.save`` (synchronous, star; built, and its
                         fresh store opened, before the timer, as the benchmark does)
   dcp, dcp-t2           ``dcp.save`` with DCP's ``FileSystemWriter`` (one thread, two)
 
 Optional, as the benchmark does: ``--restore`` (load each save back into poisoned
 DTensors, untimed, and check it with ``torch.equal``), ``--sync`` (``os.sync()``
-after each ``mkdir`` and ``rmtree``), ``--prefault X`` (touch and free X times each
+after each ``mkdir`` and ``rmtree``), ``--phases`` (where each save's time goes: see
+:class:`PhaseClock`), ``--prefault X`` (touch and free X times each
 rank's bytes before every save and restore; default 2, as the benchmark). As the
 benchmark, it freezes the garbage collector's view of the state once and collects
 before every timed save.
@@ -47,6 +49,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -60,10 +63,11 @@ from bench_store import MiB, balanced_orders, free_port, paired_ratio_interval, 
 
 import alpha_ckpt  # noqa: E402
 import alpha_ckpt.dcp as alpha_dcp  # noqa: E402
+from alpha_ckpt.store import WRITE_THREADS_ENV  # noqa: E402
 
 COLS = 1024
 TENSORS = 16
-BACKEND = re.compile(r"^dcp-alpha(?:-s(?P<slice>[1-9]\d*))?(?:-sh(?P<shard>[1-9]\d*))?$")
+BACKEND = re.compile(r"^dcp-alpha(?:-s(?P<slice>[1-9]\d*))?(?:-sh(?P<shard>[1-9]\d*))?(?:-w(?P<threads>[1-9]\d*))?$")
 
 
 def method_ok(name: str) -> bool:
@@ -87,6 +91,71 @@ def pair_stats(first: list[float], second: list[float]) -> dict:
             "first_faster": sum(a < b for a, b in zip(first, second)), "rounds": len(first)}
 
 
+class PhaseClock:
+    """Wall-clock seconds a save spends in each named step, in this process (``--phases``).
+
+    Wraps, for the probe's lifetime, the steps where the methods differ: the DCP backend's
+    hooks, DCP's collectives (pickled objects over the process group), the ``Checkpointer``'s
+    layout agreement, shard writes and root publish, and the store's batched durable commit
+    (``put_objects``: writes, BLAKE3, fsyncs and renames), which the backend and the
+    ``Checkpointer`` share. ``fsync`` is every ``os.fsync`` of the save, DCP's writer's included,
+    summed over the threads that ran them (so it can exceed the save). ``write_threads`` is not a
+    time: the most files one durable commit of the save wrote at once. Steps nest (``put_objects``
+    runs inside the backend's ``write_data``); what a method never calls is 0.
+    """
+
+    def __init__(self) -> None:
+        import alpha_ckpt.collective.checkpointer as checkpointer
+        import alpha_ckpt.durable as durable
+        import alpha_ckpt.store as store
+        from torch.distributed.checkpoint import utils as dcp_utils
+        self.steps = [
+            ("backend set_up", alpha_dcp.StorageWriter, "set_up_storage_writer"),
+            ("backend prepare_global_plan", alpha_dcp.StorageWriter, "prepare_global_plan"),
+            ("backend write_data", alpha_dcp.StorageWriter, "write_data"),
+            ("backend finish", alpha_dcp.StorageWriter, "finish"),
+            ("dcp gather_object", dcp_utils._DistWrapper, "gather_object"),
+            ("dcp scatter_object", dcp_utils._DistWrapper, "scatter_object"),
+            ("dcp broadcast_object", dcp_utils._DistWrapper, "broadcast_object"),
+            ("ckpt agree_layout", checkpointer.Checkpointer, "_agree_layout"),
+            ("ckpt write_or_fail", checkpointer, "write_or_fail"),
+            ("ckpt publish_root", checkpointer.Checkpointer, "_publish_root"),
+            ("store put_objects", store.Store, "put_objects"),
+            ("fsync", os, "fsync"),  # every caller's, DCP's writer's included
+        ]
+        self.labels = [label for label, _, _ in self.steps] + ["write_threads"]
+        self._seconds: dict[str, float] = {}
+        self._lock = threading.Lock()  # fsyncs and writes run on several threads at once
+        for label, owner, name in self.steps:
+            setattr(owner, name, self._timed(label, getattr(owner, name)))
+        commit_all = durable.durable_commit_all
+
+        def counted(tmp_dir, commits, write_threads=1):
+            with self._lock:
+                self._seconds["write_threads"] = max(self._seconds.get("write_threads", 0),
+                                                     min(write_threads, len(commits)))
+            return commit_all(tmp_dir, commits, write_threads)
+        durable.durable_commit_all = counted
+
+    def _timed(self, label: str, fn):
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - started
+                with self._lock:
+                    self._seconds[label] = self._seconds.get(label, 0.0) + elapsed
+        return timed
+
+    def start(self) -> None:
+        self._seconds = {}
+
+    def take(self) -> list[float]:
+        """This save's seconds per label (and its write_threads), in :attr:`labels` order."""
+        return [float(self._seconds.get(label, 0.0)) for label in self.labels]
+
+
 def save(method: str, state: dict, directory: str, rnd: int, ckpt) -> str | None:
     if method == "ckpt":
         return ckpt.save({"model": state}, update=rnd + 1, cursor=rnd + 1)
@@ -100,11 +169,18 @@ def save(method: str, state: dict, directory: str, rnd: int, ckpt) -> str | None
     slice_bytes = int(m["slice"]) * MiB if m["slice"] else alpha_dcp.SLICE_BYTES
     default_shard_bytes = alpha_dcp.SHARD_BYTES
     alpha_dcp.SHARD_BYTES = int(m["shard"]) * MiB if m["shard"] else default_shard_bytes  # read by write_data
+    default_threads = os.environ.get(WRITE_THREADS_ENV)
+    if m["threads"]:  # read when the writer opens its store, inside the save
+        os.environ[WRITE_THREADS_ENV] = m["threads"]
     try:
         writer = alpha_dcp.StorageWriter(directory, run="probe", step="fit", update=rnd + 1, slice_bytes=slice_bytes)
         return dcp.save(state, storage_writer=writer).storage_meta.checkpoint_id
     finally:
         alpha_dcp.SHARD_BYTES = default_shard_bytes
+        if default_threads is None:
+            os.environ.pop(WRITE_THREADS_ENV, None)
+        else:
+            os.environ[WRITE_THREADS_ENV] = default_threads
 
 
 def restore(method: str, dest: dict, directory: str, handle, ckpt) -> None:
@@ -129,6 +205,9 @@ def rank_main(rank: int, config: dict) -> None:
     own_bytes = sum(t.to_local().nbytes for t in state.values())
     times: dict[str, list[float]] = {m: [] for m in methods}
     objects: dict[str, list[int]] = {m: [] for m in methods if m.startswith("dcp-alpha")}  # files each save stored
+    clock = PhaseClock() if config["phases"] else None
+    phases: dict[str, list[list[float]]] = {m: [] for m in methods}  # per timed save: the slowest rank's, per label
+    cpu: dict[str, list[float]] = {m: [] for m in methods}  # per timed save: the busiest rank's process CPU seconds
     verified = 0
     gc.freeze()  # the collections before each save then scan only what the methods left
     for rnd in range(config["warmup"] + config["rounds"]):
@@ -146,12 +225,18 @@ def rank_main(rank: int, config: dict) -> None:
             gc.collect()
             prefault(int(config["prefault"] * own_bytes))
             dist.barrier()
-            started = time.perf_counter()
+            if clock is not None:
+                clock.start()
+            started, cpu_started = time.perf_counter(), time.process_time()
             handle = save(method, state, directory, rnd, ckpt)
-            slowest = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+            measured = [time.perf_counter() - started, time.process_time() - cpu_started]
+            slowest = torch.tensor(measured + (clock.take() if clock is not None else []), dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             if rnd >= config["warmup"]:
-                times[method].append(float(slowest.item()))
+                times[method].append(float(slowest[0].item()))
+                cpu[method].append(float(slowest[1].item()))
+                if clock is not None:
+                    phases[method].append([float(v) for v in slowest[2:].tolist()])
                 if rank == 0 and method in objects:
                     objects[method].append(sum(len(files) for _, _, files in os.walk(os.path.join(directory, "objects"))))
             if config["restore"]:
@@ -175,7 +260,10 @@ def rank_main(rank: int, config: dict) -> None:
     if rank == 0:
         left = sorted(os.listdir(config["dir"]))  # every round's directory is removed
         with open(os.path.join(config["dir"], "times.json"), "w") as f:
-            json.dump({"times": times, "objects": objects, "verified_restores": verified, "left_behind": left}, f)
+            json.dump({"times": times, "cpu": cpu, "objects": objects, "verified_restores": verified,
+                       "left_behind": left, "phases": {m: {label: [p[i] for p in v] for i, label in
+                                                           enumerate(clock.labels)} for m, v in phases.items()}
+                       if clock is not None else None}, f)
     dist.destroy_process_group()
 
 
@@ -188,17 +276,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--methods", nargs="+", default=["dcp-alpha", "ckpt", "dcp-t2"])
     parser.add_argument("--restore", action="store_true", help="restore and check every save (untimed)")
     parser.add_argument("--sync", action="store_true", help="os.sync() after each mkdir and rmtree")
+    parser.add_argument("--phases", action="store_true", help="time each save's steps (see PhaseClock)")
     parser.add_argument("--prefault", type=float, default=2.0)
     parser.add_argument("--dir", default=None, help="where the saves go (default: a new directory under /tmp)")
     args = parser.parse_args(argv)
     bad = [m for m in args.methods if not method_ok(m)]
     if bad or len(set(args.methods)) != len(args.methods) or len(args.methods) < 2:
-        parser.error(f"--methods: two or more distinct of ckpt, dcp, dcp-t2, dcp-alpha[-sN][-shM] (not {bad or args.methods})")
+        parser.error(f"--methods: two or more distinct of ckpt, dcp, dcp-t2, dcp-alpha[-sN][-shM][-wK] "
+                     f"(not {bad or args.methods})")
     if args.ranks < 1 or args.rounds < 1 or args.warmup < 0 or args.prefault < 0 or args.rows % args.ranks:
         parser.error("--ranks and --rounds at least 1, --warmup and --prefault at least 0, --rows a multiple of --ranks")
     top = tempfile.mkdtemp(prefix="probe_sharded_saves.", dir=args.dir)
     config = {"ranks": args.ranks, "rounds": args.rounds, "warmup": args.warmup, "rows": args.rows,
               "methods": args.methods, "restore": args.restore, "sync": args.sync, "prefault": args.prefault,
+              "phases": args.phases,
               "dir": top, "port": free_port()}
     try:
         mp.spawn(rank_main, args=(config,), nprocs=args.ranks)
@@ -212,7 +303,17 @@ def main(argv: list[str] | None = None) -> dict:
           f"{args.warmup}, balanced method orders; restores {'checked' if args.restore else 'off'}, "
           f"sync {'on' if args.sync else 'off'}, prefault {args.prefault:g}x")
     for m, v in times.items():
-        print(f"  {m:<20} median save {statistics.median(v):7.3f} s  (min {min(v):.3f}, max {max(v):.3f})")
+        print(f"  {m:<20} median save {statistics.median(v):7.3f} s  (min {min(v):.3f}, max {max(v):.3f}), "
+              f"busiest rank's CPU {statistics.median(result['cpu'][m]):.3f} s")
+    if result["phases"] is not None:
+        print("  where each save's time went (median over saves of the slowest rank's seconds; steps nest):")
+        for m, steps in result["phases"].items():
+            median_save = statistics.median(times[m])
+            shown = sorted(((statistics.median(v), label) for label, v in steps.items() if label != "write_threads"),
+                           reverse=True)
+            print(f"    {m}: " + ", ".join(f"{label} {s:.3f} s ({100 * s / median_save:.0f}%)"
+                                           for s, label in shown if s >= 0.0005)
+                  + (f"; files written at once {max(steps['write_threads']):g}" if max(steps["write_threads"]) else ""))
     pairs = {}
     for i, a in enumerate(args.methods):
         for b in args.methods[i + 1:]:
@@ -220,7 +321,8 @@ def main(argv: list[str] | None = None) -> dict:
             interval = "" if s["interval_90"] is None else " 90% [{:.3f}, {:.3f}]".format(*s["interval_90"])
             print(f"  {a} over {b}: {s['ratio']:.3f}x{interval}, geometric mean {s['geo_mean']:.3f}, "
                   f"faster in {s['first_faster']} of {s['rounds']} rounds")
-    out = {"config": {k: v for k, v in config.items() if k not in ("dir", "port")}, "times": times, "pairs": pairs,
+    out = {"config": {k: v for k, v in config.items() if k not in ("dir", "port")}, "times": times,
+           "cpu": result["cpu"], "phases": result["phases"], "pairs": pairs,
            "objects": result["objects"], "verified_restores": result["verified_restores"],
            "left_behind": result["left_behind"]}
     print(json.dumps(out), flush=True)

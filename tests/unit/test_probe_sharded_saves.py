@@ -50,8 +50,37 @@ def test_the_probe_times_every_method_every_round_stores_each_layout_asked_and_c
     assert list(tmp_path.iterdir()) == []
 
 
+def test_phases_time_each_methods_own_steps_and_write_threads_apply_to_their_save_only(tmp_path):
+    methods = ["dcp-alpha-w1", "dcp-alpha-s1-sh1-w3", "ckpt", "dcp"]
+    run = run_probe(tmp_path, "--ranks", "2", "--rounds", "2", "--warmup", "0", "--rows", "1024",
+                    "--prefault", "0", "--phases", "--methods", *methods)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    phases, times = out["phases"], out["times"]
+    assert all(len(v) == 2 for m in methods for v in phases[m].values())
+    # Files written at once: 1 shard per rank under -w1; 32 shards of 1 MiB written 3 at a time under
+    # -w3; the Checkpointer's 16 shards of 2 MiB with the store's default 4, so neither -w leaked
+    # into the save after it; DCP's own writer never commits through the store.
+    assert phases["dcp-alpha-w1"]["write_threads"] == [1, 1]
+    assert phases["dcp-alpha-s1-sh1-w3"]["write_threads"] == [3, 3]
+    assert phases["ckpt"]["write_threads"] == [4, 4]
+    assert phases["dcp"]["write_threads"] == [0, 0]
+    for m in methods:
+        ran = {label for label, v in phases[m].items() if all(s > 0 for s in v)}
+        assert "fsync" in ran
+        backend, ckpt = m.startswith("dcp-alpha"), m == "ckpt"
+        assert ("backend write_data" in ran) == backend and ("backend finish" in ran) == backend
+        assert ("ckpt write_or_fail" in ran) == ckpt and ("ckpt publish_root" in ran) == ckpt
+        assert ("store put_objects" in ran) == (backend or ckpt)
+        assert ("dcp gather_object" in ran) == (m != "ckpt")
+        for label, v in phases[m].items():  # steps run one after another inside the save (fsyncs may overlap)
+            if label not in ("fsync", "write_threads"):
+                assert all(s <= t for s, t in zip(v, times[m])), (m, label)
+    assert all(len(out["cpu"][m]) == 2 and all(c > 0 for c in out["cpu"][m]) for m in methods)
+
+
 @pytest.mark.parametrize("args", [["--methods", "dcp-alpha"], ["--methods", "dcp", "dcp"],
-                                  ["--methods", "dcp", "dcp-alpha-s0"], ["--methods", "dcp", "torch"],
+                                  ["--methods", "dcp", "dcp-alpha-s0"], ["--methods", "dcp", "dcp-alpha-w0"], ["--methods", "dcp", "torch"],
                                   ["--rows", "10", "--ranks", "4"], ["--prefault", "-1"]])
 def test_the_probe_refuses_what_it_cannot_run_before_starting_ranks(tmp_path, args):
     run = run_probe(tmp_path, *args)
