@@ -51,6 +51,7 @@ import sys
 import tempfile
 import threading
 import time
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -59,7 +60,7 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint import FileSystemWriter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_store import MiB, balanced_orders, free_port, paired_ratio_interval, prefault  # noqa: E402
+from bench_store import MiB, balanced_orders, free_port, paired_ratio_interval, prefault, process_cpu_s  # noqa: E402
 
 import alpha_ckpt  # noqa: E402
 import alpha_ckpt.dcp as alpha_dcp  # noqa: E402
@@ -169,18 +170,15 @@ def save(method: str, state: dict, directory: str, rnd: int, ckpt) -> str | None
     slice_bytes = int(m["slice"]) * MiB if m["slice"] else alpha_dcp.SLICE_BYTES
     default_shard_bytes = alpha_dcp.SHARD_BYTES
     alpha_dcp.SHARD_BYTES = int(m["shard"]) * MiB if m["shard"] else default_shard_bytes  # read by write_data
-    default_threads = os.environ.get(WRITE_THREADS_ENV)
-    if m["threads"]:  # read when the writer opens its store, inside the save
-        os.environ[WRITE_THREADS_ENV] = m["threads"]
+    # -wK: read when the writer opens its store, inside the save; the environment is put back after
+    threads = {WRITE_THREADS_ENV: m["threads"]} if m["threads"] else {}
     try:
-        writer = alpha_dcp.StorageWriter(directory, run="probe", step="fit", update=rnd + 1, slice_bytes=slice_bytes)
-        return dcp.save(state, storage_writer=writer).storage_meta.checkpoint_id
+        with mock.patch.dict(os.environ, threads):
+            writer = alpha_dcp.StorageWriter(directory, run="probe", step="fit", update=rnd + 1,
+                                             slice_bytes=slice_bytes)
+            return dcp.save(state, storage_writer=writer).storage_meta.checkpoint_id
     finally:
         alpha_dcp.SHARD_BYTES = default_shard_bytes
-        if default_threads is None:
-            os.environ.pop(WRITE_THREADS_ENV, None)
-        else:
-            os.environ[WRITE_THREADS_ENV] = default_threads
 
 
 def restore(method: str, dest: dict, directory: str, handle, ckpt) -> None:
@@ -206,7 +204,8 @@ def rank_main(rank: int, config: dict) -> None:
     times: dict[str, list[float]] = {m: [] for m in methods}
     objects: dict[str, list[int]] = {m: [] for m in methods if m.startswith("dcp-alpha")}  # files each save stored
     clock = PhaseClock() if config["phases"] else None
-    phases: dict[str, list[list[float]]] = {m: [] for m in methods}  # per timed save: the slowest rank's, per label
+    # per label, per timed save: the slowest rank's
+    phases = {m: {label: [] for label in clock.labels} for m in methods} if clock is not None else None
     cpu: dict[str, list[float]] = {m: [] for m in methods}  # per timed save: the busiest rank's process CPU seconds
     verified = 0
     gc.freeze()  # the collections before each save then scan only what the methods left
@@ -227,16 +226,17 @@ def rank_main(rank: int, config: dict) -> None:
             dist.barrier()
             if clock is not None:
                 clock.start()
-            started, cpu_started = time.perf_counter(), time.process_time()
+            started, cpu_started = time.perf_counter(), sum(process_cpu_s())
             handle = save(method, state, directory, rnd, ckpt)
-            measured = [time.perf_counter() - started, time.process_time() - cpu_started]
+            measured = [time.perf_counter() - started, sum(process_cpu_s()) - cpu_started]
             slowest = torch.tensor(measured + (clock.take() if clock is not None else []), dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             if rnd >= config["warmup"]:
                 times[method].append(float(slowest[0].item()))
                 cpu[method].append(float(slowest[1].item()))
                 if clock is not None:
-                    phases[method].append([float(v) for v in slowest[2:].tolist()])
+                    for label, seconds in zip(clock.labels, slowest[2:].tolist()):
+                        phases[method][label].append(seconds)
                 if rank == 0 and method in objects:
                     objects[method].append(sum(len(files) for _, _, files in os.walk(os.path.join(directory, "objects"))))
             if config["restore"]:
@@ -261,9 +261,7 @@ def rank_main(rank: int, config: dict) -> None:
         left = sorted(os.listdir(config["dir"]))  # every round's directory is removed
         with open(os.path.join(config["dir"], "times.json"), "w") as f:
             json.dump({"times": times, "cpu": cpu, "objects": objects, "verified_restores": verified,
-                       "left_behind": left, "phases": {m: {label: [p[i] for p in v] for i, label in
-                                                           enumerate(clock.labels)} for m, v in phases.items()}
-                       if clock is not None else None}, f)
+                       "left_behind": left, "phases": phases}, f)
     dist.destroy_process_group()
 
 
