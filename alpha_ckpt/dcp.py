@@ -34,6 +34,8 @@ range between the first and last word it needs (exactly its part for row-wise sh
 """
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import io
 import math
 import os
@@ -54,16 +56,17 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from .collective.verdict import any_rank
+from .api import _prefix as counters
 from .errors import Refusal, RefusalCode
-from .format import DTYPES, CapturePrefix, RegionDecl, ShardRef, check_name
+from .format import DTYPES, CapturePrefix, RegionDecl, ShardRef, check_name, digest_bytes
 from .manifest import dtype_name, torch_dtype
 from .planner import Piece, WantedSlice
 from .publish.wire import broadcast_json
 from .restore import PreparedRestore, check_structure, latest_generation, open_generation
-from .state.capture import matches_any
+from .state.capture import as_patterns, matches_any
 from .state.placement import box_ranges
 from .state.values import decode_value, encode_value
-from .store import RefRecord, Store
+from .store import RefRecord, Store, check_fence
 from .writer import group_parts, word_bytes, write_manifest, write_shards
 
 __all__ = ["StorageWriter", "StorageReader", "encode_metadata", "decode_metadata", "DCP_KEY"]
@@ -149,7 +152,12 @@ def decode_metadata(obj: Any, what: str = "DCP metadata") -> Metadata:
                                           memory_format=formats[t["memory_format"]], pin_memory=bool(t["pin_memory"]))
             chunks = [ChunkStorageMetadata(offsets=_size(o, what), sizes=_size(s, what)) for o, s in t["chunks"]]
             entries[fqn] = TensorStorageMetadata(properties, _size(t["size"], what), chunks)
-        storage_data = {_index_of(i, what): d for i, d in obj["storage_data"]}
+        storage_data = {}
+        for i, d in obj["storage_data"]:
+            index = _index_of(i, what)
+            if index in storage_data:  # a dict would keep the last one silently
+                raise Refusal(RefusalCode.FORMAT, f"{what}: storage key {_index_json(index)!r:.80} appears twice")
+            storage_data[index] = d
         meta = obj["storage_meta"]
         storage_meta = None if meta is None else StorageMeta(
             checkpoint_id=meta["checkpoint_id"], save_id=meta["save_id"], load_id=meta["load_id"],
@@ -165,23 +173,122 @@ def decode_metadata(obj: Any, what: str = "DCP metadata") -> Metadata:
         raise Refusal(RefusalCode.FORMAT, f"{what} is malformed ({type(exc).__name__}: {exc})") from None
 
 
+def check_chunks(fqn: str, size, chunks, what: str = "DCP metadata") -> None:
+    """Pure: the chunks ``[(offsets, sizes), ...]`` of entry ``fqn`` lie inside ``size`` and tile it exactly
+    (every element in one chunk), or a Refusal: ``coverage`` for a chunk out of bounds, a gap or an
+    overlap, ``format`` for a chunk of another rank (number of dimensions)."""
+    size = tuple(int(n) for n in size)
+    boxes = []
+    for offsets, sizes in chunks:
+        offsets, sizes = tuple(int(o) for o in offsets), tuple(int(n) for n in sizes)
+        if len(offsets) != len(size) or len(sizes) != len(size):
+            raise Refusal(RefusalCode.FORMAT, f"{what}: entry {fqn!r} of size {list(size)} has a chunk at "
+                          f"{list(offsets)} of {list(sizes)}: not of its number of dimensions")
+        if any(o < 0 or n < 0 or o + n > bound for o, n, bound in zip(offsets, sizes, size)):
+            raise Refusal(RefusalCode.COVERAGE, f"{what}: entry {fqn!r} of size {list(size)} has a chunk at "
+                          f"{list(offsets)} of {list(sizes)}, outside the tensor")
+        if math.prod(sizes):  # an empty chunk (an empty shard) holds nothing: it can neither overlap nor cover
+            boxes.append((offsets, sizes))
+    held, whole = sum(math.prod(s) for _, s in boxes), math.prod(size)
+    # Overlaps: a sweep along the dimension the chunks split most (rows for Shard(0), columns for Shard(1)).
+    if len(boxes) > 1:
+        dim = max(range(len(size)), key=lambda d: len({o[d] for o, _ in boxes}))
+        active: list[tuple[int, int]] = []  # (end along dim, box index), sorted
+        for i in sorted(range(len(boxes)), key=lambda i: boxes[i][0][dim]):
+            offsets, sizes = boxes[i]
+            del active[:bisect.bisect_right(active, (offsets[dim], math.inf))]
+            for _, j in active:
+                other_offsets, other_sizes = boxes[j]
+                if all(o < p + m and p < o + n for o, n, p, m in zip(offsets, sizes, other_offsets, other_sizes)):
+                    raise Refusal(RefusalCode.COVERAGE, f"{what}: entry {fqn!r} has overlapping chunks at "
+                                  f"{list(offsets)} and {list(other_offsets)}")
+            bisect.insort(active, (offsets[dim] + sizes[dim], i))
+    if held != whole:  # disjoint and inside: fewer elements than the tensor means a gap
+        raise Refusal(RefusalCode.COVERAGE, f"{what}: the chunks of entry {fqn!r} hold {held} of its {whole} "
+                      f"elements of size {list(size)}: the rest was never saved")
+
+
+def expected_region_name(fqn: str, offsets, sizes, size) -> str:
+    """The region name :func:`plan_regions` gives the chunk of ``fqn`` at ``offsets`` (pure)."""
+    whole = list(sizes) == list(size) and not any(offsets)
+    return fqn if whole else _chunk_key(fqn, offsets)
+
+
+def check_metadata(metadata: Metadata, regions, what: str = "DCP metadata") -> None:
+    """Pure: the one check of a DCP generation's Metadata against its regions, made before any byte is
+    trusted (by ``dcp.load`` through :class:`StorageReader`, ``verify``, ``export`` and the writer
+    before its ref). Every tensor entry is tiled exactly by its chunks (:func:`check_chunks`); every
+    chunk has one storage item naming one region of its own name, dtype and shape, and no region or
+    storage key serves two; every value entry has its value; nothing else is stored. Refusal
+    (``format`` or ``coverage``) otherwise."""
+    claimed: dict[int, str] = {}
+    expected = set()
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, BytesStorageMetadata):
+            index = MetadataIndex(fqn)
+            data = metadata.storage_data.get(index)
+            if not isinstance(data, dict) or "value" not in data:
+                raise Refusal(RefusalCode.COVERAGE, f"{what}: value entry {fqn!r} has no stored value")
+            expected.add(index)
+            continue
+        check_chunks(fqn, md.size, [(c.offsets, c.sizes) for c in md.chunks], what)
+        dtype = dtype_name(md.properties.dtype, f"{what}: entry {fqn!r}")
+        for chunk in md.chunks:
+            index = MetadataIndex(fqn, chunk.offsets)
+            at = f"{what}: entry {fqn!r} chunk at {list(chunk.offsets)}"
+            if index in expected:
+                raise Refusal(RefusalCode.FORMAT, f"{at} is listed twice")
+            expected.add(index)
+            data = metadata.storage_data.get(index)
+            ordinal = data.get("region") if isinstance(data, dict) else None
+            if type(ordinal) is not int or not 0 <= ordinal < len(regions):
+                raise Refusal(RefusalCode.COVERAGE, f"{at} has no stored region (storage item {data!r:.80})")
+            if ordinal in claimed:
+                raise Refusal(RefusalCode.FORMAT, f"{at} claims region {ordinal}, which {claimed[ordinal]} claims too")
+            region = regions[ordinal]
+            name = expected_region_name(fqn, chunk.offsets, chunk.sizes, md.size)
+            if (region.name, region.dtype, list(region.shape)) != (name, dtype, list(chunk.sizes)):
+                raise Refusal(RefusalCode.FORMAT, f"{at} ({dtype} {list(chunk.sizes)}) claims region {ordinal}, "
+                              f"which holds {region.name!r} ({region.dtype} {list(region.shape)})")
+            claimed[ordinal] = f"entry {fqn!r} chunk at {list(chunk.offsets)}"
+    extra = [i for i in metadata.storage_data if i not in expected]
+    if extra:
+        raise Refusal(RefusalCode.FORMAT, f"{what}: storage item {_index_json(extra[0])!r:.80} belongs to no entry")
+    unclaimed = [r for r in regions if r.ordinal not in claimed]
+    if unclaimed:
+        raise Refusal(RefusalCode.FORMAT, f"{what}: region {unclaimed[0].ordinal} ({unclaimed[0].name!r}) is "
+                      "stored but no entry's chunk claims it")
+
+
+_CHECKED: set[str] = set()  # root digests whose DCP metadata passed check_metadata (content-addressed: for good)
+
+
+def check_generation(manifest, what: str | None = None) -> Metadata:
+    """The DCP Metadata of a root manifest, decoded and checked (:func:`check_metadata`); Refusal otherwise."""
+    what = what or f"generation {manifest.digest[:16]}... DCP metadata"
+    if not isinstance(manifest.metadata, dict) or DCP_KEY not in manifest.metadata:
+        raise Refusal(RefusalCode.FORMAT, f"{what}: the root manifest holds no DCP metadata")
+    metadata = decode_metadata(manifest.metadata[DCP_KEY], what)
+    if manifest.digest not in _CHECKED:
+        check_metadata(metadata, manifest.regions, what)
+        _CHECKED.add(manifest.digest)
+    return metadata
+
+
 def logical_tensors(encoded: Any, regions, chunks: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """Pure: every DCP tensor entry at its full size, assembled from its chunks (``chunks[ordinal]``,
-    region-shaped or flat) by the stored Metadata. Non-tensor entries are not tensors: left out."""
+    region-shaped or flat) by the stored Metadata. Non-tensor entries are not tensors: left out.
+    The Metadata is checked first (:func:`check_metadata`): every element of every tensor comes from
+    exactly one stored chunk, so nothing is left as allocated."""
     metadata = decode_metadata(encoded)
+    check_metadata(metadata, regions)
     out = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if not isinstance(md, TensorStorageMetadata):
             continue
         full = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         for chunk in md.chunks:
-            data = metadata.storage_data.get(MetadataIndex(fqn, chunk.offsets))
-            if not isinstance(data, dict) or not 0 <= data.get("region", -1) < len(regions):
-                raise Refusal(RefusalCode.COVERAGE, f"DCP entry {fqn!r}: no stored chunk at {list(chunk.offsets)}")
-            region = regions[data["region"]]
-            if list(region.shape) != list(chunk.sizes):
-                raise Refusal(RefusalCode.FORMAT, f"DCP entry {fqn!r}: chunk at {list(chunk.offsets)} is "
-                              f"{list(chunk.sizes)}, its region {region.name!r} is {list(region.shape)}")
+            region = regions[metadata.storage_data[MetadataIndex(fqn, chunk.offsets)]["region"]]
             box = full[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))]
             box.copy_(chunks[region.ordinal].reshape(-1).view(md.properties.dtype).reshape(tuple(chunk.sizes)))
         out[fqn] = full
@@ -227,19 +334,28 @@ def box_words(chunk_shape: tuple[int, ...], offsets, lengths) -> tuple[int, int]
 class StorageWriter(_DcpStorageWriter):
     """Writes a DCP checkpoint as one alpha_ckpt generation of ``run``/``step`` at ``update``.
 
-    Construct one per save on every rank (as DCP's ``FileSystemWriter``). The generation continues
-    the newest one of ``run``/``step`` (same epoch; ``update`` must be later). ``allow_nonfinite``:
-    fqn patterns (``*.causal_mask``) whose tensors may hold NaN/inf; any other that does is
-    refused at save (``non-finite``), as a restore would refuse it.
+    Construct one per save on every rank (as DCP's ``FileSystemWriter``). ``allow_nonfinite``:
+    fqn patterns (``*.causal_mask``; a bare string is one pattern) whose tensors may hold NaN/inf;
+    any other that does is refused at save (``non-finite``), as a restore would refuse it.
+
+    History (as a :class:`~alpha_ckpt.Checkpointer`'s): a process that loaded ``run``/``step``
+    through :class:`StorageReader` continues it in the next epoch after the generation it loaded;
+    one that saved it before continues its own last generation; any other starts at epoch 0 after
+    the newest. A publish that would fork the history (another job published in between, or a
+    continuation of a newer epoch owns the run) is refused (``fenced``, ``stale-epoch``).
+
+    The writer runs no collective of its own: what the ranks must agree on (the shards each wrote,
+    the digests of replicated entries) travels in DCP's own plans and write results, over the
+    ``process_group`` DCP was given, on whatever thread DCP runs the save. ``group`` is accepted
+    for compatibility and not used.
     """
 
     def __init__(self, store: str | os.PathLike | Store, *, run: str, step: str = "train", update: int,
                  cursor: int = 0, allow_nonfinite=(), group: Any = None, slice_bytes: int = SLICE_BYTES):
         self.run, self.step = check_name(run, "run"), check_name(step, "step")
-        if isinstance(update, bool) or not isinstance(update, int) or update < 0:
-            raise ValueError(f"update is a non-negative int, not {update!r}")
-        self.update, self.cursor = update, int(cursor)
-        self.allow_nonfinite = tuple(allow_nonfinite)
+        counters(self.run, self.step, update, cursor, 0)  # alpha_ckpt.save's check: a usage error (ValueError)
+        self.update, self.cursor = update, cursor
+        self.allow_nonfinite = as_patterns(allow_nonfinite, "allow_nonfinite")
         if slice_bytes < 1:
             raise ValueError(f"slice_bytes is positive, not {slice_bytes!r}")
         self.slice_bytes = slice_bytes
@@ -248,8 +364,8 @@ class StorageWriter(_DcpStorageWriter):
         self.root: str | None = None
         self._lease = None
         self._planned: tuple | None = None  # the coordinator's: (regions, epoch, follows)
+        self._local_items: dict[str, Any] = {}  # this rank's tensor items before DCP's dedup, by chunk key
         self.is_coordinator = False  # set_up_storage_writer says
-        self._collective = True  # whether DCP runs this save on every rank (set_up_storage_writer)
 
     # DCP's call order: reset, set_up_storage_writer, prepare_local_plan, (coordinator)
     # prepare_global_plan, write_data, (coordinator) finish.
@@ -271,48 +387,90 @@ class StorageWriter(_DcpStorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
-        self._collective = _collective_call(kwargs, self.group)
         store = self._open_store()
         if is_coordinator:  # gc spares every object this save writes until the ref is out
             self._release()
             lease = store.pending_publish(self.run, self.step)
-            # A save that fails before finish() gives the lease back: at the agreement in write_data,
-            # at the next reset(), or (planning failed) when the writer is dropped.
+            # A save that fails before finish() gives the lease back: on the coordinator's own failure at
+            # once, else at the next reset() or when the writer is dropped.
             self._lease = weakref.finalize(self, lease.release)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
+        # What this rank holds before DCP keeps one copy of each replicated entry: the coordinator
+        # learns from it which entries every holder must hash (replicas must be bit-equal).
+        self._local_items = {_chunk_key(i.index.fqn, i.tensor_data.chunk.offsets): i
+                             for i in plan.items if i.type != WriteItemType.BYTE_IO}
+        return dataclasses.replace(plan, storage_data={"holds": list(self._local_items)})
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Coordinator: number every chunk, and fix the epoch this generation continues."""
-        self._collective = _collective_plan(plans, self.group, self._collective)
-        newest = self._open_store().newest_ref(self.run, self.step)
-        epoch = newest.prefix.epoch if isinstance(newest, RefRecord) else 0
-        follows = newest.generation if isinstance(newest, RefRecord) else 0
+        """Coordinator: refuse a save no load could restore, fix the history it continues, number every chunk."""
+        try:
+            return self._plan(plans)
+        except BaseException:
+            self._release()  # nothing was written: DCP raises this on every rank before any write
+            raise
+
+    def _plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # Every tensor whole, once: a rank saving alone (no_dist=True) holds only its own shard of a DTensor.
+        for fqn, (size, chunks) in plan_entries(plans).items():
+            check_chunks(fqn, size, chunks, f"DCP save of update {self.update}")
+        store = self._open_store()
+        epoch, follows = self._history(store)
+        check_fence(store.newest_ref(self.run, self.step),
+                    CapturePrefix(self.run, self.step, self.update, self.cursor, epoch), follows)
         regions, per_plan = plan_regions(plans)
         for r in regions:
             if matches_any(r["name"].partition("@")[0], self.allow_nonfinite):
                 r["nonfinite"] = True
+        holders: dict[str, int] = {}
+        for p in plans:
+            for key in (p.storage_data or {}).get("holds", ()):
+                holders[key] = holders.get(key, 0) + 1
         # writers: how many ranks write at once, so that each rank's store learns its write modes for that count
         # and one write mode for every rank's large shards beyond its own probes (buffered while the coordinator probes)
-        common = {"regions": regions, "epoch": epoch, "follows": follows, "writers": len(plans),
-                  "write_mode": self._open_store().save_write_mode(len(plans))}
+        common = {"regions": regions, "epoch": epoch, "writers": len(plans),
+                  "write_mode": store.save_write_mode(len(plans))}
         self._planned = (_region_decls(regions), epoch, follows)
-        return [SavePlan(p.items, storage_data={**common, "ordinals": mine}, planner_data=p.planner_data,
-                         usable=p.usable) for p, mine in zip(plans, per_plan)]
+        return [SavePlan(p.items, storage_data={**common, "ordinals": mine, "replicas": [
+                    k for k in (p.storage_data or {}).get("holds", ()) if holders[k] > 1]},
+                         planner_data=p.planner_data, usable=p.usable) for p, mine in zip(plans, per_plan)]
+
+    def _history(self, store: Store) -> tuple[int, int]:
+        """(epoch, generation followed) of this save: what this process loaded or saved last, else epoch 0
+        after the newest generation (a job that never loaded this run, as a Checkpointer that never restored)."""
+        chain = _CHAINS.get(_chain_key(store, self.run, self.step))
+        if chain is not None:
+            if chain.stale:
+                raise Refusal(RefusalCode.STALE_EPOCH, chain.stale)
+            return chain.epoch, chain.follows
+        newest = store.newest_ref(self.run, self.step)
+        return 0, (newest.generation if isinstance(newest, RefRecord) else 0)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        try:
+            results = self._write(plan, planner)
+        except BaseException:
+            self._release()  # the coordinator's own failure; DCP calls no hook for another rank's
+            _close_own_store(self)
+            raise
+        if not self.is_coordinator:  # its part is durable; finish() runs on the coordinator only
+            _close_own_store(self)
+        future: Future = Future()
+        future.set_result(results)
+        return future
+
+    def _write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         data = plan.storage_data
         regions = _region_decls(data["regions"])
         prefix = CapturePrefix(self.run, self.step, self.update, self.cursor, data["epoch"])
-        results, parts, keep = [], [], []
+        results, parts, flats = [], [], {}
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
                 results.append(WriteResult(item.index, 0, {"value": _value_of(planner, item)}))
                 continue
-            ordinal = data["ordinals"][_chunk_key(item.index.fqn, item.tensor_data.chunk.offsets)]
-            flat = word_bytes(planner.resolve_data(item))
-            keep.append(flat)
+            key = _chunk_key(item.index.fqn, item.tensor_data.chunk.offsets)
+            ordinal = data["ordinals"][key]
+            flat = flats[key] = word_bytes(planner.resolve_data(item))
             region = regions[ordinal]
             size = DTYPES[region.dtype][0]
             view, step = memoryview(flat.numpy()), max(1, self.slice_bytes // size)
@@ -320,54 +478,48 @@ class StorageWriter(_DcpStorageWriter):
                 hi = min(region.words, lo + step)
                 parts.append((Piece(ordinal, lo, hi, size), view[lo * size:hi * size], "raw"))
             results.append(WriteResult(item.index, flat.numel(), {"region": ordinal}))
+        # Every holder of a replicated entry hashes its copy, whether DCP chose it to write it or not.
+        replicas = {}
+        for key in data.get("replicas", ()):
+            flat = flats[key] if key in flats else word_bytes(planner.resolve_data(self._local_items[key]))
+            replicas[key] = digest_bytes(flat.numpy()) if flat.numel() else digest_bytes(b"")
         # Shards of up to SHARD_BYTES (their slices keep their own digests): large enough for the
         # O_DIRECT path, one durable commit per shard instead of one per slice.
-        failure: BaseException | None = None
-        try:
-            shards = write_shards(self._open_store(), prefix, regions, group_parts(parts, SHARD_BYTES),
-                                  writers=data["writers"], agreed_mode=data["write_mode"])
-        except BaseException as exc:  # noqa: BLE001 - every rank must reach the agreement below
-            failure = exc
-        # DCP calls no hook on the coordinator when another rank's writes fail: the ranks agree here,
-        # so the coordinator gives its lease back at once (DCP then raises every rank's failure).
-        if _any_rank_failed(failure is not None, self.group, self._collective):
-            self._release()
-            _close_own_store(self)
-            if failure is not None:
-                raise failure
-        if not self.is_coordinator:  # its part is durable; finish() runs on the coordinator only
-            _close_own_store(self)
-        records = [s.to_json() for s in shards]
-        # The shards travel with the first result: finish() names every rank's in the manifest.
-        if results:
-            first = results[0]
-            results[0] = WriteResult(first.index, first.size_in_bytes, {**first.storage_data, "shards": records})
-        elif records:
-            raise AssertionError("shards written with no item to report them")
-        future: Future = Future()
-        future.set_result(results)
-        return future
+        shards = write_shards(self._open_store(), prefix, regions, group_parts(parts, SHARD_BYTES),
+                              writers=data["writers"], agreed_mode=data["write_mode"])
+        # finish() names every rank's shards in the manifest and compares the replicas' digests.
+        results.append(WriteResult(MetadataIndex(_RANK_REPORT), 0,
+                                   {"shards": [s.to_json() for s in shards], "replicas": replicas}))
+        return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator: write the root manifest naming every rank's shards, then publish the ref."""
+        """Coordinator: check what every rank wrote, write the root manifest naming every rank's shards,
+        then publish the ref."""
         try:
             store = self._open_store()
             shards: dict[str, ShardRef] = {}
             storage_data = {}
-            for rank_results in results:
+            replicas: dict[str, dict[int, str]] = {}
+            for rank, rank_results in enumerate(results):
                 for result in rank_results:
-                    data = dict(result.storage_data)
-                    for record in data.pop("shards", []):
-                        shards[record["digest"]] = ShardRef.from_json(record)
-                    storage_data[result.index] = data
+                    if result.index.fqn == _RANK_REPORT:
+                        for record in result.storage_data["shards"]:
+                            shards[record["digest"]] = ShardRef.from_json(record)
+                        for key, digest in result.storage_data["replicas"].items():
+                            replicas.setdefault(key, {})[rank] = digest
+                        continue
+                    storage_data[result.index] = dict(result.storage_data)
+            check_replicas(replicas, f"DCP save of update {self.update}")
             metadata.storage_data = storage_data
             regions, epoch, follows = self._planned  # what prepare_global_plan decided
+            check_metadata(metadata, regions, f"DCP save of update {self.update}")  # what every load checks
             prefix = CapturePrefix(self.run, self.step, self.update, self.cursor, epoch)
             world = len(results)  # the ranks that saved (1 under no_dist=True, whatever the group)
             root, size = write_manifest(store, prefix, regions, list(shards.values()), world,
                                         {DCP_KEY: encode_metadata(metadata)})
             record = store.publish_ref(prefix, root, size, size + sum(s.size for s in shards.values()),
                                        owners=world, follows=follows)
+            _CHAINS[_chain_key(store, self.run, self.step)] = _Chain(epoch, record.generation)
             self.root = record.root
         finally:
             self._release()
@@ -381,6 +533,55 @@ class StorageWriter(_DcpStorageWriter):
         if self._lease is not None:
             self._lease()  # the finalizer: releases once, and never again when the writer is dropped
             self._lease = None
+
+
+_RANK_REPORT = "\x00alpha_ckpt.rank"  # the write result that carries a rank's shards and replica digests
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chain:
+    """The history this process continues in a run/step: the epoch it saves in, the generation it follows,
+    and why it may not save at all (it loaded a generation a newer continuation has superseded)."""
+    epoch: int
+    follows: int
+    stale: str | None = None
+
+
+_CHAINS: dict[tuple, _Chain] = {}  # (store directory's device and inode, run, step): this process's history
+
+
+def _chain_key(store: Store, run: str, step: str) -> tuple:
+    st = os.stat(store.root)  # a store's identity, however its path is spelled
+    return (st.st_dev, st.st_ino, run, step)
+
+
+def plan_entries(plans: list[SavePlan]) -> dict[str, tuple[tuple[int, ...], list]]:
+    """Pure: every tensor entry of the (deduplicated) plans: {fqn: (size, [(offsets, sizes), ...])}."""
+    out: dict[str, tuple[tuple[int, ...], list]] = {}
+    for plan in plans:
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                continue
+            data = item.tensor_data
+            size, chunks = out.setdefault(item.index.fqn, (tuple(data.size), []))
+            if tuple(data.size) != size:
+                raise Refusal(RefusalCode.MIXED_CAPTURE, f"DCP entry {item.index.fqn!r} is of size {list(size)} on "
+                              f"one rank and {list(data.size)} on another")
+            chunks.append((tuple(data.chunk.offsets), tuple(data.chunk.sizes)))
+    return out
+
+
+def check_replicas(replicas: dict[str, dict[int, str]], what: str) -> None:
+    """Pure: every copy of a replicated chunk ({chunk key: {rank: digest}}) is bit-equal, or ``mixed-capture``
+    naming the entry (DCP would keep one rank's copy and drop the others silently)."""
+    for key, by_rank in replicas.items():
+        ranks = sorted(by_rank)
+        differ = [r for r in ranks if by_rank[r] != by_rank[ranks[0]]]
+        if differ:
+            fqn, _, offsets = key.rpartition("@")
+            raise Refusal(RefusalCode.MIXED_CAPTURE, f"{what}: entry {fqn!r} (chunk at [{offsets}]) is replicated "
+                          f"but rank {ranks[0]} and rank {differ[0]} hold different values; save state that "
+                          "differs per rank under per-rank names")
 
 
 def _close_own_store(storage) -> None:
@@ -429,6 +630,8 @@ class StorageReader(_DcpStorageReader):
         self.regions: tuple[RegionDecl, ...] = ()
         self.bytes_read = 0  # stored bytes of the chunks the last read_data validated
         self._collective = True  # whether DCP runs this load on every rank (set_up_storage_reader)
+        self._failure: Exception | None = None  # read_metadata's, raised by set_up_storage_reader
+        self._loaded: tuple | None = None  # (chain key, history) a save continues once this load succeeded
 
     # DCP's call order: reset, read_metadata, set_up_storage_reader, prepare_local_plan,
     # (coordinator) prepare_global_plan, read_data.
@@ -465,17 +668,40 @@ class StorageReader(_DcpStorageReader):
         return chosen["root"]
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        # DCP turns any exception raised here into an AssertionError ("metadata is None") and loses the
+        # Refusal: it is raised from set_up_storage_reader instead, which DCP reports as it is.
+        self._failure = None
+        try:
+            return self._read_metadata()
+        except Exception as exc:  # noqa: BLE001 - raised again, whole, by set_up_storage_reader
+            self._failure = exc
+            return Metadata(state_dict_metadata={})
+
+    def _read_metadata(self) -> Metadata:
         self.root = self._choose_root()
         store = self._open_store()
-        with open_generation(store, self.root, wanted=[]) as generation:
+        with open_generation(store, self.root, wanted=[]) as generation:  # checks the DCP Metadata too
             manifest = generation.manifest
         if not isinstance(manifest.metadata, dict) or DCP_KEY not in manifest.metadata:
             raise Refusal(RefusalCode.FORMAT, f"generation {self.root[:16]}... was not written by DCP (no "
                           f"{DCP_KEY!r} metadata): restore it with alpha_ckpt.Checkpointer or alpha_ckpt.load")
         self.regions, self.prefix = manifest.regions, manifest.prefix
-        return decode_metadata(manifest.metadata[DCP_KEY], f"generation {self.root[:16]}... DCP metadata")
+        # The history a save of this process continues once the load succeeds (as a Checkpointer's restore):
+        # the next epoch, after the newest generation; none if a newer continuation superseded this one.
+        p, newest = manifest.prefix, store.newest_ref(manifest.prefix.run, manifest.prefix.step)
+        stale = None
+        if isinstance(newest, RefRecord) and newest.prefix.epoch > p.epoch:
+            stale = (f"this process loaded generation {self.root[:16]}... of epoch {p.epoch}, but {p.run}/{p.step} "
+                     f"generation {newest.generation} (update {newest.prefix.update}) is of epoch "
+                     f"{newest.prefix.epoch}, a newer continuation that owns it")
+        follows = newest.generation if isinstance(newest, RefRecord) else 0
+        self._loaded = (_chain_key(store, p.run, p.step), _Chain(p.epoch + 1, follows, stale))
+        return check_generation(manifest, f"generation {self.root[:16]}... DCP metadata")
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
         self._collective = _collective_call(kwargs, self.group)
         self.storage_data = metadata.storage_data
 
@@ -556,6 +782,8 @@ class StorageReader(_DcpStorageReader):
             planner.commit_tensor(item, dest)
         for item, value in values:
             _load_value(planner, item, value)
+        key, chain = self._loaded
+        _CHAINS[key] = chain
         future = Future()
         future.set_result(None)
         return future

@@ -45,6 +45,24 @@ class Refusal(Exception):
         return (type(self), (self.code.value, self.message))
 
 
+def refusal_in(exc: BaseException) -> "Refusal | None":
+    """The Refusal ``exc`` is, or carries: ``torch.distributed.checkpoint`` raises a ``CheckpointException``
+    holding each failed rank's exception (a StorageWriter's or StorageReader's refusal among them)."""
+    if isinstance(exc, Refusal):
+        return exc
+    try:
+        from torch.distributed.checkpoint.api import CheckpointException
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    if isinstance(exc, CheckpointException):
+        for rank in sorted(exc.failures):
+            failure = exc.failures[rank]
+            inner = failure[0] if isinstance(failure, tuple) else failure  # DCP wraps (exception, traceback)
+            if isinstance(inner, Refusal):
+                return inner
+    return None
+
+
 class DurableWriteError(OSError):
     """A durable write failed at a named stage; nothing was published.
 

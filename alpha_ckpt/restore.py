@@ -217,6 +217,9 @@ def open_generation(store: Store, root: str, ref: RefRecord | None = None, *,
         if targets is None or manifest.publisher.kind == "star":
             check_coverage(manifest.regions, ((o, lo, hi, f"shard {r.digest[:16]}...")
                                               for r in every_record for (o, lo, hi) in r.slices), what)
+        if isinstance(manifest.metadata, dict) and "dcp" in manifest.metadata:
+            from .dcp import check_generation  # a DCP checkpoint: its Metadata must tile its tensors by its regions
+            check_generation(manifest)
     except BaseException:
         for obj, _ in shards.values():
             obj.close()

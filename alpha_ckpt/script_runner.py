@@ -5,9 +5,10 @@
 
 The script runs as ``__main__`` with its own argv, exactly as ``python
 train.py`` would run it under torchrun. A :class:`~alpha_ckpt.Refusal` that
-escapes it exits 3 with one line naming the code (a checkpoint refused: an
-orchestrator must not retry); ``SystemExit`` keeps its code (argparse's usage
-errors are 2); any other exception exits 1 with its traceback, which
+escapes it (or ``torch.distributed.checkpoint``'s ``CheckpointException``
+carrying one) exits 3 with one line naming the code (a checkpoint refused:
+an orchestrator must not retry); ``SystemExit`` keeps its code (argparse's
+usage errors are 2); any other exception exits 1 with its traceback, which
 alpha-run reports as retryable (75). A script that ends (or exits) leaves
 through :func:`exit_now`: atexit handlers run and stdio is flushed, but the
 interpreter's own teardown is skipped, so a file object the script left open
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or (argv[0] == "-m" and len(argv) < 2):
         print("alpha_ckpt.script_runner: usage: SCRIPT [ARGS...] | -m MODULE [ARGS...]", file=sys.stderr)
         return 2
-    from .errors import Refusal
+    from .errors import refusal_in
     module = argv[0] == "-m"
     target = argv[1] if module else argv[0]
     sys.argv = [target] + argv[(2 if module else 1):]
@@ -38,7 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             sys.path.insert(0, os.path.dirname(os.path.abspath(target)))  # as `python train.py` does
             runpy.run_path(target, run_name="__main__")
-    except Refusal as refusal:
+    except Exception as exc:
+        refusal = refusal_in(exc)  # a Refusal, or DCP's CheckpointException carrying one
+        if refusal is None:
+            raise
         print(f"alpha-run: checkpoint refused: [{refusal.code.value}] {refusal.message}", file=sys.stderr)
         _leave_group()
         return EXIT_REFUSED

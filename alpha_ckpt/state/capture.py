@@ -128,6 +128,15 @@ def _top_items(state: Mapping[str, Any]) -> Iterable[tuple[Any, Any]]:
         yield key, value
 
 
+def as_patterns(patterns: Any, what: str) -> tuple[str, ...]:
+    """A list of name patterns; a bare string is one pattern (``"*.mask"``, never ``*``, ``.``, ``m``, ...)."""
+    out = (patterns,) if isinstance(patterns, str) else tuple(patterns)
+    bad = [p for p in out if not isinstance(p, str)]
+    if bad:
+        raise ValueError(f"{what} is a pattern or a list of patterns (strings), not {bad[0]!r}")
+    return out
+
+
 def matches_any(name: str, patterns: Sequence[str]) -> bool:
     """fnmatch on dotted names: ``*.mask`` matches ``model.blocks.0.mask``."""
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
