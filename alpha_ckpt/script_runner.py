@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             sys.path.insert(0, os.path.dirname(os.path.abspath(target)))  # as `python train.py` does
             runpy.run_path(target, run_name="__main__")
-    except Exception as exc:
+    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException; others re-raised
         refusal = refusal_in(exc)  # a Refusal, or DCP's CheckpointException carrying one
         if refusal is None:
             raise

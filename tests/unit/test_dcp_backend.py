@@ -504,3 +504,205 @@ def test_a_store_handle_dropped_without_close_gives_its_descriptors_back(tmp_pat
     assert _open_descriptors() >= before + 4
     del store
     assert _open_descriptors() == before
+
+
+# ---------------------------------------------------------------- metadata, history and exit codes the backend checks
+
+
+def _refusal_codes(exc: CheckpointException) -> list[str]:
+    return sorted({e.code.value for e, _ in exc.failures.values() if isinstance(e, Refusal)})
+
+
+def _forge(state, store, root, kind):
+    """Republish ``root`` with its DCP Metadata altered (every digest valid again)."""
+    from alpha_ckpt.forge import republish_with_metadata
+
+    def edit(metadata):
+        dcp_meta = metadata["dcp"]
+        entries = dict(dcp_meta["state_dict_metadata"])
+        items = dcp_meta["storage_data"]
+        by_fqn = {index[0]: data for index, data in items}
+        if kind == "swapped-regions":  # a's chunk names b's region and b's names a's (both [4, 3] float32)
+            by_fqn["a"]["region"], by_fqn["b"]["region"] = by_fqn["b"]["region"], by_fqn["a"]["region"]
+        elif kind == "negative-region":  # Python would index the last region
+            by_fqn["a"]["region"] = -1
+        elif kind == "duplicate-storage-key":  # a second item for a's chunk, naming b's region
+            items.append([["a", [0, 0]], {"region": by_fqn["b"]["region"]}])
+        elif kind == "dropped-chunk":  # "a" says it is [8, 3]: rows 4-7 were never saved
+            entries["a"]["tensor"]["size"] = [8, 3]
+        elif kind == "out-of-bounds-chunk":  # a's one chunk moved to rows 6-9 of a [4, 3] tensor
+            entries["a"]["tensor"]["chunks"] = [[[6, 0], [4, 3]]]
+            next(index for index, _ in items if index[0] == "a")[1] = [6, 0]
+        dcp_meta["state_dict_metadata"] = [[k, v] for k, v in entries.items()]
+        return metadata
+    with Store(store, create=False) as s:
+        return republish_with_metadata(s, root, edit)
+
+
+FORGERIES = {"swapped-regions": "format", "negative-region": "coverage", "duplicate-storage-key": "format",
+             "dropped-chunk": "coverage", "out-of-bounds-chunk": "coverage"}
+
+
+@pytest.mark.parametrize("kind", sorted(FORGERIES))
+def test_forged_dcp_metadata_with_digests_repaired_is_refused_by_load_verify_and_export(tmp_path, kind):
+    store = str(tmp_path / "store")
+    state = {"a": _full(1, 4, 3), "b": _full(2, 4, 3), "n": 5}
+    root = dcp.save(state, storage_writer=StorageWriter(store, run="r", update=1), no_dist=True).storage_meta.checkpoint_id
+    forged = _forge(state, store, root, kind)
+    dest = {"a": torch.full((4, 3), 7.0), "b": torch.full((4, 3), 7.0), "n": 0}
+    with pytest.raises(CheckpointException) as raised:
+        dcp.load(dest, storage_reader=StorageReader(store, forged), no_dist=True)
+    assert _refusal_codes(raised.value) == [FORGERIES[kind]]
+    assert bool((dest["a"] == 7.0).all() and (dest["b"] == 7.0).all()) and dest["n"] == 0  # nothing copied
+    verified = alpha_ckpt_cli("verify", "--store", store, forged)
+    assert verified.returncode == 3 and FORGERIES[kind] in verified.stdout + verified.stderr
+    out = tmp_path / "forged.safetensors"
+    assert alpha_ckpt_cli("export", "--store", store, "--to", out, forged).returncode == 3
+    assert not out.exists()
+    assert alpha_ckpt_cli("verify", "--store", store, root).returncode == 0  # the original is intact
+
+
+def _save_own_shard_alone(rank, world, store):
+    state = {"w": distribute_tensor(_full(1, 8, 4), _mesh(world), [Shard(0)])}
+    codes = None
+    if rank == 0:
+        try:
+            dcp.save(state, storage_writer=StorageWriter(store, run="solo", update=1), no_dist=True)
+            codes = []
+        except CheckpointException as exc:
+            codes = _refusal_codes(exc)
+    dist.barrier()
+    return codes
+
+
+def test_a_no_dist_save_of_one_ranks_dtensor_shard_is_refused_before_anything_is_published(tmp_path):
+    store = str(tmp_path / "store")
+    results = run_ranks(2, _save_own_shard_alone, store, tmp=tmp_path)
+    assert results[0] == [RefusalCode.COVERAGE.value]  # rows 4-7 are rank 1's: no load could restore them
+    with Store(store) as s:
+        assert s.list_refs("solo", "train") == []
+
+
+def _async_save_beside_training(rank, world, store):
+    pg = dist.new_group(backend="gloo")  # DCP's group; training all_reduces on the default group meanwhile
+    state = {"w": _full(1, 1024, 1024), "b": _full(2, 64), "progress": {"step": 1}}
+    future = dcp.async_save(state, storage_writer=StorageWriter(store, run="r", update=1), process_group=pg)
+    steps = 0
+    while True:  # a training step's collective, until the save is done on every rank
+        done = torch.tensor([float(future.done())])
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        steps += 1
+        if done.item() == 1.0:
+            break
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the default group still answers in step after it
+    root = future.result().storage_meta.checkpoint_id
+    dest = {"w": torch.zeros(1024, 1024), "b": torch.zeros(64), "progress": {"step": 0}}
+    dcp.load(dest, storage_reader=StorageReader(store, root))
+    return {"root": root, "equal": torch.equal(dest["w"], state["w"]) and torch.equal(dest["b"], state["b"]),
+            "in_step": t.item() == world, "steps": steps}
+
+
+@pytest.mark.timeout(120)
+def test_async_save_over_its_own_process_group_runs_beside_training_collectives_on_the_default_group(tmp_path):
+    results = run_ranks(2, _async_save_beside_training, str(tmp_path / "store"), tmp=tmp_path, timeout=90)
+    assert results[0]["root"] == results[1]["root"]
+    assert all(r["equal"] and r["in_step"] for r in results), results
+    assert results[0]["steps"] == results[1]["steps"]
+
+
+def _two_jobs(rank, world, store, resume):
+    """Rank 0 and rank 1 are two jobs of one run, each saving alone (no_dist): A, then B, then A again."""
+    def save(update):
+        try:
+            dcp.save({"w": torch.full((4,), float(update))}, no_dist=True,
+                     storage_writer=StorageWriter(store, run="r", update=update))
+            return []
+        except CheckpointException as exc:
+            return _refusal_codes(exc)
+    out = {}
+    if rank == 0:
+        out["a1"] = save(1)
+    dist.barrier()
+    if rank == 1:
+        if resume:  # B resumes the run as a continuation (the next epoch)
+            dest = {"w": torch.zeros(4)}
+            dcp.load(dest, storage_reader=StorageReader(store, run="r"), no_dist=True)
+        out["b2"] = save(2)
+    dist.barrier()
+    if rank == 0:
+        out["a3"] = save(3)
+    dist.barrier()
+    return out
+
+
+@pytest.mark.parametrize("resume,code", [(False, "fenced"), (True, "stale-epoch")])
+def test_a_second_job_saving_through_dcp_into_one_run_fences_the_first(tmp_path, resume, code):
+    store = str(tmp_path / "store")
+    a, b = run_ranks(2, _two_jobs, store, resume, tmp=tmp_path)
+    assert a == {"a1": [], "a3": [code]} and b == {"b2": []}
+    with Store(store, create=False) as s:
+        refs = s.list_refs("r", "train")
+    assert [(r.prefix.update, r.prefix.epoch) for r in refs] == [(1, 0), (2, 1 if resume else 0)]
+
+
+def _save_differing_buffers(rank, world, store):
+    # DDP with BatchNorm: the weights are the same on every rank, the running statistics are not.
+    state = {"model": {"w": _full(1, 4, 3), "bn.running_mean": torch.full((3,), float(rank))}}
+    try:
+        dcp.save(state, storage_writer=StorageWriter(store, run="r", update=1))
+    except CheckpointException as exc:
+        refusals = [e for e, _ in exc.failures.values() if isinstance(e, Refusal)]
+        return {"codes": _refusal_codes(exc), "named": all("model.bn.running_mean" in e.message for e in refusals)}
+    return {"codes": []}
+
+
+def test_a_replicated_entry_that_differs_across_ranks_refuses_the_dcp_save_naming_it(tmp_path):
+    store = str(tmp_path / "store")
+    results = run_ranks(2, _save_differing_buffers, store, tmp=tmp_path)
+    assert results == [{"codes": [RefusalCode.MIXED_CAPTURE.value], "named": True}] * 2
+    with Store(store, create=False) as s:
+        assert s.list_refs("r", "train") == []
+
+
+_REFUSED_UNDER_ALPHA_RUN = textwrap.dedent('''
+    import sys
+    import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+    from alpha_ckpt.dcp import StorageReader, StorageWriter
+
+    store, what = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    if what == "save":  # a NaN no allow_nonfinite pattern declares
+        dcp.save({"w": torch.full((4,), float("nan"))}, storage_writer=StorageWriter(store, run="r", update=1))
+    else:  # "latest" of a run with no generation
+        dcp.load({"w": torch.zeros(4)}, storage_reader=StorageReader(store, run="r"))
+''')
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("what", ["save", "load"])
+def test_a_refusal_inside_dcp_under_alpha_run_exits_3(tmp_path, what):
+    script = tmp_path / "dcp_refused.py"
+    script.write_text(_REFUSED_UNDER_ALPHA_RUN)
+    store = tmp_path / "store"
+    Store(store).close()
+    done = subprocess.run([sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", "2", "--store", str(store),
+                           str(script), str(store), what], capture_output=True, text=True, timeout=150)
+    assert done.returncode == 3, done.stderr[-3000:]
+
+
+def test_a_storage_writer_refuses_a_negative_cursor_at_construction():
+    with pytest.raises(ValueError):
+        StorageWriter("unused", run="r", update=1, cursor=-5)
+
+
+def test_a_bare_string_allow_nonfinite_is_one_pattern_in_the_storage_writer(tmp_path):
+    store = str(tmp_path / "store")
+    state = {"mask": torch.full((3,), float("-inf")), "w": torch.tensor([1.0, float("nan")])}
+    with pytest.raises(CheckpointException) as raised:  # "*.mask" is not "*", ".", "m", ...: w's NaN is refused
+        dcp.save(state, storage_writer=StorageWriter(store, run="r", update=1, allow_nonfinite="mask"), no_dist=True)
+    assert _refusal_codes(raised.value) == [RefusalCode.NON_FINITE.value]
+    state["w"][1] = 0.0
+    root = dcp.save(state, storage_writer=StorageWriter(store, run="r", update=1, allow_nonfinite="mask"),
+                    no_dist=True).storage_meta.checkpoint_id
+    assert alpha_ckpt_cli("verify", "--store", store, root).returncode == 0
