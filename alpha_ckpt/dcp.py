@@ -61,7 +61,6 @@ from .errors import Refusal, RefusalCode
 from .format import DTYPES, CapturePrefix, RegionDecl, ShardRef, check_name, digest_bytes
 from .manifest import dtype_name, torch_dtype
 from .planner import Piece, WantedSlice
-from .publish.wire import broadcast_json
 from .restore import PreparedRestore, check_structure, latest_generation, open_generation
 from .state.capture import as_patterns, matches_any
 from .state.placement import box_ranges
@@ -612,7 +611,7 @@ def _value_of(planner: SavePlanner, item) -> Any:
 
 class StorageReader(_DcpStorageReader):
     """Reads a DCP checkpoint that :class:`StorageWriter` wrote: generation ``root`` (a digest), or
-    the newest of ``run``/``step`` (``root="latest"``, chosen by rank 0 for every rank).
+    the newest complete one of ``run``/``step`` (``root="latest"``; every rank must find the same).
 
     ``dcp.load(..., checkpoint_id=digest)`` names the generation too. ``group``: the process group
     DCP loads over (default: the default group); the ranks agree on the verdict over it.
@@ -651,21 +650,13 @@ class StorageReader(_DcpStorageReader):
     def _choose_root(self) -> str:
         if self.wanted_root != "latest":
             return Store.check_digest(self.wanted_root)
-        distributed = dist.is_initialized()
-        chosen = None
-        if not distributed or dist.get_rank(self.group) == 0:
-            try:
-                # Heads only: each rank validates the payload bytes it reads, in read_data.
-                record, _ = latest_generation(self._open_store(), self.run, self.step, check=check_structure)
-                chosen = {"root": record.root} if record else {
-                    "code": RefusalCode.MISSING_SHARD.value, "reason": f"{self.run}/{self.step} has no complete generation"}
-            except Refusal as refusal:
-                chosen = {"code": refusal.code.value, "reason": refusal.message}
-        if distributed:  # one choice for every rank, even if a generation is published meanwhile
-            chosen = broadcast_json(chosen, dist.get_global_rank(self.group or dist.group.WORLD, 0), self.group)
-        if "root" not in chosen:
-            raise Refusal(chosen["code"], chosen["reason"])
-        return chosen["root"]
+        # Each rank chooses (heads only: each validates the payload bytes it reads, in read_data); the
+        # coordinator checks in prepare_global_plan that every rank chose the same. No collective here:
+        # DCP does not say which process group (if any: no_dist=True) it loads over.
+        record, _ = latest_generation(self._open_store(), self.run, self.step, check=check_structure)
+        if record is None:
+            raise Refusal(RefusalCode.MISSING_SHARD, f"{self.run}/{self.step} has no complete generation")
+        return record.root
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # DCP turns any exception raised here into an AssertionError ("metadata is None") and loses the
@@ -706,10 +697,14 @@ class StorageReader(_DcpStorageReader):
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        return dataclasses.replace(plan, storage_data={"root": self.root})
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         self._collective = _collective_plan(plans, self.group, self._collective)
+        roots = {p.storage_data.get("root") for p in plans if isinstance(p.storage_data, dict)}
+        if len(roots) > 1:  # "latest" moved between two ranks' choices: retryable, nothing was read
+            raise RuntimeError(f"the ranks chose different newest generations of {self.run}/{self.step} (one was "
+                               "published as the load started): load again")
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
