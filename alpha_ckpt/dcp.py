@@ -15,10 +15,11 @@ What a DCP checkpoint written this way is:
 - one alpha_ckpt generation of ``run``/``step``: each rank writes the tensor chunks DCP gives it
   into content-addressed shard objects (BLAKE3 of every chunk, NaN/inf refused, durable commit);
   the coordinator's ``finish`` writes one root manifest naming every shard and publishes the ref,
-  after every rank's ``write_data`` has returned (DCP gathers the write results only then). A
-  crash before the ref leaves the previous generation the newest; the history is fenced as for
-  any generation (an older epoch, a concurrent publisher or an update that goes backwards is
-  refused);
+  after every rank's ``write_data`` has returned (DCP gathers the write results only then), and
+  only if the Metadata passes :func:`check_metadata` (the check every load, ``verify`` and
+  ``export`` make) and every copy of a replicated entry is bit-equal. A crash before the ref leaves
+  the previous generation the newest; the history is fenced as a Checkpointer's (see
+  :class:`StorageWriter`);
 - DCP's ``Metadata`` is stored in the root manifest as typed canonical JSON, and non-tensor values
   (``BYTE_IO`` items) as typed JSON values (:mod:`alpha_ckpt.state.values`): nothing is pickled
   on disk, and reading never unpickles. DCP itself still exchanges its plans, results and
