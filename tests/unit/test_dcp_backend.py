@@ -706,3 +706,22 @@ def test_a_bare_string_allow_nonfinite_is_one_pattern_in_the_storage_writer(tmp_
     root = dcp.save(state, storage_writer=StorageWriter(store, run="r", update=1, allow_nonfinite="mask"),
                     no_dist=True).storage_meta.checkpoint_id
     assert alpha_ckpt_cli("verify", "--store", store, root).returncode == 0
+
+
+def _fewer_rows_than_ranks(rank, world, store):
+    mesh = _mesh(world)
+    state = {"head": distribute_tensor(_full(6, 1, 5), mesh, [Shard(0)]),  # one rank's shard is empty
+             "tail": distribute_tensor(_full(7, 5, 1), mesh, [Shard(1)])}
+    root = dcp.save(state, storage_writer=StorageWriter(store, run="r", update=1)).storage_meta.checkpoint_id
+    dest = {"head": distribute_tensor(torch.zeros(1, 5), mesh, [Shard(0)]),
+            "tail": distribute_tensor(torch.zeros(5, 1), mesh, [Shard(1)])}
+    dcp.load(dest, storage_reader=StorageReader(store, root))
+    return {"root": root, "equal": torch.equal(dest["head"].full_tensor(), _full(6, 1, 5))
+            and torch.equal(dest["tail"].full_tensor(), _full(7, 5, 1))}
+
+
+def test_dtensors_with_fewer_rows_than_ranks_save_verify_and_load_through_dcp(tmp_path):
+    store = str(tmp_path / "store")
+    results = run_ranks(2, _fewer_rows_than_ranks, store, tmp=tmp_path)
+    assert all(r["equal"] for r in results), results
+    assert alpha_ckpt_cli("verify", "--store", store, results[0]["root"]).returncode == 0
