@@ -59,7 +59,7 @@ from torch.futures import Future
 from .collective.verdict import any_rank
 from .api import _prefix as counters
 from .errors import Refusal, RefusalCode
-from .format import DTYPES, CapturePrefix, RegionDecl, ShardRef, check_name, digest_bytes
+from .format import DTYPES, CapturePrefix, RegionDecl, ShardRef, canonical_json, check_name, digest_bytes
 from .manifest import dtype_name, torch_dtype
 from .planner import Piece, WantedSlice
 from .restore import PreparedRestore, check_structure, latest_generation, open_generation
@@ -321,6 +321,13 @@ def _chunk_key(fqn: str, offsets) -> str:
     return f"{fqn}@{','.join(str(int(o)) for o in offsets)}"
 
 
+def _item_key(item) -> str:
+    """A write item's key: ``fqn@offsets`` for a tensor chunk, ``fqn`` for a value."""
+    if item.type == WriteItemType.BYTE_IO:
+        return item.index.fqn
+    return _chunk_key(item.index.fqn, item.tensor_data.chunk.offsets)
+
+
 def box_words(chunk_shape: tuple[int, ...], offsets, lengths) -> tuple[int, int]:
     """Pure: the flat word range [lo, hi) of a row-major chunk that holds the box at ``offsets`` of
     ``lengths`` (first to last word of the box; exactly the box when it is contiguous)."""
@@ -398,8 +405,7 @@ class StorageWriter(_DcpStorageWriter):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         # What this rank holds before DCP keeps one copy of each replicated entry: the coordinator
         # learns from it which entries every holder must hash (replicas must be bit-equal).
-        self._local_items = {_chunk_key(i.index.fqn, i.tensor_data.chunk.offsets): i
-                             for i in plan.items if i.type != WriteItemType.BYTE_IO}
+        self._local_items = {_item_key(i): i for i in plan.items}
         return dataclasses.replace(plan, storage_data={"holds": list(self._local_items)})
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -463,12 +469,13 @@ class StorageWriter(_DcpStorageWriter):
         data = plan.storage_data
         regions = _region_decls(data["regions"])
         prefix = CapturePrefix(self.run, self.step, self.update, self.cursor, data["epoch"])
-        results, parts, flats = [], [], {}
+        results, parts, flats, values = [], [], {}, {}
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
-                results.append(WriteResult(item.index, 0, {"value": _value_of(planner, item)}))
+                value = values[_item_key(item)] = _value_of(planner, item)
+                results.append(WriteResult(item.index, 0, {"value": value}))
                 continue
-            key = _chunk_key(item.index.fqn, item.tensor_data.chunk.offsets)
+            key = _item_key(item)
             ordinal = data["ordinals"][key]
             flat = flats[key] = word_bytes(planner.resolve_data(item))
             region = regions[ordinal]
@@ -481,7 +488,12 @@ class StorageWriter(_DcpStorageWriter):
         # Every holder of a replicated entry hashes its copy, whether DCP chose it to write it or not.
         replicas = {}
         for key in data.get("replicas", ()):
-            flat = flats[key] if key in flats else word_bytes(planner.resolve_data(self._local_items[key]))
+            item = self._local_items[key]
+            if item.type == WriteItemType.BYTE_IO:  # a value (a data loader's state, a step count)
+                value = values[key] if key in values else _value_of(planner, item)
+                replicas[key] = digest_bytes(canonical_json(value))
+                continue
+            flat = flats[key] if key in flats else word_bytes(planner.resolve_data(item))
             replicas[key] = digest_bytes(flat.numpy()) if flat.numel() else digest_bytes(b"")
         # Shards of up to SHARD_BYTES (their slices keep their own digests): large enough for the
         # O_DIRECT path, one durable commit per shard instead of one per slice.
@@ -578,10 +590,11 @@ def check_replicas(replicas: dict[str, dict[int, str]], what: str) -> None:
         ranks = sorted(by_rank)
         differ = [r for r in ranks if by_rank[r] != by_rank[ranks[0]]]
         if differ:
-            fqn, _, offsets = key.rpartition("@")
-            raise Refusal(RefusalCode.MIXED_CAPTURE, f"{what}: entry {fqn!r} (chunk at [{offsets}]) is replicated "
-                          f"but rank {ranks[0]} and rank {differ[0]} hold different values; save state that "
-                          "differs per rank under per-rank names")
+            fqn, at, offsets = key.rpartition("@")
+            entry = f"entry {fqn!r} (chunk at [{offsets}])" if at else f"value {key!r}"
+            raise Refusal(RefusalCode.MIXED_CAPTURE, f"{what}: {entry} is replicated (every rank saves it under "
+                          f"that name) but rank {ranks[0]} and rank {differ[0]} hold different values; save "
+                          "state that differs per rank under per-rank names")
 
 
 def _close_own_store(storage) -> None:

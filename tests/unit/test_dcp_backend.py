@@ -646,20 +646,26 @@ def test_a_second_job_saving_through_dcp_into_one_run_fences_the_first(tmp_path,
     assert [(r.prefix.update, r.prefix.epoch) for r in refs] == [(1, 0), (2, 1 if resume else 0)]
 
 
-def _save_differing_buffers(rank, world, store):
-    # DDP with BatchNorm: the weights are the same on every rank, the running statistics are not.
-    state = {"model": {"w": _full(1, 4, 3), "bn.running_mean": torch.full((3,), float(rank))}}
+def _save_differing_replicas(rank, world, store, name):
+    # DDP with BatchNorm: the weights are the same on every rank, the running statistics are not
+    # (nor is a per-rank data loader's position saved under one name).
+    state = {"model": {"w": _full(1, 4, 3), "bn.running_mean": torch.full((3,), 1.0)}, "loader": {"seen": 8}}
+    if name == "model.bn.running_mean":
+        state["model"]["bn.running_mean"] += rank
+    else:
+        state["loader"]["seen"] += rank
     try:
         dcp.save(state, storage_writer=StorageWriter(store, run="r", update=1))
     except CheckpointException as exc:
         refusals = [e for e, _ in exc.failures.values() if isinstance(e, Refusal)]
-        return {"codes": _refusal_codes(exc), "named": all("model.bn.running_mean" in e.message for e in refusals)}
+        return {"codes": _refusal_codes(exc), "named": all(repr(name) in e.message for e in refusals)}
     return {"codes": []}
 
 
-def test_a_replicated_entry_that_differs_across_ranks_refuses_the_dcp_save_naming_it(tmp_path):
+@pytest.mark.parametrize("name", ["model.bn.running_mean", "loader.seen"])
+def test_a_replicated_entry_that_differs_across_ranks_refuses_the_dcp_save_naming_it(tmp_path, name):
     store = str(tmp_path / "store")
-    results = run_ranks(2, _save_differing_buffers, store, tmp=tmp_path)
+    results = run_ranks(2, _save_differing_replicas, store, name, tmp=tmp_path)
     assert results == [{"codes": [RefusalCode.MIXED_CAPTURE.value], "named": True}] * 2
     with Store(store, create=False) as s:
         assert s.list_refs("r", "train") == []
