@@ -191,6 +191,8 @@ def check_chunks(fqn: str, size, chunks, what: str = "DCP metadata") -> None:
             boxes.append((offsets, sizes))
     held, whole = sum(math.prod(s) for _, s in boxes), math.prod(size)
     # Overlaps: a sweep along the dimension the chunks split most (rows for Shard(0), columns for Shard(1)).
+    if len(boxes) > 1 and not size:  # a 0-dim tensor is one element: two chunks of it overlap
+        raise Refusal(RefusalCode.COVERAGE, f"{what}: 0-dim entry {fqn!r} has {len(boxes)} chunks")
     if len(boxes) > 1:
         dim = max(range(len(size)), key=lambda d: len({o[d] for o, _ in boxes}))
         active: list[tuple[int, int]] = []  # (end along dim, box index), sorted

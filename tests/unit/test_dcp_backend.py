@@ -731,3 +731,26 @@ def test_dtensors_with_fewer_rows_than_ranks_save_verify_and_load_through_dcp(tm
     results = run_ranks(2, _fewer_rows_than_ranks, store, tmp=tmp_path)
     assert all(r["equal"] for r in results), results
     assert alpha_ckpt_cli("verify", "--store", store, results[0]["root"]).returncode == 0
+
+
+def test_dcp_chunks_must_tile_their_tensor_exactly_empty_chunks_included():
+    from alpha_ckpt.dcp import check_chunks
+
+    def code(size, chunks):
+        try:
+            check_chunks("x", size, chunks)
+        except Refusal as refusal:
+            return refusal.code.value
+        return None
+    assert code((10, 6), [((0, 0), (5, 6)), ((5, 0), (5, 6))]) is None       # Shard(0)
+    assert code((4, 9), [((0, 0), (4, 5)), ((0, 5), (4, 4))]) is None        # Shard(1), uneven
+    assert code((4, 4), [((0, 0), (2, 2)), ((0, 2), (2, 2)), ((2, 0), (2, 2)), ((2, 2), (2, 2))]) is None  # 2-D mesh
+    assert code((1, 5), [((0, 0), (1, 5)), ((1, 0), (0, 5))]) is None        # an empty shard
+    assert code((), [((), ())]) is None and code((0, 3), []) is None
+    assert code((4, 4), [((0, 0), (2, 4)), ((2, 0), (2, 3))]) == "coverage"  # a gap
+    assert code((4, 4), [((0, 0), (2, 2)), ((0, 2), (2, 2)), ((2, 0), (2, 2)), ((1, 1), (2, 2))]) == "coverage"
+    assert code((4, 4), [((0, 0), (4, 4)), ((0, 0), (4, 4))]) == "coverage"  # the same chunk twice
+    assert code((4, 4), [((0, 0), (2, 4)), ((2, 0), (3, 4))]) == "coverage"  # past the end
+    assert code((4,), [((-1,), (4,))]) == "coverage"
+    assert code((), [((), ()), ((), ())]) == "coverage"
+    assert code((4,), [((0, 0), (4, 4))]) == "format"
