@@ -25,10 +25,10 @@ What a DCP checkpoint written this way is:
   on disk, and reading never unpickles. DCP itself still exchanges its plans, results and
   exceptions between ranks with ``gather_object`` (pickle over the process group): that is DCP's
   protocol, not this store;
-- ``read_data`` validates every chunk it reads (BLAKE3, format, finiteness), the ranks agree
-  (one all_reduce), and only then copies: if any rank refuses, no rank copies a tensor byte or
-  sets a value, and DCP raises ``CheckpointException`` on every rank, carrying the refusing
-  rank's :class:`~alpha_ckpt.errors.Refusal`.
+- each rank validates every chunk it will read (BLAKE3, format, finiteness) in
+  ``prepare_local_plan``, which DCP gathers before any ``read_data``: if any rank refuses, no
+  rank copies a tensor byte or sets a value, and DCP raises ``CheckpointException`` on every
+  rank, carrying the refusing rank's :class:`~alpha_ckpt.errors.Refusal`.
 
 Each rank reads only the saved chunks that overlap its destination, and of each only the word
 range between the first and last word it needs (exactly its part for row-wise shards).
@@ -44,7 +44,6 @@ import weakref
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint import StorageReader as _DcpStorageReader
 from torch.distributed.checkpoint import StorageWriter as _DcpStorageWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -56,7 +55,6 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from .collective.verdict import any_rank
 from .api import _prefix as counters
 from .errors import Refusal, RefusalCode
 from .format import DTYPES, CapturePrefix, RegionDecl, ShardRef, canonical_json, check_name, digest_bytes
@@ -629,8 +627,10 @@ class StorageReader(_DcpStorageReader):
     """Reads a DCP checkpoint that :class:`StorageWriter` wrote: generation ``root`` (a digest), or
     the newest complete one of ``run``/``step`` (``root="latest"``; every rank must find the same).
 
-    ``dcp.load(..., checkpoint_id=digest)`` names the generation too. ``group``: the process group
-    DCP loads over (default: the default group); the ranks agree on the verdict over it.
+    ``dcp.load(..., checkpoint_id=digest)`` names the generation too. The reader runs no collective
+    of its own: each rank validates what it will read in ``prepare_local_plan``, and DCP's own plan
+    exchange (over its ``process_group``) raises any rank's refusal on every rank before any rank
+    reads. ``group`` is accepted for compatibility and not used.
     """
 
     def __init__(self, store: str | os.PathLike | Store, root: str = "latest", *, run: str | None = None,
@@ -644,7 +644,7 @@ class StorageReader(_DcpStorageReader):
         self.prefix: CapturePrefix | None = None
         self.regions: tuple[RegionDecl, ...] = ()
         self.bytes_read = 0  # stored bytes of the chunks the last read_data validated
-        self._collective = True  # whether DCP runs this load on every rank (set_up_storage_reader)
+        self._validated: _Validated | None = None  # prepare_local_plan's, for read_data
         self._failure: Exception | None = None  # read_metadata's, raised by set_up_storage_reader
         self._loaded: tuple | None = None  # (chain key, history) a save continues once this load succeeded
 
@@ -709,31 +709,26 @@ class StorageReader(_DcpStorageReader):
         if self._failure is not None:
             failure, self._failure = self._failure, None
             raise failure
-        self._collective = _collective_call(kwargs, self.group)
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """Validate every chunk this rank will read (nothing copied yet). DCP gathers the local plans over
+        its own process group before any rank reads: a refusal here is raised on every rank with no
+        destination touched, and the backend needs no collective of its own."""
+        self._release_validated()
+        self._validated = self._validate(plan)
         return dataclasses.replace(plan, storage_data={"root": self.root})
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        self._collective = _collective_plan(plans, self.group, self._collective)
         roots = {p.storage_data.get("root") for p in plans if isinstance(p.storage_data, dict)}
         if len(roots) > 1:  # "latest" moved between two ranks' choices: retryable, nothing was read
             raise RuntimeError(f"the ranks chose different newest generations of {self.run}/{self.step} (one was "
                                "published as the load started): load again")
         return plans
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Validate every chunk this rank reads, agree with every rank, then copy (or copy nothing)."""
-        try:
-            return self._read_data(plan, planner)
-        finally:
-            _close_own_store(self)  # read_data is a load's last call on every rank
-
-    def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+    def _validate(self, plan: LoadPlan) -> "_Validated":
         wanted, boxes, values = [], [], []
-        failure: BaseException | None = None
-        generation = prepared = None
+        generation = None
         try:
             for item in plan.items:
                 data = self.storage_data.get(item.storage_index)
@@ -749,39 +744,61 @@ class StorageReader(_DcpStorageReader):
                 boxes.append((item, region, lo))
             generation = open_generation(self._open_store(), self.root, wanted=wanted)
             prepared = PreparedRestore(generation, wanted)
-        except Refusal as refusal:
-            failure = refusal
-        except (KeyError, TypeError, IndexError) as exc:
-            failure = Refusal(RefusalCode.FORMAT, f"generation {self.root[:16]}... DCP storage data is malformed "
-                              f"({type(exc).__name__}: {exc})")
-        except Exception as exc:  # noqa: BLE001 - an I/O error too: every rank must reach the agreement
-            failure = exc
-        if _any_rank_failed(failure is not None, self.group, self._collective):
-            if prepared is not None:
-                prepared.release()
+        except BaseException as exc:
             if generation is not None:
                 generation.close()
-            if failure is not None:
-                raise failure
-            future: Future = Future()
-            future.set_result(None)  # another rank refused: DCP raises its refusal here too; nothing copied
-            return future
+            _close_own_store(self)
+            if isinstance(exc, (KeyError, TypeError, IndexError)):
+                raise Refusal(RefusalCode.FORMAT, f"generation {self.root[:16]}... DCP storage data is malformed "
+                              f"({type(exc).__name__}: {exc})") from None
+            raise
+        # Another rank's refusal reaches this one as DCP's exception, with no call to read_data: what
+        # this rank validated is then let go with the reader (or at its next load).
+        release = weakref.finalize(self, _release_prepared, prepared, generation)
+        return _Validated(_plan_key(plan), wanted, boxes, values, prepared, release)
+
+    def _release_validated(self) -> None:
+        if self._validated is not None:
+            self._validated.release()
+            self._validated = None
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Copy what prepare_local_plan validated (every rank validated its part before any rank got here)."""
         try:
-            # A box that is one word range, bound for a contiguous CPU destination of its dtype (row
-            # blocks, FSDP2's shards), is copied straight into it; any other goes through a buffer.
-            targets, buffers = [], []
-            for w, (item, region, _) in zip(wanted, boxes):
-                dest = planner.resolve_tensor(item).detach()
-                direct = (dest.device.type == "cpu" and dest.is_contiguous() and dest.numel() == w.hi - w.lo
-                          and dest.dtype == torch_dtype(region.dtype))
-                buf = dest.reshape(-1).view(torch.uint8) if direct else \
-                    torch.empty((w.hi - w.lo) * DTYPES[region.dtype][0], dtype=torch.uint8)
-                targets.append((dest, direct))
-                buffers.append(buf)
-            self.bytes_read = prepared.bytes_read
-            prepared.copy_into(buffers)
+            validated, self._validated = self._validated, None
+            if validated is None or validated.key != _plan_key(plan):
+                # A planner that changed this rank's plan after it was validated: validated here, by this
+                # rank alone (another rank may already be copying).
+                if validated is not None:
+                    validated.release()
+                validated = self._validate(plan)
+            try:
+                self._copy(validated, planner)
+            finally:
+                validated.release()
         finally:
-            generation.close()
+            _close_own_store(self)  # read_data is a load's last call on every rank
+        key, chain = self._loaded
+        _CHAINS[key] = chain
+        future: Future = Future()
+        future.set_result(None)
+        return future
+
+    def _copy(self, validated: "_Validated", planner: LoadPlanner) -> None:
+        wanted, boxes, prepared = validated.wanted, validated.boxes, validated.prepared
+        # A box that is one word range, bound for a contiguous CPU destination of its dtype (row
+        # blocks, FSDP2's shards), is copied straight into it; any other goes through a buffer.
+        targets, buffers = [], []
+        for w, (item, region, _) in zip(wanted, boxes):
+            dest = planner.resolve_tensor(item).detach()
+            direct = (dest.device.type == "cpu" and dest.is_contiguous() and dest.numel() == w.hi - w.lo
+                      and dest.dtype == torch_dtype(region.dtype))
+            buf = dest.reshape(-1).view(torch.uint8) if direct else \
+                torch.empty((w.hi - w.lo) * DTYPES[region.dtype][0], dtype=torch.uint8)
+            targets.append((dest, direct))
+            buffers.append(buf)
+        self.bytes_read = prepared.bytes_read
+        prepared.copy_into(buffers)
         for buf, (dest, direct), (item, region, lo) in zip(buffers, targets, boxes):
             if not direct:
                 words = buf.view(torch_dtype(region.dtype))
@@ -791,37 +808,31 @@ class StorageReader(_DcpStorageReader):
                     torch.empty(tuple(item.lengths), dtype=words.dtype)
                 dest.copy_(source)
             planner.commit_tensor(item, dest)
-        for item, value in values:
+        for item, value in validated.values:
             _load_value(planner, item, value)
-        key, chain = self._loaded
-        _CHAINS[key] = chain
-        future = Future()
-        future.set_result(None)
-        return future
 
 
-def _collective_call(kwargs: dict, group) -> bool:
-    """Whether DCP runs this save or load on every rank of ``group`` (so the storage may agree over it):
-    not with ``use_collectives=False``, nor with ``no_dist=True`` beside a process group (DCP then
-    numbers this process rank 0, whatever its rank in the group; on rank 0 itself only the plans
-    tell: :func:`_collective_plan`)."""
-    if not dist.is_initialized() or not kwargs.get("use_collectives", True):
-        return False
-    return kwargs.get("rank", dist.get_rank(group)) == dist.get_rank(group)
+@dataclasses.dataclass
+class _Validated:
+    """What one rank's prepare_local_plan validated for its read_data: the slices, held, and how to copy them."""
+    key: list
+    wanted: list
+    boxes: list
+    values: list
+    prepared: PreparedRestore
+    release: Any  # a finalizer: releases the validated slices and closes their shards, once
 
 
-def _collective_plan(plans: list, group, collective: bool) -> bool:
-    """The coordinator's second look: DCP gathers one plan per rank, so a single plan in a larger group
-    means this process saves or loads alone (``no_dist=True``, which DCP reports as rank 0: on global
-    rank 0 the set-up cannot tell it from a collective call, and agreeing would wait for ranks that
-    never come)."""
-    if collective and len(plans) == 1 and dist.is_initialized() and dist.get_world_size(group) > 1:
-        return False
-    return collective
+def _release_prepared(prepared: PreparedRestore, generation) -> None:
+    try:
+        prepared.release()
+    finally:
+        generation.close()
 
 
-def _any_rank_failed(failed: bool, group, collective: bool = True) -> bool:
-    return any_rank(failed, group) if collective and dist.is_initialized() else failed
+def _plan_key(plan: LoadPlan) -> list:
+    return [(i.type, i.storage_index, tuple(i.storage_offsets), tuple(i.dest_offsets), tuple(i.lengths))
+            for i in plan.items]
 
 
 def _load_value(planner: LoadPlanner, item, value: Any) -> None:

@@ -754,3 +754,31 @@ def test_dcp_chunks_must_tile_their_tensor_exactly_empty_chunks_included():
     assert code((4,), [((-1,), (4,))]) == "coverage"
     assert code((), [((), ()), ((), ())]) == "coverage"
     assert code((4,), [((0, 0), (4, 4))]) == "format"
+
+
+def _save_and_load_over_a_subgroup(rank, world, store, marker):
+    import time
+    solo = dist.new_group([0])  # DCP's process group, which neither storage object is told about
+    out = {}
+    if rank == 0:
+        state = {"w": _full(3, 64, 8), "steps": 7}
+        root = dcp.save(state, storage_writer=StorageWriter(store, run="sub", update=1),
+                        process_group=solo).storage_meta.checkpoint_id
+        dest = {"w": torch.zeros(64, 8), "steps": 0}
+        dcp.load(dest, storage_reader=StorageReader(store, run="sub"), process_group=solo)
+        out = {"root": root, "equal": torch.equal(dest["w"], state["w"]) and dest["steps"] == 7}
+        Path(marker).write_text("done")
+    else:  # busy with anything but a collective on the default group until rank 0 is done
+        deadline = time.monotonic() + 45
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        out = {"waited_out": not os.path.exists(marker)}
+    dist.barrier()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_dcp_save_and_load_over_a_process_group_of_their_own_run_no_collective_on_the_default_group(tmp_path):
+    results = run_ranks(2, _save_and_load_over_a_subgroup, str(tmp_path / "store"), str(tmp_path / "marker"),
+                        tmp=tmp_path, timeout=100)
+    assert results[0]["equal"] and results[1] == {"waited_out": False}, results
