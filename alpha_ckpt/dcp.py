@@ -371,7 +371,7 @@ class StorageWriter(_DcpStorageWriter):
         self.root: str | None = None
         self._lease = None
         self._planned: tuple | None = None  # the coordinator's: (regions, epoch, follows)
-        self._local_items: dict[str, Any] = {}  # this rank's tensor items before DCP's dedup, by chunk key
+        self._local_items: dict[str, Any] = {}  # this rank's items before DCP's dedup, by key (_item_key)
         self.is_coordinator = False  # set_up_storage_writer says
 
     # DCP's call order: reset, set_up_storage_writer, prepare_local_plan, (coordinator)
