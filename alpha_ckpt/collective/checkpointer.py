@@ -130,8 +130,8 @@ class Checkpointer:
         metadata = dict(metadata or {})
         canonical_json(metadata)
         if set(metadata) & {"identity", "owners", "devices", "layout", PLACEMENT_KEY}:
-            raise ValueError("metadata= may not set identity, owners, devices, layout or placement (the Checkpointer "
-                             "records them)")
+            raise ValueError("metadata= may not set identity, owners, devices, layout or placement_patterns (the "
+                             "Checkpointer records them)")
         # Entries placed by name (alpha_ckpt/state/rules.py), recorded in every root manifest.
         self.rules = PlacementRules.of(per_rank, from_rank0)
         metadata.update(self.rules.recorded())

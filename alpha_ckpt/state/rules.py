@@ -8,7 +8,7 @@ restore drops per-rank entries). ``from_rank0`` patterns: a tensor whose dotted 
 stored as rank 0 holds it (rank 0 writes it, the other ranks' copies are neither written nor
 compared) and restores to every rank, on any rank count. Everything else stays replicated.
 
-The patterns are recorded in the root manifest (``metadata["placement"]``): a restore matches a
+The patterns are recorded in the root manifest (``metadata["placement_patterns"]``): a restore matches a
 destination that holds the plain entry against what was saved per rank only where a recorded
 pattern says so.
 """
@@ -19,7 +19,7 @@ from typing import Any, Iterable, Mapping
 
 from .capture import matches_any
 
-METADATA_KEY = "placement"
+METADATA_KEY = "placement_patterns"
 
 
 def patterns(value: Any, what: str) -> tuple[str, ...]:

@@ -46,9 +46,9 @@ def _params(model):
     return {k: v.tolist() for k, v in model.module.named_parameters()}
 
 
-def save_bn(rank, world, store, per_rank, from_rank0):
+def save_bn(rank, world, store, per_rank, from_rank0, publisher="star"):
     model, optim = _trained(rank)
-    ckpt = Checkpointer(store, run="bn", per_rank=per_rank, from_rank0=from_rank0)
+    ckpt = Checkpointer(store, run="bn", per_rank=per_rank, from_rank0=from_rank0, publisher=publisher)
     ckpt.restore({}, root=None)
     ckpt.save({"model": model, "optim": optim}, update=1)
     ckpt.close()
@@ -78,7 +78,7 @@ def test_ddp_batchnorm_statistics_are_stored_per_rank_by_pattern_and_everything_
     with Store(store, create=False) as s, open_generation(s, s.newest_ref("bn", "train").root, role=0,
                                                           wanted=[]) as g:
         names = [r.name for r in g.manifest.regions]
-        assert g.manifest.metadata["placement"] == {"per_rank": BN, "from_rank0": []}
+        assert g.manifest.metadata["placement_patterns"] == {"per_rank": BN, "from_rank0": []}
     assert {"model.module.1.running_mean.0", "model.module.1.running_mean.1", "model.module.1.running_var.1",
             "model.module.1.num_batches_tracked.0"} <= set(names)
     assert names.count("model.module.1.weight") == 1 and "model.module.0.weight" in names  # replicated: once
@@ -98,7 +98,7 @@ def test_per_rank_pattern_entries_of_two_ranks_are_refused_placement_bound_on_on
 @pytest.mark.timeout(180)
 def test_from_rank0_patterns_store_rank_0s_statistics_and_restore_them_on_any_rank_count(tmp_path):
     store = str(tmp_path / "s")
-    saved = run_ranks(2, save_bn, store, (), "*.running_*", tmp=tmp_path)  # a bare string: one pattern
+    saved = run_ranks(2, save_bn, store, (), "*.running_*", "tree", tmp=tmp_path)  # a bare string: one pattern
     assert saved[0]["buffers"] != saved[1]["buffers"]
     for world in (1, 2):
         for got in run_ranks(world, restore_bn, store, tmp=tmp_path):
