@@ -67,6 +67,7 @@ from ..publish.wire import broadcast_json, gather_json
 from ..restore import Counters, open_generation, prepare_fill
 from ..state.capture import capture_state, dotted_leaves
 from ..state.load import plan_load
+from ..state.rules import METADATA_KEY as PLACEMENT_KEY, PlacementRules, recorded_per_rank
 from ..state.values import decode_value
 from ..store import RefRecord, Store
 from ..writer import ShardCarry, word_bytes, write_manifest
@@ -96,7 +97,8 @@ class Checkpointer:
                  identity: Any = None, allow_nonfinite: Sequence[str] = (), every: int | str | None = None,
                  mtbf: float | str | None = None, checkpoint_cost: float | str | None = None,
                  keep: int | None = None, metadata: Mapping[str, Any] | None = None,
-                 bindings: Callable[[Any], None] | None = None, bind_devices: bool = False):
+                 bindings: Callable[[Any], None] | None = None, bind_devices: bool = False,
+                 per_rank: Sequence[str] | str = (), from_rank0: Sequence[str] | str = ()):
         # An argument left out takes what alpha-run passed (its flag of the same name), else the default.
         store = store if store is not None else os.environ.get(STORE_ENV)
         run = run if run is not None else os.environ.get(RUN_ENV)
@@ -127,8 +129,12 @@ class Checkpointer:
             raise ValueError(f"commit_timeout is a positive number of seconds, not {commit_timeout!r}")
         metadata = dict(metadata or {})
         canonical_json(metadata)
-        if set(metadata) & {"identity", "owners", "devices", "layout"}:
-            raise ValueError("metadata= may not set identity, owners, devices or layout (the Checkpointer records them)")
+        if set(metadata) & {"identity", "owners", "devices", "layout", PLACEMENT_KEY}:
+            raise ValueError("metadata= may not set identity, owners, devices, layout or placement_patterns (the "
+                             "Checkpointer records them)")
+        # Entries placed by name (alpha_ckpt/state/rules.py), recorded in every root manifest.
+        self.rules = PlacementRules.of(per_rank, from_rank0)
+        metadata.update(self.rules.recorded())
         # A program's own bindings: recorded in every root manifest (metadata=) and checked by rank 0
         # on a generation before any rank reads a shard (bindings(root manifest) raises a Refusal).
         # bind_devices: each rank's device must be the very one that saved its rank (UUID), not only the product.
@@ -205,7 +211,7 @@ class Checkpointer:
             return None
         t0 = time.monotonic()
         try:
-            captured = capture_state(state, self.rank, self.world)
+            captured = capture_state(state, self.rank, self.world, self.rules)
             regions = captured.regions(self.allow_nonfinite)
         except ValueError as exc:  # every rank raises its own; nothing is sent half-way
             raise Refusal(RefusalCode.FORMAT, f"rank {self.rank}: {exc}") from None
@@ -565,7 +571,7 @@ class Checkpointer:
         if manifest.state is None:
             raise Refusal(RefusalCode.FORMAT, f"{what} records no state skeleton (it was not written by save)")
         plan = plan_load(state, manifest.state, manifest.regions, rank=self.rank, world=self.world,
-                         per_rank=per_rank)
+                         per_rank=per_rank, per_rank_entries=recorded_per_rank(manifest.metadata))
         wanted = [WantedSlice(o, lo, hi, i) for i, (o, _, lo, hi) in enumerate(plan.targets)]
         # A tree: only the group manifests on the paths to the roles that hold this rank's words.
         generation = open_generation(self.store, root, role=lambda m: roles_holding(m, wanted), wanted=wanted,

@@ -55,12 +55,15 @@ class CapturedState:
                      for r, p in zip(decls, self.placement or ("replicated",) * len(decls)))
 
 
-def capture_state(state: Mapping[str, Any], rank: int = 0, world: int = 1) -> CapturedState:
+def capture_state(state: Mapping[str, Any], rank: int = 0, world: int = 1, rules: Any = None) -> CapturedState:
     """Call every Stateful's ``state_dict()`` and split ``state`` into regions and skeleton.
 
     ``rank`` of ``world``: a :class:`PerRank` entry at PATH becomes
     ``{"per_rank": [...]}`` with this rank's part at index ``rank`` (None at the
-    others') and regions named ``PATH.RANK...``. Raises ValueError naming the
+    others') and regions named ``PATH.RANK...``. ``rules``
+    (:class:`~alpha_ckpt.state.rules.PlacementRules`): an entry matching a
+    ``per_rank`` pattern is captured as if wrapped in PerRank; a tensor matching
+    a ``from_rank0`` pattern is rank 0's words only. Raises ValueError naming the
     entry for what a state cannot hold, and for two entries whose dotted names
     coincide (``{"a.b": x}`` beside ``{"a": {"b": y}}``, or keys ``0`` and ``"0"``).
     """
@@ -73,6 +76,9 @@ def capture_state(state: Mapping[str, Any], rank: int = 0, world: int = 1) -> Ca
     per_rank_depth = [0]
 
     def leaf(obj: Any, name: str) -> Any:
+        kind = rules.kind(name) if rules and not per_rank_depth[0] else None
+        if kind == "per-rank" and not isinstance(obj, PerRank):
+            return leaf(PerRank(obj), name)
         if isinstance(obj, PerRank):
             if per_rank_depth[0]:
                 raise ValueError(f"state entry {name!r}: PerRank inside PerRank")
@@ -96,18 +102,24 @@ def capture_state(state: Mapping[str, Any], rank: int = 0, world: int = 1) -> Ca
                 return {"tensor": add(name, part.tensor, (part.lo, part.hi, part.shape))}
             return {"tensor": add(name, part.tensor, ("ranges", part.ranges, part.shape))}
         if isinstance(obj, torch.Tensor):
-            return {"tensor": add(name, obj)}
+            return {"tensor": add(name, obj, rank0(obj) if kind == "rank0" else None)}
         if isinstance(obj, np.ndarray):
             if not obj.dtype.isnative or obj.dtype.kind not in "biuf":
                 raise ValueError(f"state entry {name!r}: NumPy dtype {obj.dtype} is not saved (numbers in native "
                                  "byte order only)")
-            return {"ndarray": add(name, torch.from_numpy(np.ascontiguousarray(obj)))}
+            tensor = torch.from_numpy(np.ascontiguousarray(obj))
+            return {"ndarray": add(name, tensor, rank0(tensor) if kind == "rank0" else None)}
         if is_stateful(obj):
             inner = obj.state_dict()
             if not isinstance(inner, Mapping):
                 raise ValueError(f"state entry {name!r}: state_dict() returned a {type(inner).__name__}, not a dict")
             return encode_value(inner if type(inner) in (dict, OrderedDict) else dict(inner), name, leaf)
         return NotImplemented
+
+    def rank0(tensor: torch.Tensor) -> tuple:
+        # Rank 0 holds all the words, the others none (their copies are neither written nor compared).
+        shape = tuple(tensor.shape)
+        return (0, tensor.numel(), shape) if rank == 0 else ("ranges", (), shape)
 
     def add(name: str, tensor: torch.Tensor, where: Any = None) -> str:
         if name in seen:

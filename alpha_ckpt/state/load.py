@@ -31,7 +31,8 @@ import torch
 
 from ..format import RegionDecl
 from ..manifest import describe_region, dtype_name, refuse_mismatch, torch_dtype
-from .capture import capture_state, dotted_leaves as _refs, is_stateful
+from .capture import capture_state, dotted_leaves as _refs, is_stateful, matches_any
+from .loaders import settle_lazy_load
 from .placement import Partitioned, PerRank, is_dtensor, restore_ranges
 from .values import PerRankSaved, RegionRef, decode_value
 
@@ -67,18 +68,21 @@ class LoadPlan:
 
 
 def plan_load(state: Mapping, saved: Mapping | None, regions: tuple[RegionDecl, ...], *, rank: int = 0,
-              world: int = 1, per_rank: str = "keep") -> LoadPlan:
+              world: int = 1, per_rank: str = "keep", per_rank_entries: tuple[str, ...] = ()) -> LoadPlan:
     """Match ``state`` (the caller's, mutated only by ``plan.finish()``) against the decoded skeleton ``saved``.
 
     ``saved`` is None for a manifest written before skeletons were recorded (tensors
     only): the destination's own structure stands in for it, matched by dotted name.
     A :class:`PerRank` entry restores rank ``rank``'s part when the checkpoint was
     saved by ``world`` ranks; on another count it is refused (``placement-bound``),
-    or left as it is with ``per_rank="drop"``.
+    or left as it is with ``per_rank="drop"``. ``per_rank_entries``: the patterns
+    the checkpoint records (``Checkpointer(per_rank=...)``): a plain destination
+    whose dotted name matches one is filled as if it were wrapped in PerRank.
     """
     by_name = {r.name: r for r in regions}
     plan = LoadPlan()
     matcher = _Matcher(plan, by_name, rank, world, per_rank)
+    matcher.per_rank_entries = tuple(per_rank_entries)
     stand_in = saved is None
     if stand_in:
         saved = decode_value(capture_state(state).skeleton)
@@ -111,6 +115,7 @@ class _Matcher:
         self.placement_bound: list[str] = []  # PerRank entries saved by another rank count
         self.named: set[str] = set()  # regions the destination asked for
         self.creating = False         # inside a Stateful that creates its state lazily
+        self.per_rank_entries: tuple[str, ...] = ()  # saved per rank by pattern, destination plain
 
     def node(self, dest: Any, saved: Any, name: str) -> Callable[[], Any]:
         """A thunk giving the value for this position once the copies are done."""
@@ -164,6 +169,12 @@ class _Matcher:
         self.plan.differ.append(f"{name} (saved {_kind(saved, self.regions)}, destination {_kind(dest, self.regions)})")
 
     def per_rank_entry(self, dest: Any, saved: Any, name: str) -> Callable[[], Any]:
+        bare = not isinstance(dest, PerRank) and isinstance(saved, PerRankSaved) and \
+            matches_any(name, self.per_rank_entries)
+        if bare:  # stored per rank by a recorded pattern: the destination holds the entry itself
+            holder = PerRank(dest)
+            fill = self.per_rank_entry(holder, saved, name)
+            return lambda: fill().value
         if not (isinstance(dest, PerRank) and isinstance(saved, PerRankSaved)):
             self.kind_differs(name, saved, dest)
             return lambda: dest
@@ -227,6 +238,7 @@ class _Matcher:
 
         def finish() -> Any:
             obj.load_state_dict(fill())
+            settle_lazy_load(obj)  # before what follows in state order (an RNGState) is restored
             return obj
         return finish
 
