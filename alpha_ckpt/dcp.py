@@ -63,7 +63,7 @@ from .restore import PreparedRestore, check_structure, latest_generation, open_g
 from .state.capture import matches_any
 from .state.placement import box_ranges
 from .state.values import decode_value, encode_value
-from .store import RefRecord, Store
+from .store import Store
 from .writer import group_parts, word_bytes, write_manifest, write_shards
 
 __all__ = ["StorageWriter", "StorageReader", "encode_metadata", "decode_metadata", "DCP_KEY"]
@@ -286,9 +286,9 @@ class StorageWriter(_DcpStorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator: number every chunk, and fix the epoch this generation continues."""
         self._collective = _collective_plan(plans, self.group, self._collective)
-        newest = self._open_store().newest_ref(self.run, self.step)
-        epoch = newest.prefix.epoch if isinstance(newest, RefRecord) else 0
-        follows = newest.generation if isinstance(newest, RefRecord) else 0
+        history = self._open_store().history(self.run, self.step, whole=False)
+        epoch = history.newest.prefix.epoch if history.newest is not None else 0
+        follows = history.top  # an unreadable newest ref is passed over; its number stays taken
         regions, per_plan = plan_regions(plans)
         for r in regions:
             if matches_any(r["name"].partition("@")[0], self.allow_nonfinite):
