@@ -14,8 +14,17 @@ What stays:
   only when one of its object files changed. At least two are kept, so the
   previous complete generation survives a failed publish. By default every
   generation is kept (and nothing is hashed).
+  The generation ``latest`` names (:func:`alpha_ckpt.restore.latest_order`,
+  the same rule) is always kept.
 - **Pins** (:mod:`alpha_ckpt.pins`): a pinned generation stays whatever the
-  retention, and does not count toward ``keep``.
+  retention, and does not count toward ``keep``. A pin taken after planning
+  wins: each ref is renamed aside in its directory, the pins are read again,
+  and the ref of a generation pinned by then goes back, and nothing it reaches
+  is removed (a pin that finds its ref aside puts it back itself).
+- **Unreadable refs** (:class:`alpha_ckpt.store.History`): set aside into
+  ``quarantine/`` with a line naming each, once a newer ref keeps the
+  numbering past it; the newest number stays in place, unreadable or not,
+  and so does a ref the OS refused to read (it may pass).
 - **Completed steps** (``completed_steps``, off by default): once a run/step's
   declared output is published (``STORE/outputs/RUN/STEP/*.safetensors``),
   its checkpoints are internal scratch: every generation published before the
