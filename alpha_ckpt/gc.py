@@ -24,7 +24,8 @@ What stays:
 - **Unreadable refs** (:class:`alpha_ckpt.store.History`): set aside into
   ``quarantine/`` with a line naming each, once a newer ref keeps the
   numbering past it; the newest number stays in place, unreadable or not,
-  and so does a ref the OS refused to read (it may pass).
+  and so does a ref the OS refused to read (it may pass). While one is in
+  ``refs/``, what it reaches cannot be told, so no object is removed.
 - **Completed steps** (``completed_steps``, off by default): once a run/step's
   declared output is published (``STORE/outputs/RUN/STEP/*.safetensors``),
   its checkpoints are internal scratch: every generation published before the
@@ -111,6 +112,7 @@ class GcPlan:
     damaged_refs: list[UnreadableRef] = field(default_factory=list)  # unreadable refs to set aside into quarantine/
     unreadable_refs: list[str] = field(default_factory=list)  # "run/step/N: why" of unreadable refs left in place
     refs_aside: list[tuple[str, str, str]] = field(default_factory=list)  # (run, step, name) a killed gc set aside
+    held_by_refs: list[str] = field(default_factory=list)     # unreadable refs (run/step/N) in place: no object removed
 
     def to_json(self) -> dict:
         return {"refs": [f"{r.run}/{r.step}/{r.generation}" for r in self.refs], "objects": len(self.objects),
@@ -120,7 +122,7 @@ class GcPlan:
                 "validated": self.validated, "stale_records": len(self.records),
                 "quarantine": len(self.quarantine), "skipped": self.skipped,
                 "damaged_refs": [f"{u.name}: {u.refusal}" for u in self.damaged_refs],
-                "unreadable_refs": self.unreadable_refs}
+                "unreadable_refs": self.unreadable_refs, "held_by_refs": self.held_by_refs}
 
     def skip(self, path: str, why: str) -> None:
         self.skipped.append(f"{path}: {why}; left as it is")
@@ -223,6 +225,8 @@ def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRA
     for run, step in store.runs():
         history = store.history(run, step)
         records = history.records
+        # What an unreadable ref reaches cannot be told apart, as for an unreadable manifest (below).
+        plan.held_by_refs += [u.name for u in history.unreadable]
         if not dropped_objects_only:
             _plan_unreadable_refs(store, history, plan)
         if only is not None and (run, step) != only:
@@ -278,7 +282,7 @@ def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRA
             if not isinstance(reached, Refusal):
                 dropped_reach |= reached[0]
         candidates = sorted(dropped_reach)
-    if not plan.unreadable:
+    if not plan.unreadable and not plan.held_by_refs:
         plan.objects = [d for d in candidates
                         if d not in reachable and _mtime(store.object_path(d)) < plan.protect_before]
     tmp_dir = os.path.join(store.root, "tmp")

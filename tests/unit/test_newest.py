@@ -138,7 +138,8 @@ def test_a_damaged_newest_ref_is_passed_over_by_latest_restore_publish_and_gc_al
     assert resumed["restored"] == 2 and resumed["values"] == [2.0, 2] and resumed["unchanged"]
     assert resumed["generation"] == 4
     assert before_publish["refs"] == [] and before_publish["damaged_refs"] == []
-    assert len(before_publish["unreadable_refs"]) == 1
+    assert len(before_publish["unreadable_refs"]) == 1 and before_publish["objects"] == 0
+    assert before_publish["held_by_refs"] == ["r/train/0000000003"]  # what it reaches cannot be told
     code, latest = _latest(store_dir)
     assert code == 0 and latest["latest"]["digest"] == resumed["root"] and latest["skipped"] == []
 
