@@ -243,22 +243,31 @@ def _keep_ref(store: Store, record) -> None:
         raise Refusal(RefusalCode.FORMAT, f"refs/{where} is a symlink or not a directory") from exc
     if dir_fd is not None:
         try:
-            for aside in [None] + sorted(n for n in os.listdir(dir_fd) if n.startswith(f"aside-{name}-")):
+            if _exists(dir_fd, name):
+                return
+            for aside in sorted(n for n in os.listdir(dir_fd) if n.startswith(f"aside-{name}-")):
                 try:
-                    if aside is None:
-                        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-                    else:
-                        durable.rename_noreplace(dir_fd, aside, dir_fd, name)
-                        os.fsync(dir_fd)
+                    durable.rename_noreplace(dir_fd, aside, dir_fd, name)
+                    os.fsync(dir_fd)
                     return
                 except FileExistsError:  # put back meanwhile
                     return
-                except FileNotFoundError:
+                except FileNotFoundError:  # put back or removed meanwhile
                     continue
+            if _exists(dir_fd, name):  # a gc put it back after the first look
+                return
         finally:
             os.close(dir_fd)
     raise Refusal(RefusalCode.MISSING_SHARD, f"generation {record.root} ({where} generation {record.generation}) "
                   "was removed by gc while it was being pinned")
+
+
+def _exists(dir_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False
 
 
 def unpin_generation(store: Store, root: str) -> bool:
