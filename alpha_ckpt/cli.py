@@ -221,6 +221,14 @@ def cmd_gc(store: Store, args, out, err) -> int:
             print(f"  {step}: its declared output is published, its checkpoints are discarded", file=out)
         for root in plan.unreadable:
             print(f"  no object removed: the manifests of kept generation {root} cannot be read", file=out)
+        for entry in plan.damaged_refs:
+            print(f"  {'would set' if args.dry_run else 'set'} aside unreadable ref {entry.name}: {entry.refusal}",
+                  file=out)
+        for line in plan.unreadable_refs:
+            print(f"  unreadable ref {line}", file=out)
+        if plan.held_by_refs:
+            print(f"  no object removed: ref {plan.held_by_refs[0]} cannot be read, so what it reaches cannot be "
+                  "told", file=out)
     return EXIT_OK
 
 

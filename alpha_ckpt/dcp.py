@@ -64,7 +64,7 @@ from .restore import PreparedRestore, check_structure, latest_generation, open_g
 from .state.capture import as_patterns, matches_any
 from .state.placement import box_ranges
 from .state.values import decode_value, encode_value
-from .store import RefRecord, Store, check_fence
+from .store import Store, check_fence
 from .writer import group_parts, word_bytes, write_manifest, write_shards
 
 __all__ = ["StorageWriter", "StorageReader", "encode_metadata", "decode_metadata", "DCP_KEY"]
@@ -422,7 +422,7 @@ class StorageWriter(_DcpStorageWriter):
             check_chunks(fqn, size, chunks, f"DCP save of update {self.update}")
         store = self._open_store()
         epoch, follows = self._history(store)
-        check_fence(store.newest_ref(self.run, self.step),
+        check_fence(store.history(self.run, self.step, whole=False),
                     CapturePrefix(self.run, self.step, self.update, self.cursor, epoch), follows)
         regions, per_plan = plan_regions(plans)
         for r in regions:
@@ -449,8 +449,7 @@ class StorageWriter(_DcpStorageWriter):
             if chain.stale:
                 raise Refusal(RefusalCode.STALE_EPOCH, chain.stale)
             return chain.epoch, chain.follows
-        newest = store.newest_ref(self.run, self.step)
-        return 0, (newest.generation if isinstance(newest, RefRecord) else 0)
+        return 0, store.history(self.run, self.step, whole=False).top  # an unreadable ref's number stays taken
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         try:
@@ -695,13 +694,14 @@ class StorageReader(_DcpStorageReader):
         self.regions, self.prefix = manifest.regions, manifest.prefix
         # The history a save of this process continues once the load succeeds (as a Checkpointer's restore):
         # the next epoch, after the newest generation; none if a newer continuation superseded this one.
-        p, newest = manifest.prefix, store.newest_ref(manifest.prefix.run, manifest.prefix.step)
-        stale = None
-        if isinstance(newest, RefRecord) and newest.prefix.epoch > p.epoch:
+        p = manifest.prefix
+        history = store.history(p.run, p.step, whole=False)
+        newest, stale = history.newest, None
+        if newest is not None and newest.prefix.epoch > p.epoch:
             stale = (f"this process loaded generation {self.root[:16]}... of epoch {p.epoch}, but {p.run}/{p.step} "
                      f"generation {newest.generation} (update {newest.prefix.update}) is of epoch "
                      f"{newest.prefix.epoch}, a newer continuation that owns it")
-        follows = newest.generation if isinstance(newest, RefRecord) else 0
+        follows = history.top  # an unreadable newest ref's number stays taken
         self._loaded = (_chain_key(store, p.run, p.step), _Chain(p.epoch + 1, follows, stale))
         return check_generation(manifest, f"generation {self.root[:16]}... DCP metadata")
 

@@ -14,8 +14,18 @@ What stays:
   only when one of its object files changed. At least two are kept, so the
   previous complete generation survives a failed publish. By default every
   generation is kept (and nothing is hashed).
+  The generation ``latest`` names (:func:`alpha_ckpt.restore.latest_order`,
+  the same rule) is always kept.
 - **Pins** (:mod:`alpha_ckpt.pins`): a pinned generation stays whatever the
-  retention, and does not count toward ``keep``.
+  retention, and does not count toward ``keep``. A pin taken after planning
+  wins: each ref is renamed aside in its directory, the pins are read again,
+  and the ref of a generation pinned by then goes back, and nothing it reaches
+  is removed (a pin that finds its ref aside puts it back itself).
+- **Unreadable refs** (:class:`alpha_ckpt.store.History`): set aside into
+  ``quarantine/`` with a line naming each, once a newer ref keeps the
+  numbering past it; the newest number stays in place, unreadable or not,
+  and so does a ref the OS refused to read (it may pass). While one is in
+  ``refs/``, what it reaches cannot be told, so no object is removed.
 - **Completed steps** (``completed_steps``, off by default): once a run/step's
   declared output is published (``STORE/outputs/RUN/STEP/*.safetensors``),
   its checkpoints are internal scratch: every generation published before the
@@ -70,13 +80,16 @@ from .format import is_digest
 from .leases import CLOCK_SLACK_S, PENDING_DIR, STALE_AFTER_S, lease_is_stale, read_leases, writer_alive
 from .complete import VERIFIED_DIR, remembered_check_complete, remembered_roots
 from .pins import pinned_roots
-from .restore import open_generation
-from .store import QUARANTINE_DIR, RefRecord, Store
+from .restore import latest_order, open_generation
+from .store import QUARANTINE_DIR, REF_DIGITS, RefRecord, Store, UnreadableRef
 
 DEFAULT_GRACE_S = 3600.0
 ASIDE_PREFIX = "aside-"  # tmp/aside-<digest>-<pid>-<random>: an object being removed, set aside first
+# refs/RUN/STEP/aside-<generation>-<pid>-<random>: a ref being removed, set aside in its own directory first
+REF_ASIDE_RE = re.compile(r"\Aaside-([0-9]{%d})-[0-9]+-[0-9a-f]{8}\Z" % REF_DIGITS)
 OUTPUT_SUFFIX = ".safetensors"
-QUARANTINED_RE = re.compile(r"\A[0-9a-f]{64}-([0-9]{1,12})-[0-9a-f]{8}\Z")  # <digest>-<unix time>-<random>
+# <digest>-<unix time>-<random> (an object's entry), ref-<generation>-<unix time>-<random> (a ref)
+QUARANTINED_RE = re.compile(r"\A(?:[0-9a-f]{64}|ref-[0-9]{%d})-([0-9]{1,12})-[0-9a-f]{8}\Z" % REF_DIGITS)
 
 
 @dataclass
@@ -96,6 +109,10 @@ class GcPlan:
     protect_before: float = 0.0                               # what was modified at or after this is spared
     quarantine: list[str] = field(default_factory=list)       # entries of quarantine/ older than the grace period
     skipped: list[str] = field(default_factory=list)          # "path: why" of entries that are not ours, left alone
+    damaged_refs: list[UnreadableRef] = field(default_factory=list)  # unreadable refs to set aside into quarantine/
+    unreadable_refs: list[str] = field(default_factory=list)  # "run/step/N: why" of unreadable refs left in place
+    refs_aside: list[tuple[str, str, str]] = field(default_factory=list)  # (run, step, name) a killed gc set aside
+    held_by_refs: list[str] = field(default_factory=list)     # unreadable refs (run/step/N) in place: no object removed
 
     def to_json(self) -> dict:
         return {"refs": [f"{r.run}/{r.step}/{r.generation}" for r in self.refs], "objects": len(self.objects),
@@ -103,7 +120,9 @@ class GcPlan:
                 "reachable": self.reachable, "pinned": self.pinned, "live_leases": self.live_leases,
                 "completed_steps": self.completed, "unreadable": self.unreadable,
                 "validated": self.validated, "stale_records": len(self.records),
-                "quarantine": len(self.quarantine), "skipped": self.skipped}
+                "quarantine": len(self.quarantine), "skipped": self.skipped,
+                "damaged_refs": [f"{u.name}: {u.refusal}" for u in self.damaged_refs],
+                "unreadable_refs": self.unreadable_refs, "held_by_refs": self.held_by_refs}
 
     def skip(self, path: str, why: str) -> None:
         self.skipped.append(f"{path}: {why}; left as it is")
@@ -193,14 +212,23 @@ def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRA
             reaches[root] = _reach(store, root, record)
         return reaches[root]
 
+    completeness: dict[str, bool] = {}
+
     def is_complete(record: RefRecord) -> bool:
-        refusal, hashed = remembered_check_complete(store, record)
-        plan.validated += hashed
-        return refusal is None
+        if record.root not in completeness:
+            refusal, hashed = remembered_check_complete(store, record)
+            plan.validated += hashed
+            completeness[record.root] = refusal is None
+        return completeness[record.root]
 
     kept: list[RefRecord] = []
     for run, step in store.runs():
-        records = [r for r in store.list_refs(run, step) if isinstance(r, RefRecord)]
+        history = store.history(run, step)
+        records = history.records
+        # What an unreadable ref reaches cannot be told apart, as for an unreadable manifest (below).
+        plan.held_by_refs += [u.name for u in history.unreadable]
+        if not dropped_objects_only:
+            _plan_unreadable_refs(store, history, plan)
         if only is not None and (run, step) != only:
             kept += records
             continue
@@ -216,9 +244,14 @@ def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRA
                 dropped += done
                 records = [r for r in records if r not in done]
         complete = 0
+        # latest's own choice (the one restore("latest") resumes) is never dropped by retention
+        newest_complete = next((r for r in latest_order(history) if isinstance(r, RefRecord) and is_complete(r)),
+                               None) if keep is not None else None
         for record in reversed(records):
-            if record.root in pins:
+            if record.root in pins or record == newest_complete:
                 kept.append(record)
+                if keep is not None and record.root not in pins:
+                    complete += is_complete(record)
             elif keep is not None and complete >= keep:
                 dropped.append(record)
             else:
@@ -249,7 +282,7 @@ def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRA
             if not isinstance(reached, Refusal):
                 dropped_reach |= reached[0]
         candidates = sorted(dropped_reach)
-    if not plan.unreadable:
+    if not plan.unreadable and not plan.held_by_refs:
         plan.objects = [d for d in candidates
                         if d not in reachable and _mtime(store.object_path(d)) < plan.protect_before]
     tmp_dir = os.path.join(store.root, "tmp")
@@ -260,6 +293,27 @@ def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRA
     if not dropped_objects_only:
         plan.quarantine = _quarantined_before(store, now - grace, plan)
     return plan
+
+
+def _plan_unreadable_refs(store: Store, history, plan: GcPlan) -> None:
+    """Unreadable refs: set aside into quarantine/ those damaged for good that are not the newest number taken
+    (a newer ref keeps the numbering past them); leave the rest in place, named. Refs a killed gc set aside
+    go back."""
+    for entry in history.unreadable:
+        if entry.damaged and entry.generation < history.top:
+            plan.damaged_refs.append(entry)
+        else:
+            why = ("its number is the newest taken, and stays taken until a newer generation is published"
+                   if entry.damaged else "it may be readable later")
+            plan.unreadable_refs.append(f"{entry.name}: {entry.refusal}; left in place: {why}")
+    try:
+        dir_fd = _open_dir(os.path.join(store.root, "refs", history.run, history.step))
+    except OSError:
+        return
+    try:
+        plan.refs_aside += [(history.run, history.step, n) for n in sorted(os.listdir(dir_fd)) if REF_ASIDE_RE.match(n)]
+    finally:
+        os.close(dir_fd)
 
 
 def _regular_files(directory: str, shown_as: str, plan: GcPlan) -> list[str]:
@@ -417,8 +471,85 @@ def _remove_objects(store: Store, digests: list[str], protect_before: float, tmp
             os.close(fd)
 
 
+def _refs_dir_fd(store: Store, run: str, step: str) -> int | None:
+    try:
+        return _open_dir(os.path.join(store.root, "refs", run, step))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:  # replaced by a symlink since planning: not followed
+            raise
+        return None
+
+
+def _put_back_ref(dir_fd: int, aside: str, name: str) -> None:
+    try:
+        durable.rename_noreplace(dir_fd, aside, dir_fd, name)
+    except (FileExistsError, FileNotFoundError):  # put back already (a pin, another gc); a taken name: left aside
+        pass
+
+
+def _put_back_refs(store: Store, plan: GcPlan) -> None:
+    """Refs a killed gc had set aside go back first: a pin may have been taken meanwhile."""
+    for run, step, name in plan.refs_aside:
+        dir_fd = _refs_dir_fd(store, run, step)
+        if dir_fd is None:
+            continue
+        try:
+            _put_back_ref(dir_fd, name, REF_ASIDE_RE.match(name).group(1))
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def _remove_refs(store: Store, refs: list[RefRecord]) -> set[str]:
+    """Remove the refs of dropped generations, unless pinned by now. Returns the roots spared by a pin.
+
+    A pin taken after planning wins: each ref is first renamed aside in its own
+    directory (invisible to a pin, which then refuses, or rescues it: see
+    :func:`alpha_ckpt.pins.pin_generation`), the pins are read again, and a ref
+    whose root is pinned by then is put back; only the rest are unlinked.
+    """
+    fds: dict[tuple[str, str], int | None] = {}
+    aside: list[tuple[RefRecord, int, str]] = []
+    try:
+        for r in refs:
+            key = (r.run, r.step)
+            if key not in fds:
+                fds[key] = _refs_dir_fd(store, r.run, r.step)
+            if fds[key] is None:
+                continue
+            name = f"{ASIDE_PREFIX}{r.generation:0{REF_DIGITS}d}-{os.getpid()}-{secrets.token_hex(4)}"
+            try:
+                durable.rename_noreplace(fds[key], f"{r.generation:0{REF_DIGITS}d}", fds[key], name)
+            except FileNotFoundError:
+                continue
+            aside.append((r, fds[key], name))
+        pins = pinned_roots(store) if aside else set()
+        spared = set()
+        for r, dir_fd, name in aside:
+            if r.root in pins:
+                spared.add(r.root)
+                _put_back_ref(dir_fd, name, f"{r.generation:0{REF_DIGITS}d}")
+            else:
+                try:
+                    os.unlink(name, dir_fd=dir_fd)
+                except FileNotFoundError:  # a pin put it back meanwhile
+                    spared.add(r.root)
+        for fd in fds.values():
+            if fd is not None:
+                os.fsync(fd)
+        return spared
+    finally:
+        for fd in fds.values():
+            if fd is not None:
+                os.close(fd)
+
+
 def apply_gc(store: Store, plan: GcPlan) -> None:
-    """Set-aside objects back, then refs (a generation disappears whole), objects, temp files, stale leases."""
+    """Set-aside objects and refs back, then refs (a generation disappears whole) unless pinned by now,
+    unreadable refs into quarantine/, objects (none a generation pinned since planning reaches), temp
+    files, stale leases."""
     root_fd = os.open(store.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the user's path: may be a symlink
     try:
         tmp_fd = durable.make_dir_durable(root_fd, "tmp")
@@ -427,13 +558,23 @@ def apply_gc(store: Store, plan: GcPlan) -> None:
     objects_fd = _open_dir(os.path.join(store.root, "objects"))
     try:
         _put_back_set_aside(store, tmp_fd, objects_fd, plan)
-        by_dir: dict[str, list[str]] = {}
-        for r in plan.refs:
-            by_dir.setdefault(os.path.join(store.root, "refs", r.run, r.step), []).append(f"{r.generation:010d}")
-        for directory, names in by_dir.items():
-            _remove(directory, names)
-        if plan.objects:
-            _remove_objects(store, plan.objects, plan.protect_before, tmp_fd, objects_fd)
+        _put_back_refs(store, plan)
+        spared = _remove_refs(store, plan.refs)
+        for entry in plan.damaged_refs:
+            store.set_aside_ref(entry.run, entry.step, entry.generation)
+        objects = plan.objects
+        if spared:
+            keep: set[str] = set()
+            for r in plan.refs:
+                if r.root in spared:
+                    reached = _reach(store, r.root, r)
+                    if isinstance(reached, Refusal):
+                        objects = []  # what it reaches cannot be told apart: remove no object
+                        break
+                    keep |= reached[0]
+            objects = [d for d in objects if d not in keep]
+        if objects:
+            _remove_objects(store, objects, plan.protect_before, tmp_fd, objects_fd)
             os.fsync(tmp_fd)
     finally:
         os.close(objects_fd)

@@ -8,10 +8,12 @@ generations do not count toward ``--keep``. The pin's name is what protects:
 an unreadable pin file still pins the root it is named after.
 
 Only a published, fully valid generation can be pinned. The pin is written
-first, then every object of the generation is touched and the whole
-generation verified: a gc that planned before the pin existed sees the
-touched objects as young and puts them back (see :func:`alpha_ckpt.gc.apply_gc`),
-or the verification fails and the pin is withdrawn.
+first, then every object of the generation is touched, the whole generation
+verified and its ref checked to be in place: a gc that planned before the pin
+existed sees the touched objects as young and puts them back, and reads the
+pins again before it removes a ref, which it first renames aside (see
+:func:`alpha_ckpt.gc.apply_gc`); a pin that finds its ref aside puts it back.
+Otherwise (the ref or an object is gone) the pin is withdrawn and refused.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from .durable import file_kind
 from .errors import Refusal, RefusalCode
 from .format import canonical_json, check_name, is_digest, parse_canonical_json
 from .restore import open_generation, verify_generation
-from .store import Store, write_all
+from .store import REF_DIGITS, Store, write_all
 
 PINS_DIR = "pins"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -205,6 +207,7 @@ def pin_generation(store: Store, root: str, note: str = "") -> tuple[Pin, bool]:
         try:
             _touch_generation(store, root, record)
             verify_generation(store, root)
+            _keep_ref(store, record)
         except BaseException:
             _unlink_durably(pins_fd, root)
             raise
@@ -221,6 +224,50 @@ def _touch_generation(store: Store, root: str, record) -> None:
     for digest in digests:
         if not store.renew_object(digest):
             raise Refusal(RefusalCode.MISSING_SHARD, f"object {digest} of generation {root} is missing from the store")
+
+
+def _keep_ref(store: Store, record) -> None:
+    """Make sure the pinned generation's ref is still in place, once the pin file is durable.
+
+    A gc that planned to drop it renames it aside in its directory, reads the
+    pins again, and puts back what is pinned by then. A pin that finds its ref
+    aside puts it back itself (gc then finds it gone and leaves it); one whose
+    ref gc removed already is refused (the caller withdraws the pin)."""
+    name = f"{record.generation:0{REF_DIGITS}d}"
+    where = f"{record.run}/{record.step}"
+    try:
+        dir_fd = os.open(os.path.join(store.root, "refs", record.run, record.step), _DIR_FLAGS)
+    except FileNotFoundError:
+        dir_fd = None
+    except OSError as exc:
+        raise Refusal(RefusalCode.FORMAT, f"refs/{where} is a symlink or not a directory") from exc
+    if dir_fd is not None:
+        try:
+            if _exists(dir_fd, name):
+                return
+            for aside in sorted(n for n in os.listdir(dir_fd) if n.startswith(f"aside-{name}-")):
+                try:
+                    durable.rename_noreplace(dir_fd, aside, dir_fd, name)
+                    os.fsync(dir_fd)
+                    return
+                except FileExistsError:  # put back meanwhile
+                    return
+                except FileNotFoundError:  # put back or removed meanwhile
+                    continue
+            if _exists(dir_fd, name):  # a gc put it back after the first look
+                return
+        finally:
+            os.close(dir_fd)
+    raise Refusal(RefusalCode.MISSING_SHARD, f"generation {record.root} ({where} generation {record.generation}) "
+                  "was removed by gc while it was being pinned")
+
+
+def _exists(dir_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False
 
 
 def unpin_generation(store: Store, root: str) -> bool:

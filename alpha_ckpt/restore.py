@@ -34,7 +34,7 @@ from .manifest import (
     check_coverage, check_shard_against_record, first_non_finite, word_value,
 )
 from .planner import Hierarchy, PlanError, SavedSlice, WantedSlice, plan_restore
-from .store import ObjectFile, RefRecord, Store
+from .store import History, ObjectFile, RefRecord, Store, UnreadableRef
 
 _HEAD_READ = 64 << 10
 # Slices are viewed straight from a read-only mapping of the object file and
@@ -794,31 +794,51 @@ def check_structure(store: Store, record: RefRecord) -> Refusal | None:
     return None
 
 
+UNREADABLE_REF = "(unreadable ref)"  # what latest names in place of a root it cannot read
+
+
+def latest_order(history: History) -> list[RefRecord | tuple[str, Refusal]]:
+    """Newest first: the generations ``latest`` tries, in order, with what it passes over and why (pure).
+
+    The one rule of "newest" when refs are damaged, shared by ``latest``,
+    ``restore("latest")``, retention and gc (the fence of every publish reads
+    the same :class:`~alpha_ckpt.store.History`): an unreadable ref is passed
+    over (named by its refusal; its number stays taken), and so is a
+    generation of an older epoch than the newest readable one's (a
+    continuation has published since, so a resume of it would be refused as
+    ``stale-epoch``). A damaged or stale newer generation never hides an intact
+    older one of the newest epoch.
+    """
+    records = history.records
+    newest_epoch = max((r.prefix.epoch for r in records), default=0)
+    out: list[RefRecord | tuple[str, Refusal]] = []
+    for entry in reversed(history.entries):
+        if isinstance(entry, UnreadableRef):
+            out.append((UNREADABLE_REF, entry.refusal))
+        elif entry.prefix.epoch < newest_epoch:
+            out.append((entry.root, Refusal(RefusalCode.STALE_EPOCH, f"generation {entry.generation} is of epoch "
+                                            f"{entry.prefix.epoch}; {history.run}/{history.step} has published in "
+                                            f"epoch {newest_epoch} since")))
+        else:
+            out.append(entry)
+    return out
+
+
 def latest_generation(store: Store, run: str, step: str, check: Callable[[Store, RefRecord], Refusal | None] | None = None,
                       ) -> tuple[RefRecord | None, list[tuple[str, Refusal]]]:
     """The newest complete generation of (run, step) that is not stale, and the newer ones skipped with why.
 
-    Complete is ``check`` (default :func:`check_complete`); stale is of an older epoch than the
-    newest readable generation's (a continuation has published since, so a
-    resume of it would be refused as ``stale-epoch``). A damaged or stale
-    newer generation never hides an intact older one of the newest epoch.
+    Complete is ``check`` (default :func:`check_complete`); the order and what is passed over
+    unread is :func:`latest_order`'s.
     """
     skipped: list[tuple[str, Refusal]] = []
-    records = store.list_refs(run, step)
-    epochs = [r.prefix.epoch for r in records if isinstance(r, RefRecord)]
-    newest_epoch = max(epochs, default=0)
-    for record in reversed(records):
-        if isinstance(record, Refusal):
-            skipped.append(("(unreadable ref)", record))
+    for entry in latest_order(store.history(run, step)):
+        if not isinstance(entry, RefRecord):
+            skipped.append(entry)
             continue
-        if record.prefix.epoch < newest_epoch:
-            skipped.append((record.root, Refusal(RefusalCode.STALE_EPOCH, f"generation {record.generation} is of "
-                                                 f"epoch {record.prefix.epoch}; {run}/{step} has published in "
-                                                 f"epoch {newest_epoch} since")))
-            continue
-        refusal = (check or check_complete)(store, record)
+        refusal = (check or check_complete)(store, entry)
         if refusal is not None:
-            skipped.append((record.root, refusal))
+            skipped.append((entry.root, refusal))
             continue
-        return record, skipped
+        return entry, skipped
     return None, skipped

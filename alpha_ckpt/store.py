@@ -5,6 +5,7 @@
     STORE/tmp/                        in-flight writes
     STORE/pending/<pid>-<random>      leases of publishes in flight (see :mod:`alpha_ckpt.leases`)
     STORE/quarantine/<digest>-<time>-<random>   damaged or hostile entries found at an object's path, set aside
+    STORE/quarantine/ref-<generation>-<time>-<random>   unreadable refs gc set aside
 
 Every write goes through :func:`alpha_ckpt.durable.durable_commit`. Every read
 opens relative to the store's directory descriptors with O_NOFOLLOW and
@@ -86,6 +87,62 @@ class RefRecord:
     published_at: float
     bytes: int
     owners: int
+
+
+@dataclass(frozen=True)
+class UnreadableRef:
+    """A ref file that cannot be read as one: its generation number stays taken."""
+
+    run: str
+    step: str
+    generation: int
+    refusal: Refusal
+    # True: what lies under the name can never be read as a ref (not a regular file, or content that
+    # fails its checks), so gc may set it aside. False: the OS refused to read it (EACCES, EIO), which may pass.
+    damaged: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.run}/{self.step}/{self.generation:0{REF_DIGITS}d}"
+
+
+@dataclass(frozen=True)
+class History:
+    """What the refs of one run/step say: the one view of "newest" that every publish's fence,
+    ``latest`` (and ``restore("latest")``) and gc share.
+
+    The newest generation is the newest *readable* ref. Unreadable refs are
+    passed over (each caller names them), but their numbers stay taken:
+    ``top`` is the highest generation number in use, readable or not, and a
+    new publish takes ``top + 1``.
+    """
+
+    run: str
+    step: str
+    entries: tuple  # RefRecord | UnreadableRef, oldest first: every ref, or those from the newest readable one up
+    top: int        # the highest generation number taken (0: none)
+
+    @property
+    def records(self) -> list[RefRecord]:
+        return [e for e in self.entries if isinstance(e, RefRecord)]
+
+    @property
+    def unreadable(self) -> list[UnreadableRef]:
+        return [e for e in self.entries if isinstance(e, UnreadableRef)]
+
+    @property
+    def newest(self) -> RefRecord | None:
+        """The newest readable generation, or None."""
+        return next((e for e in reversed(self.entries) if isinstance(e, RefRecord)), None)
+
+    @property
+    def unreadable_above(self) -> list[UnreadableRef]:
+        """Unreadable refs newer than the newest readable one, oldest first."""
+        newest = self.newest
+        return [e for e in self.unreadable if newest is None or e.generation > newest.generation]
+
+    def listing(self) -> list["RefRecord | Refusal"]:
+        return [e if isinstance(e, RefRecord) else e.refusal for e in self.entries]
 
 
 class ObjectFile:
@@ -615,28 +672,31 @@ class Store:
                     follows: int | None = None, fence: bool = True) -> RefRecord:
         """Publish the next generation of (run, step): a NOREPLACE ref naming ``root``, if the history allows it.
 
-        History fencing (:func:`check_fence`): the newest ref is read first, and
-        a publish whose epoch is older than the newest generation's is refused
-        (``stale-epoch``); with ``follows`` (the generation number this
-        publisher continues, 0 for an empty history), a newest generation of
-        the same epoch that is not ``follows`` is refused too (``fenced``):
-        another job of this epoch published meanwhile. The ref then takes the
-        number after the newest with NOREPLACE, so the check is race-free: a
-        publisher that lost the number re-reads the newest ref and is fenced,
-        or gets :class:`PublishConflict` (retryable) when the winner was not
-        one to fence it. Publishing the root the newest ref already names
-        returns that ref (a retried save is idempotent). ``fence=False`` is
-        for forging test generations only.
+        History fencing (:func:`check_fence`): the refs are read from the
+        newest down to the newest readable one (:meth:`history`), and a publish
+        whose epoch is older than the newest generation's is refused
+        (``stale-epoch``); with ``follows`` (the highest generation number this
+        publisher has seen in its history, 0 for an empty history), a history
+        that has taken a number since is refused too (``fenced``) when that
+        generation is of the same epoch or cannot be read. The ref then takes
+        the number after the highest one taken (an unreadable ref's number is
+        never reused) with NOREPLACE, so the check is race-free: a publisher
+        that lost the number re-reads the newest ref and is fenced, or gets
+        :class:`PublishConflict` (retryable) when the winner was not one to
+        fence it. Publishing the root the newest ref already names returns that
+        ref (a retried save is idempotent). Unreadable refs passed over are
+        named on stderr. ``fence=False`` is for forging test generations only.
         """
         dir_fd = self._refs_dir(prefix.run, prefix.step, create=True)
         try:
-            numbers = self._ref_numbers(dir_fd)
-            newest = self._read_ref(dir_fd, prefix.run, prefix.step, numbers[-1]) if numbers else None
-            if fence and isinstance(newest, RefRecord) and (newest.root, newest.prefix) == (root, prefix):
+            history = self._history(dir_fd, prefix.run, prefix.step, whole=False)
+            newest = history.newest
+            if fence and newest is not None and newest.generation == history.top \
+                    and (newest.root, newest.prefix) == (root, prefix):
                 return newest  # this very state is already the newest generation (a retried save): nothing to add
             if fence:
-                check_fence(newest, prefix, follows)
-            generation = (numbers[-1] if numbers else 0) + 1
+                check_fence(history, prefix, follows)
+            generation = history.top + 1
             record = RefRecord(prefix.run, prefix.step, generation, root, root_size, prefix, time.time(), total_bytes, owners)
             body = encode_ref(record)
 
@@ -649,8 +709,12 @@ class Store:
             except FileExistsError:
                 winner = self._read_ref(dir_fd, prefix.run, prefix.step, generation)
                 if fence and isinstance(winner, RefRecord):  # it may fence this publish: say so precisely
-                    check_fence(winner, prefix, follows)
+                    check_fence(History(prefix.run, prefix.step, (winner,), generation), prefix, follows)
                 raise PublishConflict(f"generation {generation} of {prefix.run}/{prefix.step} was published by another publisher") from None
+            for bad in history.unreadable_above:
+                _log(f"alpha_ckpt: store {self.root}: ref {bad.name} cannot be read and was passed over: "
+                     f"{bad.refusal}; generation {generation} follows "
+                     f"{'generation ' + str(newest.generation) if newest else 'no readable generation'}\n")
             return record
         finally:
             os.close(dir_fd)
@@ -663,48 +727,122 @@ class Store:
                 out.append(int(name))
         return sorted(out)
 
-    def list_refs(self, run: str, step: str) -> list[RefRecord | Refusal]:
-        """Every generation of (run, step), oldest first; unreadable refs are returned as refusals."""
+    def history(self, run: str, step: str, *, whole: bool = True) -> History:
+        """The refs of (run, step) (see :class:`History`): every one, or with ``whole=False`` only those from
+        the newest readable one up (one listing, and usually one ref read)."""
         dir_fd = self._refs_dir(run, step, create=False)
         if dir_fd is None:
-            return []
+            return History(run, step, (), 0)
         try:
-            return [self._read_ref(dir_fd, run, step, g) for g in self._ref_numbers(dir_fd)]
+            return self._history(dir_fd, run, step, whole)
         finally:
             os.close(dir_fd)
 
+    def _history(self, dir_fd: int, run: str, step: str, whole: bool) -> History:
+        numbers = self._ref_numbers(dir_fd)
+        entries = []
+        for generation in reversed(numbers):
+            entry = self._read_ref_entry(dir_fd, run, step, generation)
+            if entry is None:
+                continue  # removed since the listing (gc): no generation, but its number was taken
+            entries.append(entry)
+            if not whole and isinstance(entry, RefRecord):
+                break
+        return History(run, step, tuple(reversed(entries)), numbers[-1] if numbers else 0)
+
+    def list_refs(self, run: str, step: str) -> list[RefRecord | Refusal]:
+        """Every generation of (run, step), oldest first; unreadable refs are returned as refusals."""
+        return self.history(run, step).listing()
+
     def _read_ref(self, dir_fd: int, run: str, step: str, generation: int) -> RefRecord | Refusal:
+        entry = self._read_ref_entry(dir_fd, run, step, generation)
+        if entry is None:
+            return Refusal(RefusalCode.FORMAT, f"ref {run}/{step}/{generation:0{REF_DIGITS}d}: cannot open (gone)")
+        return entry if isinstance(entry, RefRecord) else entry.refusal
+
+    def _read_ref_entry(self, dir_fd: int, run: str, step: str, generation: int) -> RefRecord | UnreadableRef | None:
+        """The ref ``generation``: its record, why it cannot be read, or None where it is gone.
+
+        The entry's type is read first (lstat), so a FIFO is never opened, a
+        symlink never followed, a directory never read."""
         name = f"{generation:0{REF_DIGITS}d}"
         what = f"ref {run}/{step}/{name}"
+
+        def unreadable(code: RefusalCode, why: str, damaged: bool = True) -> UnreadableRef:
+            return UnreadableRef(run, step, generation, Refusal(code, f"{what}: {why}"), damaged)
+
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            return unreadable(RefusalCode.FORMAT, f"cannot be examined ({exc.strerror})", False)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_REF_BYTES:
+            return unreadable(RefusalCode.FORMAT, f"a {durable.file_kind(st.st_mode)} of {st.st_size} bytes, not a "
+                              f"ref file (a regular file of at most {MAX_REF_BYTES} bytes)")
         try:
             fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return None
         except OSError as exc:
-            return Refusal(RefusalCode.FORMAT, f"{what}: cannot open ({exc.strerror})")
+            return unreadable(RefusalCode.FORMAT, f"cannot open ({exc.strerror})", exc.errno == errno.ELOOP)
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_REF_BYTES:
-                return Refusal(RefusalCode.FORMAT, f"{what}: not a regular file of at most {MAX_REF_BYTES} bytes")
+            opened = os.fstat(fd)
+            if not stat.S_ISREG(opened.st_mode) or opened.st_size > MAX_REF_BYTES:  # replaced since the lstat
+                return unreadable(RefusalCode.FORMAT, f"not a regular file of at most {MAX_REF_BYTES} bytes")
             data = os.pread(fd, MAX_REF_BYTES, 0)
+        except OSError as exc:
+            return unreadable(RefusalCode.FORMAT, f"cannot be read ({exc.strerror})", False)
         finally:
             os.close(fd)
         try:
             record = decode_ref(data, what)
         except Refusal as refusal:
-            return refusal
+            return UnreadableRef(run, step, generation, refusal, True)
         if (record.run, record.step, record.generation) != (run, step, generation):
-            return Refusal(RefusalCode.FORMAT, f"{what}: names generation {record.run}/{record.step}/{record.generation}")
+            return unreadable(RefusalCode.FORMAT, f"names generation {record.run}/{record.step}/{record.generation}")
         return record
 
-    def newest_ref(self, run: str, step: str) -> RefRecord | Refusal | None:
-        """The newest generation of (run, step): one directory listing and one ref read."""
+    def newest_ref(self, run: str, step: str) -> RefRecord | None:
+        """The newest readable generation of (run, step) (see :meth:`history`), or None."""
+        return self.history(run, step, whole=False).newest
+
+    def set_aside_ref(self, run: str, step: str, generation: int) -> str | None:
+        """Move the unreadable ref ``generation`` into ``quarantine/`` (gc): the name it got there, or None.
+
+        Only a ref that is damaged for good (:attr:`UnreadableRef.damaged`,
+        read again now) and not the newest number taken is moved: a newer ref
+        keeps the numbering past it, so its number is never reused. Renamed,
+        never deleted (it is evidence); gc sweeps it after the grace period.
+        """
         dir_fd = self._refs_dir(run, step, create=False)
         if dir_fd is None:
             return None
         try:
+            entry = self._read_ref_entry(dir_fd, run, step, generation)
             numbers = self._ref_numbers(dir_fd)
-            return self._read_ref(dir_fd, run, step, numbers[-1]) if numbers else None
+            if not (isinstance(entry, UnreadableRef) and entry.damaged and numbers and numbers[-1] > generation):
+                return None
+            if self._quarantine_fd < 0:
+                self._quarantine_fd = durable.make_dir_durable(self._root_fd, QUARANTINE_DIR)
+            # Run and step names are long enough to overflow a name: the log line says where it came from.
+            aside = f"ref-{generation:0{REF_DIGITS}d}-{int(time.time())}-{secrets.token_hex(4)}"
+            try:
+                os.rename(f"{generation:0{REF_DIGITS}d}", aside, src_dir_fd=dir_fd, dst_dir_fd=self._quarantine_fd)
+            except FileNotFoundError:
+                return None
+            except OSError as exc:
+                raise DurableWriteError("quarantine", exc.errno or errno.EIO, f"setting aside {entry.name}: {exc}") from exc
+            try:
+                durable.fsync_dir(self._quarantine_fd)
+                durable.fsync_dir(dir_fd)
+            except OSError as exc:
+                raise DurableWriteError("dir-fsync", exc.errno or errno.EIO, f"setting aside {entry.name}: {exc}") from exc
         finally:
             os.close(dir_fd)
+        _log(f"alpha_ckpt: store {self.root}: ref {entry.name} cannot be read: {entry.refusal}; "
+             f"set aside as {QUARANTINE_DIR}/{aside}\n")
+        return aside
 
     def find_ref(self, root: str) -> RefRecord | None:
         """The first ref (any run/step) that names ``root``, or None."""
@@ -735,36 +873,48 @@ class Store:
         return out
 
 
-def check_fence(newest: "RefRecord | Refusal | None", prefix: CapturePrefix, follows: int | None) -> None:
-    """Refuse a publish of ``prefix`` that would fork the history whose newest ref is ``newest``.
+def check_fence(history: History, prefix: CapturePrefix, follows: int | None) -> None:
+    """Refuse a publish of ``prefix`` that would fork the history ``history`` (see :class:`History`).
+
+    Against the newest readable generation ("newest"):
 
     - newest is of a newer epoch: a continuation owns the run/step; this publisher is stale (``stale-epoch``).
-    - ``follows`` given and newest is of the same epoch but is not generation ``follows`` (0: no generation):
-      another publisher of this epoch published meanwhile (``fenced``).
+    - ``follows`` given (the highest generation number this publisher saw, 0: none) and a number has been
+      taken since: refused (``fenced``) when a ref newer than ``follows`` cannot be read (whose it is cannot
+      be told), or when newest is of the same epoch and is not generation ``follows`` (another publisher of
+      this epoch published meanwhile, or the history lost generation ``follows``).
     - newest is of the same epoch and at this update or a later one (or a later cursor): ``latest``
       would go backwards (``reset-cursor``).
-    - newest cannot be read: the history cannot be checked, so nothing is published after it.
-    Pure: the caller reads the ref.
+
+    An unreadable ref is otherwise passed over: it is no generation anyone can resume, and its number stays
+    taken. Pure: the caller reads the refs.
     """
     where = f"{prefix.run}/{prefix.step}"
-    if isinstance(newest, Refusal):
-        raise Refusal(newest.code, f"the newest ref of {where} cannot be read, so a publish of update "
-                      f"{prefix.update} cannot be fenced: {newest.message}")
-    if newest is None:
-        if follows:
-            raise Refusal(RefusalCode.FENCED, f"publish of update {prefix.update} fenced: {where} no longer has "
-                          f"generation {follows}, which this job continues")
-        return
-    p = newest.prefix
-    if p.epoch > prefix.epoch:
+    newest = history.newest
+    if newest is not None and newest.prefix.epoch > prefix.epoch:
+        p = newest.prefix
         raise Refusal(RefusalCode.STALE_EPOCH, f"publish of update {prefix.update} in epoch {prefix.epoch} fenced: "
                       f"{where} generation {newest.generation} (update {p.update}, root {newest.root}) is of "
                       f"epoch {p.epoch}, a newer continuation that owns this run/step")
-    if follows is not None and p.epoch == prefix.epoch and newest.generation != follows:
+    if follows is not None and history.top != follows:
         expected = f"generation {follows}" if follows else "an empty history"
-        raise Refusal(RefusalCode.FENCED, f"publish of update {prefix.update} in epoch {prefix.epoch} fenced: "
-                      f"{where} generation {newest.generation} (update {p.update}, root {newest.root}) was "
-                      f"published by another job of the same epoch; this job continues {expected}")
+        unknown = [u for u in history.unreadable if u.generation > follows]
+        if unknown:
+            raise Refusal(RefusalCode.FENCED, f"publish of update {prefix.update} in epoch {prefix.epoch} fenced: "
+                          f"{where} took generation {unknown[-1].generation} after {expected}, which this job "
+                          f"continues, and it cannot be read, so whether another job published it cannot be "
+                          f"told ({unknown[-1].refusal.message}); resume 'latest', which passes over it")
+        if newest is None and follows:
+            raise Refusal(RefusalCode.FENCED, f"publish of update {prefix.update} fenced: {where} no longer has "
+                          f"generation {follows}, which this job continues")
+        if newest is not None and newest.prefix.epoch == prefix.epoch:
+            p = newest.prefix
+            raise Refusal(RefusalCode.FENCED, f"publish of update {prefix.update} in epoch {prefix.epoch} fenced: "
+                          f"{where} generation {newest.generation} (update {p.update}, root {newest.root}) was "
+                          f"published by another job of the same epoch; this job continues {expected}")
+    if newest is None:
+        return
+    p = newest.prefix
     if p.epoch == prefix.epoch and (prefix.update <= p.update or prefix.cursor < p.cursor):
         raise Refusal(RefusalCode.RESET_CURSOR, f"publish of update {prefix.update} (cursor {prefix.cursor}) in "
                       f"epoch {prefix.epoch} refused: {where} generation {newest.generation} (root {newest.root}) "

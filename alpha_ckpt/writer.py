@@ -623,9 +623,9 @@ def save_state(state: Mapping[str, Any] | CapturedState, *, store: Store, prefix
     check_name(prefix.run, "run")
     check_name(prefix.step, "step")
     canonical_json(metadata)  # refuse non-JSON metadata before writing anything
-    newest = store.newest_ref(prefix.run, prefix.step)
-    if not (isinstance(newest, RefRecord) and newest.prefix == prefix):  # that one is decided by its root, at publish
-        check_fence(newest, prefix, None)  # a save the history refuses writes nothing (publish checks again)
+    history = store.history(prefix.run, prefix.step, whole=False)
+    if not (history.newest is not None and history.newest.prefix == prefix):  # decided by its root, at publish
+        check_fence(history, prefix, None)  # a save the history refuses writes nothing (publish checks again)
     captured = state if isinstance(state, CapturedState) else capture_state(state)
     regions = captured.regions(allow_nonfinite)
     _check_compression(compression, {r.name for r in regions})

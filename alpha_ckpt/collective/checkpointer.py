@@ -64,7 +64,7 @@ from ..gc import retain_newest
 from ..planner import Hierarchy, Piece, WantedSlice, owners_holding, shares
 from ..publish.tree import GroupTransport, TreeRole, write_or_fail
 from ..publish.wire import broadcast_json, gather_json
-from ..restore import Counters, open_generation, prepare_fill
+from ..restore import Counters, latest_order, open_generation, prepare_fill
 from ..state.capture import capture_state, dotted_leaves
 from ..state.load import plan_load
 from ..state.rules import METADATA_KEY as PLACEMENT_KEY, PlacementRules, recorded_per_rank
@@ -505,24 +505,21 @@ class Checkpointer:
         return broadcast_json(out, self._global(0), self.group)
 
     def _choose(self, root: Any) -> list[dict]:
-        refs = self.store.list_refs(self.run, self.step)
-        newest = refs[-1] if refs else None
+        history = self.store.history(self.run, self.step)
+        refs = history.listing()
         if self._branch:
             if refs:
                 raise Refusal(RefusalCode.FOREIGN_LEARNER, f"cannot branch into {self.run}/{self.step}: that run "
                               "already has generations")
             self.follows = 0
             return [{"root": self.store.check_digest(root)}]
-        if isinstance(newest, Refusal):
-            raise Refusal(newest.code, f"the newest ref of {self.run}/{self.step} cannot be read, so no continuation "
-                          f"could be fenced against it: {newest.message}")
         if root is None:
             if refs:
                 raise Refusal(RefusalCode.FENCED, f"a fresh start of {self.run}/{self.step} would fork its history: it "
                               f"already has {len(refs)} generations; restore 'latest', or use another run")
             self.follows = 0
             return []
-        self.follows = newest.generation if isinstance(newest, RefRecord) else 0  # 0: an empty history
+        self.follows = history.top  # 0: an empty history; an unreadable newest ref's number stays taken
         newest_epoch = max((r.prefix.epoch for r in refs if isinstance(r, RefRecord)), default=0)
         if root != "latest":
             for r in refs:  # the stale-epoch check needs the whole history ("latest" passes over damaged refs)
@@ -537,7 +534,11 @@ class Checkpointer:
                               f"but a continuation published generation {later.generation} ({later.root}, update "
                               f"{later.prefix.update}) in epoch {newest_epoch}; restore that one ('latest')")
             return [{"root": record.root}]
-        usable = [r for r in reversed(refs) if isinstance(r, RefRecord) and r.prefix.epoch == newest_epoch]
+        order = latest_order(history)  # latest's rule: unreadable refs and older epochs are passed over
+        usable = [r for r in order if isinstance(r, RefRecord)]
+        for bad in history.unreadable_above:
+            logger.warning("restore latest of %s/%s: ref %s cannot be read and is passed over: %s",
+                           self.run, self.step, bad.name, bad.refusal)
         if refs and not usable:
             raise Refusal(RefusalCode.MISSING_SHARD, f"no readable generation of {self.run}/{self.step} to resume")
         return [{"root": r.root} for r in usable]
