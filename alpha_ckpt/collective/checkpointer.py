@@ -204,20 +204,27 @@ class Checkpointer:
             self._due_asked = False
             return None
         t0 = time.monotonic()
+        refused = None
         try:
             captured = capture_state(state, self.rank, self.world)
             regions = captured.regions(self.allow_nonfinite)
-        except ValueError as exc:  # every rank raises its own; nothing is sent half-way
-            raise Refusal(RefusalCode.FORMAT, f"rank {self.rank}: {exc}") from None
-        tensors = [t for _, t in captured.named]
+        except (ValueError, Refusal) as exc:
+            # Not raised here alone: the refusal travels in the descriptor exchange, so every rank
+            # raises it at once instead of waiting for this rank until the group times out.
+            refused = exc if isinstance(exc, Refusal) else Refusal(RefusalCode.FORMAT, str(exc))
+            captured, regions = None, ()
+        except Exception as exc:  # noqa: BLE001 - a state_dict() of the script's own that failed
+            refused = exc
+            captured, regions = None, ()
+        tensors = [t for _, t in captured.named] if captured is not None else []
         if self._saver is None:
-            result = self._exchange(prefix, captured, regions, tensors, self._control)
+            result = self._exchange(prefix, captured, regions, tensors, self._control, refused)
             cost = time.monotonic() - t0
         else:
             stats: dict = {}
 
             def publish(snapshot):
-                root = self._exchange(prefix, captured, regions, snapshot, self._save_group)
+                root = self._exchange(prefix, captured, regions, snapshot, self._save_group, refused)
                 stats.update(self.last_save)  # this save's, before a later save replaces last_save
                 return root
             result = self._saver.submit(tensors, publish, defer_snapshot=defer_snapshot)
@@ -258,14 +265,24 @@ class Checkpointer:
     def _any_rank(self, flag: bool) -> bool:
         return any_rank(flag, self._control)
 
-    def _exchange(self, prefix: CapturePrefix, captured, regions, tensors, group) -> str:
+    def _exchange(self, prefix: CapturePrefix, captured, regions, tensors, group,
+                  refused: BaseException | None = None) -> str:
         """Agree on one layout (rank 0 checks every capture), then publish it by star or tree.
 
         Every rank hashes each replica once: the one that writes it while writing, the others
         beside their own writes. The digests are compared before anything is published.
+        ``refused``: this rank's capture failed; it still takes part in the agreement, which
+        then refuses on every rank.
         """
         started, written = time.monotonic(), self.store.bytes_written
-        views = [memoryview(word_bytes(t).numpy()) if t.numel() else memoryview(b"") for t in tensors]
+        try:
+            views = [] if refused else [memoryview(word_bytes(t).numpy()) if t.numel() else memoryview(b"")
+                                        for t in tensors]
+        except Exception as exc:  # noqa: BLE001 - told to every rank below, as a failed capture is
+            refused = exc
+        if refused is not None:
+            self._agree_layout({"refused": _failure_json(refused, self.rank)}, group, refused)
+            raise AssertionError("unreachable: the agreement refuses")  # pragma: no cover
         own, hashed, wrote, replicated = [], [], {}, []
         # Large replicas are spread over the ranks, as DCP does; rank 0 writes the small ones.
         writers = replica_writers(regions, captured.placement, self.world)
@@ -310,28 +327,37 @@ class Checkpointer:
             self._retain()
         return completion["root"]
 
-    def _agree_layout(self, descriptor: dict, group) -> dict:
+    def _agree_layout(self, descriptor: dict, group, refused: BaseException | None = None) -> dict:
         """Rank 0 gets every rank's descriptor (metadata, no tensor bytes), checks that the captures
         agree and merges them into one skeleton and region list; every rank gets that, or raises
-        the same Refusal."""
+        the same Refusal (a capture that failed on any rank included)."""
         root0 = self._global(0)
         descriptors = gather_json(descriptor, root0, group)
         if self.rank != 0:
             layout = broadcast_json(None, root0, group)
         else:
             try:
+                failed = [d["refused"] for d in descriptors if "refused" in d]
+                if failed:  # the lowest refusing rank's, as agree() does
+                    raise _Failed(failed[0])
                 skeleton, regions = merge_captures(descriptors)
                 layout = {"ok": True, "state": skeleton, "regions": [r.to_json() for r in regions],
                           "devices": [d["device"] for d in descriptors],
                           "layout": saved_layout(descriptors, regions),
                           # every rank writes this save's large shards alike, beyond its own probes
                           "write_mode": self.store.save_write_mode(self.world)}
+            except _Failed as failure:
+                layout = {"ok": False, **failure.args[0]}
             except Refusal as refusal:
                 layout = {"ok": False, "code": refusal.code.value, "reason": refusal.message}
+            except Exception as exc:  # noqa: BLE001 - the others wait for this verdict: never leave them waiting
+                layout = {"ok": False, **_failure_json(exc, 0)}
             # Every rank writes its own shards against the agreed regions.
             broadcast_json(layout, root0, group)
         if not layout["ok"]:
-            raise Refusal(layout["code"], layout["reason"])
+            if layout.get("code"):
+                raise Refusal(layout["code"], layout["reason"])
+            raise PublishFailed(layout["reason"]) from refused
         return layout
 
     def _replica_digests(self, regions, wrote: Mapping[str, memoryview], written: Mapping[tuple, tuple],
@@ -600,6 +626,17 @@ class Checkpointer:
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+
+class _Failed(Exception):
+    """Rank 0: a failure some rank reported in its descriptor (its JSON is ``args[0]``)."""
+
+
+def _failure_json(exc: BaseException, rank: int) -> dict:
+    """What a rank's failed capture (or rank 0's failed merge) tells every rank: a refusal keeps its code."""
+    if isinstance(exc, Refusal):
+        return {"code": exc.code.value, "reason": f"rank {rank}: {exc.message}"}
+    return {"reason": f"rank {rank}: {type(exc).__name__}: {exc}"}
 
 
 def merge_skeletons(skeletons: list[Any], path: str = "state") -> Any:
