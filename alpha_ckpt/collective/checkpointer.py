@@ -57,7 +57,8 @@ import torch.distributed as dist
 from ..async_save import AsyncSaver
 from ..device import check_devices, current_device
 from ..durable import fault_point
-from ..errors import DurableWriteError, PublishConflict, PublishFailed, Refusal, RefusalCode, StoreUsageError
+from ..errors import (DurableWriteError, PublishConflict, PublishFailed, Refusal, RefusalCode, StoreUsageError,
+                      UsageError)
 from ..format import (CapturePrefix, DTYPES, RegionDecl, ShardRef, block_digests, canonical_json, check_name,
                       joined_digest)
 from ..gc import retain_newest
@@ -110,25 +111,28 @@ class Checkpointer:
             mtbf = mtbf if mtbf is not None else os.environ.get(MTBF_ENV) or None
             checkpoint_cost = checkpoint_cost if checkpoint_cost is not None else os.environ.get(COST_ENV) or None
         if store is None or run is None:
-            raise ValueError("Checkpointer needs store= and run= (alpha-run passes them as ALPHA_CKPT_STORE and "
+            raise UsageError("Checkpointer needs store= and run= (alpha-run passes them as ALPHA_CKPT_STORE and "
                              "ALPHA_CKPT_RUN)")
-        self.run, self.step = check_name(run, "run"), check_name(step, "step")
-        canonical_json(identity)  # any JSON: refused here, not at the first save
+        try:  # an argument of the script's that cannot be: a usage error (exit 2), not a checkpoint's refusal
+            self.run, self.step = check_name(run, "run"), check_name(step, "step")
+            canonical_json(identity)  # any JSON: refused here, not at the first save
+        except (Refusal, ValueError, TypeError) as exc:
+            raise UsageError(f"Checkpointer: {exc}") from None
         if publisher not in ("star", "tree"):
-            raise ValueError(f"publisher is 'star' or 'tree', not {publisher!r}")
+            raise UsageError(f"publisher is 'star' or 'tree', not {publisher!r}")
         if save not in ("sync", "async"):
-            raise ValueError(f"save is 'sync' or 'async', not {save!r}")
+            raise UsageError(f"save is 'sync' or 'async', not {save!r}")
         if in_flight not in ("wait", "skip"):
-            raise ValueError(f"in_flight is 'wait' or 'skip', not {in_flight!r}")
+            raise UsageError(f"in_flight is 'wait' or 'skip', not {in_flight!r}")
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 2):
-            raise ValueError(f"keep is at least 2 (the previous complete generation must survive a failed save), "
+            raise UsageError(f"keep is at least 2 (the previous complete generation must survive a failed save), "
                              f"not {keep!r}")
         if not (commit_timeout > 0 and math.isfinite(commit_timeout)):
-            raise ValueError(f"commit_timeout is a positive number of seconds, not {commit_timeout!r}")
+            raise UsageError(f"commit_timeout is a positive number of seconds, not {commit_timeout!r}")
         metadata = dict(metadata or {})
         canonical_json(metadata)
         if set(metadata) & {"identity", "owners", "devices", "layout"}:
-            raise ValueError("metadata= may not set identity, owners, devices or layout (the Checkpointer records them)")
+            raise UsageError("metadata= may not set identity, owners, devices or layout (the Checkpointer records them)")
         # A program's own bindings: recorded in every root manifest (metadata=) and checked by rank 0
         # on a generation before any rank reads a shard (bindings(root manifest) raises a Refusal).
         # bind_devices: each rank's device must be the very one that saved its rank (UUID), not only the product.
@@ -136,7 +140,10 @@ class Checkpointer:
         self.tree_tamper = None  # a test hook, set only from outside the product path (alpha_ckpt/faults.py)
         self._branch = False
         self._fence = None  # an asynchronous save whose snapshot is still being taken (defer_snapshot=True)
-        self.schedule = Schedule(every, mtbf, checkpoint_cost)
+        try:
+            self.schedule = Schedule(every, mtbf, checkpoint_cost)
+        except ValueError as exc:
+            raise UsageError(f"Checkpointer: {exc}") from None
         self._due_asked = False  # due() said yes: the save that follows re-plans (every="auto")
         self.identity, self.allow_nonfinite, self.keep = identity, tuple(allow_nonfinite), keep
         self.publisher, self.commit_timeout = publisher, float(commit_timeout)
