@@ -42,11 +42,14 @@ next older one together.
 """
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
 import os
+import sys
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Sequence
 
@@ -63,6 +66,7 @@ from ..format import (CapturePrefix, DTYPES, RegionDecl, ShardRef, block_digests
                       joined_digest)
 from ..gc import retain_newest
 from ..planner import Hierarchy, Piece, WantedSlice, owners_holding, shares
+from ..progress import emit, format_bytes, is_tty
 from ..publish.tree import GroupTransport, TreeRole, write_or_fail
 from ..publish.wire import broadcast_json, gather_json
 from ..restore import Counters, open_generation, prepare_fill
@@ -175,6 +179,10 @@ class Checkpointer:
         self._control = dist.new_group(ranks=ranks, backend="gloo") if nccl else group
         self._saver = AsyncSaver(in_flight=in_flight) if save == "async" else None
         self._save_group = dist.new_group(ranks=ranks, backend="gloo") if save == "async" else None
+        # Never closed: at exit, while the interpreter is still whole, the save thread is joined and the
+        # groups made here are destroyed (gloo work outliving the interpreter aborts a finished script).
+        self._release = weakref.finalize(self, _release, self._saver,
+                                         [g for g in (self._save_group, self._control if nccl else None) if g])
         self.device = current_device(torch.device("cuda", torch.cuda.current_device()) if nccl
                                      else torch.device("cpu"))
 
@@ -518,8 +526,36 @@ class Checkpointer:
                 raise
             fill()
             self.epoch = 0 if branch else counters.epoch + 1
+            self._announce(counters)
             return counters
+        self._announce(None)
         return None
+
+    def _announce(self, counters: Counters | None) -> None:
+        """Under alpha-run (it sets RESUME_ENV): one line from rank 0 saying what the script resumed
+        from (update, root, bytes read by every rank) or that it starts fresh. A terminal gets words,
+        a log collector one JSON event."""
+        if RESUME_ENV not in os.environ:
+            return
+        read = torch.tensor([self.last_restore["bytes_read"] if counters is not None else 0], dtype=torch.int64)
+        if counters is not None:  # the same branch on every rank: they all restored, or none did
+            if dist.get_backend(self.group) == "nccl":
+                read = read.cuda()
+            dist.all_reduce(read, group=self.group)
+        if self.rank != 0:
+            return
+        fields = {"run": self.run, "step": self.step}
+        if counters is not None:
+            fields.update(update=counters.update, root=counters.root, bytes_read=int(read.item()))
+        if is_tty(sys.stderr):
+            line = (f"alpha-run: {self.run}/{self.step} restored update {counters.update} from {counters.root} "
+                    f"({format_bytes(fields['bytes_read'])} read)" if counters is not None else
+                    f"alpha-run: {self.run}/{self.step} starts fresh (no generation to resume)")
+        else:
+            buffer = io.StringIO()
+            emit("restored" if counters is not None else "fresh_start", buffer, **fields)
+            line = buffer.getvalue().rstrip("\n")
+        os.write(sys.stderr.fileno(), (line + "\n").encode("utf-8", "replace"))  # one write: ranks share stderr
 
     def _candidates(self, root: Any) -> list[dict]:
         """Rank 0 decides what to try, in order; every rank gets the same list."""
@@ -626,13 +662,24 @@ class Checkpointer:
         try:
             self.wait()
         finally:
-            if self._saver is not None:
-                self._saver.close()
+            self._release()  # joins the save thread, destroys this Checkpointer's own groups (once)
             if self._own_store:
                 self.store.close()
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+
+def _release(saver: AsyncSaver | None, groups: list) -> None:
+    """Join an asynchronous saver's thread and destroy the process groups a Checkpointer made."""
+    if saver is not None:
+        saver.close()
+    for group in groups:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group(group)
+        except (RuntimeError, ValueError) as exc:  # already gone with the default group
+            logger.debug("process group not destroyed: %s", exc)
 
 
 class _Failed(Exception):

@@ -21,8 +21,25 @@ def wire_device(group=None) -> torch.device:
     return torch.device("cpu")
 
 
+def message_tensor(data: bytes | bytearray | memoryview) -> torch.Tensor:
+    """``data`` copied into a host tensor that owns its memory.
+
+    Never a ``torch.frombuffer`` view: such a tensor keeps a Python object alive, and gloo
+    keeps the tensors of finished work past the call; if the process exits without
+    destroying the group, that tensor is released after the interpreter is gone, and
+    taking the GIL to release it aborts the process (std::terminate, SIGABRT) after the
+    script returned.
+    """
+    out = torch.empty(len(data), dtype=torch.uint8)
+    if len(data):
+        with warnings.catch_warnings():  # read-only views are only read here
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            out.copy_(torch.frombuffer(data, dtype=torch.uint8))
+    return out
+
+
 def _to_tensor(data: bytes | memoryview, group=None) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(wire_device(group))
+    return message_tensor(data).to(wire_device(group))
 
 
 # ``group``: None for the default group; an asynchronous save passes its own
@@ -43,7 +60,8 @@ def send_views(views, dst: int, group=None) -> None:
     with warnings.catch_warnings():  # read-only views are only read here
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         parts = [torch.frombuffer(v, dtype=torch.uint8) for v in views if len(v)]
-    data = torch.cat(parts) if len(parts) > 1 else parts[0] if parts else torch.empty(0, dtype=torch.uint8)
+    # torch.cat's result owns its memory; a lone part is copied too (see message_tensor).
+    data = torch.cat(parts) if len(parts) > 1 else parts[0].clone() if parts else torch.empty(0, dtype=torch.uint8)
     dist.send(torch.tensor([data.numel()], dtype=torch.int64, device=wire_device(group)), dst, group=group)
     if data.numel():
         dist.send(data.to(wire_device(group)), dst, group=group)
