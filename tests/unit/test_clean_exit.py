@@ -72,7 +72,7 @@ def _exits(tmp_path: Path, runs: int, door: str) -> list[tuple[int, str]]:
         else:
             done = torchrun(script, 2, tmp_path / f"s{i}", "star" if i % 2 == 0 else "tree", cwd=tmp_path)
         if done.returncode != 0:
-            failed.append((done.returncode, done.stderr[-1500:]))
+            failed.append((done.returncode, done.stderr[-4000:]))
     return failed
 
 
