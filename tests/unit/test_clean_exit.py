@@ -117,3 +117,29 @@ def record_message_tensors(rank, world, store, publisher):
 def test_every_message_tensor_owns_its_memory(tmp_path, publisher):
     results = run_ranks(2, record_message_tensors, str(tmp_path / "s"), publisher, tmp=tmp_path)
     assert all(r["sent"] > 0 and r["owned"] for r in results), results
+
+
+LEFT_AT_EXIT = """
+import atexit
+import sys
+import torch
+import torch.distributed as dist
+
+# Registered first, so it runs last: after alpha_ckpt's own exit handler.
+atexit.register(lambda: print("initialized at exit:", dist.is_initialized(), flush=True))
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+from alpha_ckpt import Checkpointer
+ckpt = Checkpointer(sys.argv[1], run="left")
+ckpt.save({"w": torch.ones(3)}, update=1)  # neither close() nor destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_gloo_group_a_finished_script_left_alive_is_destroyed_before_the_interpreter_ends(tmp_path):
+    script = tmp_path / "left.py"
+    script.write_text(LEFT_AT_EXIT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "s"), str(tmp_path / "rendezvous")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "initialized at exit: False" in done.stdout
