@@ -27,7 +27,7 @@ from .lifeline import bind_to_named_launcher
 
 bind_to_named_launcher()
 
-from .errors import DurableWriteError, PublishConflict, Refusal, RefusalCode  # noqa: E402 (torch-free)
+from .errors import DurableWriteError, PublishConflict, Refusal, RefusalCode, UsageError  # noqa: E402 (torch-free)
 
 __version__ = "0.1.0"
 
@@ -43,7 +43,7 @@ _LAZY = {
 }
 __all__ = ["save", "save_async", "AsyncSaver", "SaveHandle", "ShardCarry", "load", "verify", "latest", "Latest",
            "Skipped", "RNGState", "Checkpointer", "PerRank", "Partitioned", "Store", "Refusal", "RefusalCode", "Counters",
-           "DurableWriteError", "PublishConflict"]
+           "DurableWriteError", "PublishConflict", "UsageError"]
 
 
 def __getattr__(name: str):

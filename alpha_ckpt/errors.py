@@ -84,5 +84,12 @@ class PublishFailed(Exception):
     """A collective publication did not publish this generation; every owner raises it (exit 75)."""
 
 
-class StoreUsageError(ValueError):
+class UsageError(ValueError):
+    """The call or the command must change (exit 2 under alpha-run); ``str()`` is one line."""
+
+    def __init__(self, message: object):
+        super().__init__(" ".join(str(message).split()))
+
+
+class StoreUsageError(UsageError):
     """A caller passed a bad name or argument (not a property of a checkpoint)."""

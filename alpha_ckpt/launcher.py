@@ -27,8 +27,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import socket
 import sys
 
+from .format import NAME_RE
 from .lifeline import LAUNCHER_PID_ENV
 from .usage import OneLineArgumentParser, UsageError, check_checkpoint_flags, check_job_args, check_store_writable
 
@@ -48,7 +51,10 @@ _TORCHRUN_FLAGS = (
 
 
 def parser() -> OneLineArgumentParser:
-    p = OneLineArgumentParser(prog="alpha-run", description="Launch the owners of an alpha_ckpt job (torchrun-compatible).")
+    # No abbreviations: argparse reads them anywhere, even among the script's own arguments after
+    # its path, and a script's option that prefixes one of ours (--st of --store) would be refused.
+    p = OneLineArgumentParser(prog="alpha-run", description="Launch the owners of an alpha_ckpt job (torchrun-compatible).",
+                              allow_abbrev=False)
     p.add_argument("config", metavar="TARGET", help="a training script (train.py; its own arguments follow it), "
                    "-m MODULE, or the built-in job's config (TOML), e.g. configs/forecast.toml")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -118,6 +124,20 @@ def torchrun_argv(args) -> list[str]:
     return out + ["-m", "alpha_ckpt.job"] + worker
 
 
+def torchrun_args(argv: list[str]):
+    """torchrun's namespace for ``argv`` (launcher flags, ``-m MODULE``, then the program's arguments).
+
+    Only the launcher's part goes through torchrun's parser: argparse classifies every
+    argument before it knows where the program's begin, so a program option that is a
+    prefix of one of torchrun's (``--run`` of ``--run-path``) would be refused or taken.
+    """
+    from torch.distributed.run import get_args_parser
+    at = argv.index("-m") + 2
+    namespace = get_args_parser().parse_args(argv[:at])
+    namespace.training_script_args = argv[at:]
+    return namespace
+
+
 def config_overrides(args) -> list[str]:
     # The run name travels as a config override (see torchrun_argv).
     return args.set + ([f"run={args.run}"] if args.run else [])
@@ -142,6 +162,9 @@ def check_launch_args(args) -> None:
         raise UsageError(f"--max-restarts must not be negative, not {args.max_restarts}")
     if args.master_port is not None and not 0 < args.master_port < 65536:
         raise UsageError(f"--master-port must be in [1, 65535], not {args.master_port}")
+    if (args.master_port is not None and args.node_rank == 0 and not args.standalone
+            and args.rdzv_endpoint is None and args.rdzv_backend in (None, "static") and port_taken(args.master_port)):
+        raise UsageError(f"--master-port {args.master_port} is taken on this host (another job's rendezvous?)")
     if args.rdzv_endpoint is not None:
         try:
             parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
@@ -152,6 +175,17 @@ def check_launch_args(args) -> None:
         raise UsageError(f"--rdzv-backend must be one of {', '.join(sorted(known))}, not {args.rdzv_backend!r}")
     if args.branch_from is not None and args.run is None:
         raise UsageError("--branch-from needs --run NEW_RUN")
+
+
+def port_taken(port: int) -> bool:
+    """Whether a listening socket holds ``port`` here, where node 0's rendezvous server will listen."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server does: TIME_WAIT is no owner
+        try:
+            probe.bind(("", port))
+        except OSError:
+            return True
+    return False
 
 
 def is_job(args) -> bool:
@@ -170,7 +204,7 @@ def script_environment(args) -> dict[str, str]:
     """What a script's Checkpointer reads: the store, the run, the resume choice, and how to save
     (--publisher, --fanout, --commit-timeout, --save, --in-flight, --checkpoint-every, --mtbf,
     --checkpoint-cost)."""
-    run = args.run or os.path.splitext(os.path.basename(args.config))[0].replace("_", "-")
+    run = script_run(args)
     resume = args.resume_from or args.resume or ""
     env = {"ALPHA_CKPT_STORE": os.path.abspath(args.store), "ALPHA_CKPT_RUN": run, "ALPHA_CKPT_RESUME": resume,
            "ALPHA_CKPT_PUBLISHER": args.publisher, "ALPHA_CKPT_FANOUT": str(args.fanout),
@@ -184,9 +218,26 @@ def script_environment(args) -> dict[str, str]:
     return env
 
 
+def script_run(args) -> str:
+    """The script's run: --run, else its name as a run name can be (``_train_v2.py``: ``train-v2``)."""
+    if args.run:
+        return args.run
+    stem = os.path.splitext(os.path.basename(args.config.rstrip("/")))[0]
+    return re.sub(r"[^A-Za-z0-9.-]", "-", stem).strip("-.")[:128]
+
+
 def check_script_args(args) -> None:
     check_checkpoint_flags(args)
+    run = script_run(args)
+    if not NAME_RE.match(run):
+        raise UsageError(f"--run {args.run!r} is not a plain name ([A-Za-z0-9._-], 1-128 chars, starting with a "
+                         f"letter or digit)" if args.run else
+                         f"no run name can be made of {args.config!r}: pass --run NAME")
     if args.module:
+        from .script_runner import module_problem
+        problem = module_problem(args.config)
+        if problem:
+            raise UsageError(problem)
         return
     if not os.path.isfile(args.config):
         raise UsageError(f"script {args.config}: no such file")
@@ -223,19 +274,20 @@ def main(argv=None) -> int:
     except UsageError as exc:
         print(f"alpha-run: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    from torch.distributed import DistNetworkError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
+    from torch.distributed.run import run
     # Each owner binds its life to this process (alpha_ckpt/lifeline.py); torch copies
     # this environment into every owner it starts, restarts included.
     named_before = os.environ.get(LAUNCHER_PID_ENV)
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     try:
         if is_job(args):
-            run(get_args_parser().parse_args(torchrun_argv(args)))
+            run(torchrun_args(torchrun_argv(args)))
         else:
             os.environ.update(script_environment(args))
-            run(get_args_parser().parse_args(script_argv(args)))
+            run(torchrun_args(script_argv(args)))
     except ChildFailedError as exc:
         codes = {failure.exitcode for failure in exc.failures.values()}
         # A refusal is a collective verdict: every owner exits 3, and the agent may
@@ -247,6 +299,12 @@ def main(argv=None) -> int:
         if EXIT_USAGE in codes and exc.get_first_failure()[1].exitcode == EXIT_USAGE:
             return EXIT_USAGE
         return EXIT_RETRY
+    except DistNetworkError as exc:
+        if "EADDRINUSE" not in str(exc):
+            raise
+        # The port was free when checked and taken before the rendezvous server listened on it.
+        print(f"alpha-run: --master-port {args.master_port}: address already in use", file=sys.stderr)
+        return EXIT_USAGE
     except SignalException:
         return EXIT_INTERRUPTED
     except KeyboardInterrupt:

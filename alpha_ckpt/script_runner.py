@@ -7,8 +7,10 @@ The script runs as ``__main__`` with its own argv, exactly as ``python
 train.py`` would run it under torchrun. A :class:`~alpha_ckpt.Refusal` that
 escapes it (or ``torch.distributed.checkpoint``'s ``CheckpointException``
 carrying one) exits 3 with one line naming the code (a checkpoint refused:
-an orchestrator must not retry); ``SystemExit`` keeps its code (argparse's
-usage errors are 2); any other exception exits 1 with its traceback, which
+an orchestrator must not retry); a :class:`~alpha_ckpt.UsageError` (a
+``Checkpointer`` argument that cannot be) and a module or script that does not
+exist exit 2 with one line; ``SystemExit`` keeps its code (argparse's usage
+errors are 2); any other exception exits 1 with its traceback, which
 alpha-run reports as retryable (75). A script that ends (or exits) leaves
 through :func:`exit_now`: atexit handlers run and stdio is flushed, but the
 interpreter's own teardown is skipped, so a file object the script left open
@@ -21,7 +23,7 @@ import os
 import runpy
 import sys
 
-EXIT_REFUSED = 3
+EXIT_USAGE, EXIT_REFUSED = 2, 3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,9 +31,13 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or (argv[0] == "-m" and len(argv) < 2):
         print("alpha_ckpt.script_runner: usage: SCRIPT [ARGS...] | -m MODULE [ARGS...]", file=sys.stderr)
         return 2
-    from .errors import refusal_in
+    from .errors import UsageError, refusal_in
     module = argv[0] == "-m"
     target = argv[1] if module else argv[0]
+    problem = module_problem(target) if module else (None if os.path.isfile(target) else f"script {target}: no such file")
+    if problem:
+        print(f"alpha-run: {problem}", file=sys.stderr)
+        return EXIT_USAGE
     sys.argv = [target] + argv[(2 if module else 1):]
     try:
         if module:
@@ -39,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             sys.path.insert(0, os.path.dirname(os.path.abspath(target)))  # as `python train.py` does
             runpy.run_path(target, run_name="__main__")
+    except UsageError as exc:
+        print(f"alpha-run: usage error: {exc}", file=sys.stderr)
+        _leave_group()
+        return EXIT_USAGE
     except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException; others re-raised
         refusal = refusal_in(exc)  # a Refusal, or DCP's CheckpointException carrying one
         if refusal is None:
@@ -48,6 +58,30 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_REFUSED
     _leave_group()
     return 0
+
+
+def module_problem(name: str) -> str | None:
+    """Why ``python -m name`` would not find a module to run (one line), or None.
+
+    Found as ``python -m`` finds it: the current directory first on the path. A parent
+    package is imported to look inside it, as ``python -m`` would import it anyway.
+    """
+    import importlib.util
+    added = "" not in sys.path and os.getcwd() not in sys.path
+    if added:
+        sys.path.insert(0, os.getcwd())
+    try:
+        spec = importlib.util.find_spec(name)
+        if spec is None:
+            return f"module {name}: no such module"
+        if spec.submodule_search_locations is not None and importlib.util.find_spec(f"{name}.__main__") is None:
+            return f"module {name}: a package without __main__"
+    except (ImportError, ValueError) as exc:
+        return f"module {name}: {exc}"
+    finally:
+        if added:
+            sys.path.remove(os.getcwd())
+    return None
 
 
 def _leave_group() -> None:

@@ -221,6 +221,8 @@ class Store:
             raise StoreUsageError(f"store {self.root!r} does not exist") from None
         if create:
             durable.make_dirs_durable(self._root_fd, ("objects", "refs", "tmp", "outputs", PENDING_DIR))
+            for name in ("refs", "outputs", PENDING_DIR):  # objects/ and tmp/ are opened just below
+                _check_plain_dir(self._root_fd, name)
         self._objects_fd = self._open_dir(self._root_fd, "objects")
         self._tmp_fd = self._open_dir(self._root_fd, "tmp") if create or self._exists("tmp") else -1
         self._fan_fds: dict[str, int] = {}
@@ -962,6 +964,9 @@ class _LeaseBook:
                 self._dir_fd = os.open(PENDING_DIR, _DIR_FLAGS, dir_fd=self._root_fd)
             except FileNotFoundError:
                 self._dir_fd = durable.make_dir_durable(self._root_fd, PENDING_DIR)
+            except NotADirectoryError:
+                _check_plain_dir(self._root_fd, PENDING_DIR)
+                raise
         pid = os.getpid()
         lease = Lease(f"{pid}-{secrets.token_hex(8)}", run, step, pid, process_start(pid), socket.gethostname(),
                       time.time())
@@ -989,6 +994,13 @@ class _LeaseBook:
         if self._dir_fd >= 0:
             os.close(self._dir_fd)
             self._dir_fd = -1
+
+
+def _check_plain_dir(dir_fd: int, name: str) -> None:
+    """A store's own subdirectory must be one (not a file, a FIFO or a symlink): a Refusal naming it."""
+    kind = _entry_kind(dir_fd, name)
+    if kind not in (None, "directory"):
+        raise Refusal(RefusalCode.FORMAT, f"store entry {name!r} is not a plain directory (a {kind})")
 
 
 def _file_key(st: os.stat_result) -> tuple[int, int, int]:

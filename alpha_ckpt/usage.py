@@ -14,7 +14,7 @@ import os
 import secrets
 import tomllib
 
-from .errors import DurableWriteError, Refusal, StoreUsageError
+from .errors import DurableWriteError, Refusal, StoreUsageError, UsageError  # noqa: F401 (UsageError: its home was here)
 from .format import is_digest
 from .interval import check_schedule_args
 from .learner.config import JobConfig, load_config
@@ -24,13 +24,6 @@ EXIT_USAGE = 2
 # Longer waits are no job's intent, and the derived waits (a tree's parent waits one
 # timeout per level) must stay within what timedelta and thread waits accept.
 MAX_TIMEOUT_S = 365 * 86400.0
-
-
-class UsageError(ValueError):
-    """The command must change (exit 2); ``str()`` is one line."""
-
-    def __init__(self, message: object):
-        super().__init__(" ".join(str(message).split()))
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):

@@ -42,11 +42,14 @@ next older one together.
 """
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
 import os
+import sys
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Sequence
 
@@ -57,11 +60,13 @@ import torch.distributed as dist
 from ..async_save import AsyncSaver
 from ..device import check_devices, current_device
 from ..durable import fault_point
-from ..errors import DurableWriteError, PublishConflict, PublishFailed, Refusal, RefusalCode, StoreUsageError
+from ..errors import (DurableWriteError, PublishConflict, PublishFailed, Refusal, RefusalCode, StoreUsageError,
+                      UsageError)
 from ..format import (CapturePrefix, DTYPES, RegionDecl, ShardRef, block_digests, canonical_json, check_name,
                       joined_digest)
 from ..gc import retain_newest
 from ..planner import Hierarchy, Piece, WantedSlice, owners_holding, shares
+from ..progress import emit, format_bytes, is_tty
 from ..publish.tree import GroupTransport, TreeRole, write_or_fail
 from ..publish.wire import broadcast_json, gather_json
 from ..restore import Counters, latest_order, open_generation, prepare_fill
@@ -112,28 +117,34 @@ class Checkpointer:
             mtbf = mtbf if mtbf is not None else os.environ.get(MTBF_ENV) or None
             checkpoint_cost = checkpoint_cost if checkpoint_cost is not None else os.environ.get(COST_ENV) or None
         if store is None or run is None:
-            raise ValueError("Checkpointer needs store= and run= (alpha-run passes them as ALPHA_CKPT_STORE and "
+            raise UsageError("Checkpointer needs store= and run= (alpha-run passes them as ALPHA_CKPT_STORE and "
                              "ALPHA_CKPT_RUN)")
-        self.run, self.step = check_name(run, "run"), check_name(step, "step")
-        canonical_json(identity)  # any JSON: refused here, not at the first save
+        try:  # an argument of the script's that cannot be: a usage error (exit 2), not a checkpoint's refusal
+            self.run, self.step = check_name(run, "run"), check_name(step, "step")
+            canonical_json(identity)  # any JSON: refused here, not at the first save
+        except (Refusal, ValueError, TypeError) as exc:
+            raise UsageError(f"Checkpointer: {exc}") from None
         if publisher not in ("star", "tree"):
-            raise ValueError(f"publisher is 'star' or 'tree', not {publisher!r}")
+            raise UsageError(f"publisher is 'star' or 'tree', not {publisher!r}")
         if save not in ("sync", "async"):
-            raise ValueError(f"save is 'sync' or 'async', not {save!r}")
+            raise UsageError(f"save is 'sync' or 'async', not {save!r}")
         if in_flight not in ("wait", "skip"):
-            raise ValueError(f"in_flight is 'wait' or 'skip', not {in_flight!r}")
+            raise UsageError(f"in_flight is 'wait' or 'skip', not {in_flight!r}")
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 2):
-            raise ValueError(f"keep is at least 2 (the previous complete generation must survive a failed save), "
+            raise UsageError(f"keep is at least 2 (the previous complete generation must survive a failed save), "
                              f"not {keep!r}")
         if not (commit_timeout > 0 and math.isfinite(commit_timeout)):
-            raise ValueError(f"commit_timeout is a positive number of seconds, not {commit_timeout!r}")
+            raise UsageError(f"commit_timeout is a positive number of seconds, not {commit_timeout!r}")
         metadata = dict(metadata or {})
         canonical_json(metadata)
         if set(metadata) & {"identity", "owners", "devices", "layout", PLACEMENT_KEY}:
-            raise ValueError("metadata= may not set identity, owners, devices, layout or placement_patterns (the "
+            raise UsageError("metadata= may not set identity, owners, devices, layout or placement_patterns (the "
                              "Checkpointer records them)")
         # Entries placed by name (alpha_ckpt/state/rules.py), recorded in every root manifest.
-        self.rules = PlacementRules.of(per_rank, from_rank0)
+        try:
+            self.rules = PlacementRules.of(per_rank, from_rank0)
+        except ValueError as exc:
+            raise UsageError(f"Checkpointer: {exc}") from None
         metadata.update(self.rules.recorded())
         # A program's own bindings: recorded in every root manifest (metadata=) and checked by rank 0
         # on a generation before any rank reads a shard (bindings(root manifest) raises a Refusal).
@@ -142,7 +153,10 @@ class Checkpointer:
         self.tree_tamper = None  # a test hook, set only from outside the product path (alpha_ckpt/faults.py)
         self._branch = False
         self._fence = None  # an asynchronous save whose snapshot is still being taken (defer_snapshot=True)
-        self.schedule = Schedule(every, mtbf, checkpoint_cost)
+        try:
+            self.schedule = Schedule(every, mtbf, checkpoint_cost)
+        except ValueError as exc:
+            raise UsageError(f"Checkpointer: {exc}") from None
         self._due_asked = False  # due() said yes: the save that follows re-plans (every="auto")
         self.identity, self.allow_nonfinite, self.keep = identity, tuple(allow_nonfinite), keep
         self.publisher, self.commit_timeout = publisher, float(commit_timeout)
@@ -174,6 +188,10 @@ class Checkpointer:
         self._control = dist.new_group(ranks=ranks, backend="gloo") if nccl else group
         self._saver = AsyncSaver(in_flight=in_flight) if save == "async" else None
         self._save_group = dist.new_group(ranks=ranks, backend="gloo") if save == "async" else None
+        # Never closed: at exit, while the interpreter is still whole, the save thread is joined and the
+        # groups made here are destroyed (gloo work outliving the interpreter aborts a finished script).
+        self._release = weakref.finalize(self, _release, self._saver,
+                                         [g for g in (self._save_group, self._control if nccl else None) if g])
         self.device = current_device(torch.device("cuda", torch.cuda.current_device()) if nccl
                                      else torch.device("cpu"))
 
@@ -210,20 +228,27 @@ class Checkpointer:
             self._due_asked = False
             return None
         t0 = time.monotonic()
+        refused = None
         try:
             captured = capture_state(state, self.rank, self.world, self.rules)
             regions = captured.regions(self.allow_nonfinite)
-        except ValueError as exc:  # every rank raises its own; nothing is sent half-way
-            raise Refusal(RefusalCode.FORMAT, f"rank {self.rank}: {exc}") from None
-        tensors = [t for _, t in captured.named]
+        except (ValueError, Refusal) as exc:
+            # Not raised here alone: the refusal travels in the descriptor exchange, so every rank
+            # raises it at once instead of waiting for this rank until the group times out.
+            refused = exc if isinstance(exc, Refusal) else Refusal(RefusalCode.FORMAT, str(exc))
+            captured, regions = None, ()
+        except Exception as exc:  # noqa: BLE001 - a state_dict() of the script's own that failed
+            refused = exc
+            captured, regions = None, ()
+        tensors = [t for _, t in captured.named] if captured is not None else []
         if self._saver is None:
-            result = self._exchange(prefix, captured, regions, tensors, self._control)
+            result = self._exchange(prefix, captured, regions, tensors, self._control, refused)
             cost = time.monotonic() - t0
         else:
             stats: dict = {}
 
             def publish(snapshot):
-                root = self._exchange(prefix, captured, regions, snapshot, self._save_group)
+                root = self._exchange(prefix, captured, regions, snapshot, self._save_group, refused)
                 stats.update(self.last_save)  # this save's, before a later save replaces last_save
                 return root
             result = self._saver.submit(tensors, publish, defer_snapshot=defer_snapshot)
@@ -264,14 +289,24 @@ class Checkpointer:
     def _any_rank(self, flag: bool) -> bool:
         return any_rank(flag, self._control)
 
-    def _exchange(self, prefix: CapturePrefix, captured, regions, tensors, group) -> str:
+    def _exchange(self, prefix: CapturePrefix, captured, regions, tensors, group,
+                  refused: BaseException | None = None) -> str:
         """Agree on one layout (rank 0 checks every capture), then publish it by star or tree.
 
         Every rank hashes each replica once: the one that writes it while writing, the others
         beside their own writes. The digests are compared before anything is published.
+        ``refused``: this rank's capture failed; it still takes part in the agreement, which
+        then refuses on every rank.
         """
         started, written = time.monotonic(), self.store.bytes_written
-        views = [memoryview(word_bytes(t).numpy()) if t.numel() else memoryview(b"") for t in tensors]
+        try:
+            views = [] if refused else [memoryview(word_bytes(t).numpy()) if t.numel() else memoryview(b"")
+                                        for t in tensors]
+        except Exception as exc:  # noqa: BLE001 - told to every rank below, as a failed capture is
+            refused = exc
+        if refused is not None:
+            self._agree_layout({"refused": _failure_json(refused, self.rank)}, group, refused)
+            raise AssertionError("unreachable: the agreement refuses")  # pragma: no cover
         own, hashed, wrote, replicated = [], [], {}, []
         # Large replicas are spread over the ranks, as DCP does; rank 0 writes the small ones.
         writers = replica_writers(regions, captured.placement, self.world)
@@ -316,28 +351,37 @@ class Checkpointer:
             self._retain()
         return completion["root"]
 
-    def _agree_layout(self, descriptor: dict, group) -> dict:
+    def _agree_layout(self, descriptor: dict, group, refused: BaseException | None = None) -> dict:
         """Rank 0 gets every rank's descriptor (metadata, no tensor bytes), checks that the captures
         agree and merges them into one skeleton and region list; every rank gets that, or raises
-        the same Refusal."""
+        the same Refusal (a capture that failed on any rank included)."""
         root0 = self._global(0)
         descriptors = gather_json(descriptor, root0, group)
         if self.rank != 0:
             layout = broadcast_json(None, root0, group)
         else:
             try:
+                failed = [d["refused"] for d in descriptors if "refused" in d]
+                if failed:  # the lowest refusing rank's, as agree() does
+                    raise _Failed(failed[0])
                 skeleton, regions = merge_captures(descriptors)
                 layout = {"ok": True, "state": skeleton, "regions": [r.to_json() for r in regions],
                           "devices": [d["device"] for d in descriptors],
                           "layout": saved_layout(descriptors, regions),
                           # every rank writes this save's large shards alike, beyond its own probes
                           "write_mode": self.store.save_write_mode(self.world)}
+            except _Failed as failure:
+                layout = {"ok": False, **failure.args[0]}
             except Refusal as refusal:
                 layout = {"ok": False, "code": refusal.code.value, "reason": refusal.message}
+            except Exception as exc:  # noqa: BLE001 - the others wait for this verdict: never leave them waiting
+                layout = {"ok": False, **_failure_json(exc, 0)}
             # Every rank writes its own shards against the agreed regions.
             broadcast_json(layout, root0, group)
         if not layout["ok"]:
-            raise Refusal(layout["code"], layout["reason"])
+            if layout.get("code"):
+                raise Refusal(layout["code"], layout["reason"])
+            raise PublishFailed(layout["reason"]) from refused
         return layout
 
     def _replica_digests(self, regions, wrote: Mapping[str, memoryview], written: Mapping[tuple, tuple],
@@ -491,8 +535,36 @@ class Checkpointer:
                 raise
             fill()
             self.epoch = 0 if branch else counters.epoch + 1
+            self._announce(counters)
             return counters
+        self._announce(None)
         return None
+
+    def _announce(self, counters: Counters | None) -> None:
+        """Under alpha-run (it sets RESUME_ENV): one line from rank 0 saying what the script resumed
+        from (update, root, bytes read by every rank) or that it starts fresh. A terminal gets words,
+        a log collector one JSON event."""
+        if RESUME_ENV not in os.environ:
+            return
+        read = torch.tensor([self.last_restore["bytes_read"] if counters is not None else 0], dtype=torch.int64)
+        if counters is not None:  # the same branch on every rank: they all restored, or none did
+            if dist.get_backend(self.group) == "nccl":
+                read = read.cuda()
+            dist.all_reduce(read, group=self.group)
+        if self.rank != 0:
+            return
+        fields = {"run": self.run, "step": self.step}
+        if counters is not None:
+            fields.update(update=counters.update, root=counters.root, bytes_read=int(read.item()))
+        if is_tty(sys.stderr):
+            line = (f"alpha-run: {self.run}/{self.step} restored update {counters.update} from {counters.root} "
+                    f"({format_bytes(fields['bytes_read'])} read)" if counters is not None else
+                    f"alpha-run: {self.run}/{self.step} starts fresh (no generation to resume)")
+        else:
+            buffer = io.StringIO()
+            emit("restored" if counters is not None else "fresh_start", buffer, **fields)
+            line = buffer.getvalue().rstrip("\n")
+        os.write(sys.stderr.fileno(), (line + "\n").encode("utf-8", "replace"))  # one write: ranks share stderr
 
     def _candidates(self, root: Any) -> list[dict]:
         """Rank 0 decides what to try, in order; every rank gets the same list."""
@@ -600,13 +672,35 @@ class Checkpointer:
         try:
             self.wait()
         finally:
-            if self._saver is not None:
-                self._saver.close()
+            self._release()  # joins the save thread, destroys this Checkpointer's own groups (once)
             if self._own_store:
                 self.store.close()
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+
+def _release(saver: AsyncSaver | None, groups: list) -> None:
+    """Join an asynchronous saver's thread and destroy the process groups a Checkpointer made."""
+    if saver is not None:
+        saver.close()
+    for group in groups:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group(group)
+        except (RuntimeError, ValueError) as exc:  # already gone with the default group
+            logger.debug("process group not destroyed: %s", exc)
+
+
+class _Failed(Exception):
+    """Rank 0: a failure some rank reported in its descriptor (its JSON is ``args[0]``)."""
+
+
+def _failure_json(exc: BaseException, rank: int) -> dict:
+    """What a rank's failed capture (or rank 0's failed merge) tells every rank: a refusal keeps its code."""
+    if isinstance(exc, Refusal):
+        return {"code": exc.code.value, "reason": f"rank {rank}: {exc.message}"}
+    return {"reason": f"rank {rank}: {type(exc).__name__}: {exc}"}
 
 
 def merge_skeletons(skeletons: list[Any], path: str = "state") -> Any:

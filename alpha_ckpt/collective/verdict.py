@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import Refusal
-from ..publish.wire import broadcast_json
+from ..publish.wire import broadcast_json, leave_groups_at_exit
 
 
 def agree(refusal: Refusal | None, group=None) -> None:
@@ -14,6 +14,7 @@ def agree(refusal: Refusal | None, group=None) -> None:
     Ranks are of ``group`` (default: the default group); its messages use gloo or the
     group's backend as the wire module does.
     """
+    leave_groups_at_exit()
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     first = torch.tensor([rank if refusal is not None else world], dtype=torch.int64)
     if dist.get_backend(group) == "nccl":
@@ -29,6 +30,7 @@ def agree(refusal: Refusal | None, group=None) -> None:
 
 def any_rank(flag: bool, group=None) -> bool:
     """Collective: whether ``flag`` holds on any rank of ``group`` (the same answer on every rank)."""
+    leave_groups_at_exit()
     value = torch.tensor([int(flag)], dtype=torch.int64)
     if dist.get_backend(group) == "nccl":
         value = value.cuda()

@@ -45,6 +45,7 @@ from ..format import CapturePrefix, ChildRef, Publisher, RegionDecl, canonical_j
 from ..planner import Hierarchy, Piece
 from ..store import Store
 from ..writer import ShardCarry, write_manifest, write_shards
+from .wire import message_tensor
 
 MESSAGE_BYTES = 1024  # every message: canonical JSON padded with spaces
 
@@ -136,7 +137,7 @@ class GroupTransport:
 
     def send(self, dst: int, message: bytes) -> None:
         try:
-            dist.send(torch.frombuffer(bytearray(message), dtype=torch.uint8), self._peer(dst), group=self.group)
+            dist.send(message_tensor(message), self._peer(dst), group=self.group)
         except (RuntimeError, ConnectionError) as exc:  # DistBackendError is a RuntimeError
             raise ConnectionError(f"owner {dst} cannot be reached: {exc}") from None
 

@@ -5,6 +5,7 @@ nothing else); under gloo they stay on the host.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import warnings
 
@@ -14,6 +15,32 @@ import torch.distributed as dist
 from ..format import canonical_json
 
 
+_leaving = False
+
+
+def leave_groups_at_exit() -> None:
+    """Once per process, on first use of a collective of ours: destroy the process groups at exit.
+
+    Run by atexit while the interpreter is whole: gloo's threads are joined and the work they
+    hold released then, not in the interpreter's teardown, where releasing it takes the GIL
+    from a gloo thread and aborts a script that returned ("terminate called without an active
+    exception", SIGABRT, under plain torchrun). The default group is destroyed only when it is
+    gloo (NCCL's teardown may need its peers) and still alive: the script is done with it by then.
+    """
+    global _leaving
+    if not _leaving:
+        _leaving = True
+        atexit.register(_leave_groups)
+
+
+def _leave_groups() -> None:
+    try:
+        if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+            dist.destroy_process_group()
+    except (RuntimeError, ValueError):  # nothing to leave
+        pass
+
+
 def wire_device(group=None) -> torch.device:
     """Where a message's tensor must be: the CUDA device under NCCL, else host memory."""
     if dist.get_backend(group) == "nccl":
@@ -21,8 +48,25 @@ def wire_device(group=None) -> torch.device:
     return torch.device("cpu")
 
 
+def message_tensor(data: bytes | bytearray | memoryview) -> torch.Tensor:
+    """``data`` copied into a host tensor that owns its memory.
+
+    Never a ``torch.frombuffer`` view: such a tensor keeps a Python object alive, and gloo
+    keeps the tensors of finished work past the call; if the process exits without
+    destroying the group, that tensor is released after the interpreter is gone, and
+    taking the GIL to release it aborts the process (std::terminate, SIGABRT) after the
+    script returned.
+    """
+    out = torch.empty(len(data), dtype=torch.uint8)
+    if len(data):
+        with warnings.catch_warnings():  # read-only views are only read here
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            out.copy_(torch.frombuffer(data, dtype=torch.uint8))
+    return out
+
+
 def _to_tensor(data: bytes | memoryview, group=None) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(wire_device(group))
+    return message_tensor(data).to(wire_device(group))
 
 
 # ``group``: None for the default group; an asynchronous save passes its own
@@ -40,10 +84,12 @@ def recv_bytes(src: int, group=None) -> bytes:
 
 def send_views(views, dst: int, group=None) -> None:
     """Point to point: an 8-byte length, then the views' bytes one after another (copied once)."""
+    leave_groups_at_exit()
     with warnings.catch_warnings():  # read-only views are only read here
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         parts = [torch.frombuffer(v, dtype=torch.uint8) for v in views if len(v)]
-    data = torch.cat(parts) if len(parts) > 1 else parts[0] if parts else torch.empty(0, dtype=torch.uint8)
+    # torch.cat's result owns its memory; a lone part is copied too (see message_tensor).
+    data = torch.cat(parts) if len(parts) > 1 else parts[0].clone() if parts else torch.empty(0, dtype=torch.uint8)
     dist.send(torch.tensor([data.numel()], dtype=torch.int64, device=wire_device(group)), dst, group=group)
     if data.numel():
         dist.send(data.to(wire_device(group)), dst, group=group)
@@ -51,6 +97,7 @@ def send_views(views, dst: int, group=None) -> None:
 
 def recv_view(src: int, group=None) -> memoryview:
     """What :func:`send_views` sent, as a view of the received buffer (no copy on gloo)."""
+    leave_groups_at_exit()
     length = torch.zeros(1, dtype=torch.int64, device=wire_device(group))
     dist.recv(length, src, group=group)
     buf = torch.empty(int(length.item()), dtype=torch.uint8, device=wire_device(group))
@@ -61,6 +108,7 @@ def recv_view(src: int, group=None) -> memoryview:
 
 def broadcast_json(obj, src: int = 0, group=None):
     """Every owner gets owner ``src``'s JSON value (others pass None)."""
+    leave_groups_at_exit()
     device = wire_device(group)
     if dist.get_rank() == src:
         data = canonical_json(obj)

@@ -23,6 +23,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
+from ..errors import Refusal, RefusalCode
 from ..format import RegionDecl
 from .values import PerRankSaved, RegionRef, encode_value
 
@@ -65,7 +66,8 @@ def capture_state(state: Mapping[str, Any], rank: int = 0, world: int = 1, rules
     ``per_rank`` pattern is captured as if wrapped in PerRank; a tensor matching
     a ``from_rank0`` pattern is rank 0's words only. Raises ValueError naming the
     entry for what a state cannot hold, and for two entries whose dotted names
-    coincide (``{"a.b": x}`` beside ``{"a": {"b": y}}``, or keys ``0`` and ``"0"``).
+    coincide (``{"a.b": x}`` beside ``{"a": {"b": y}}``, or keys ``0`` and ``"0"``); a Refusal
+    (``format``) naming the entry for a tensor whose words cannot be stored (sparse, nested, meta).
     """
     from .placement import Partitioned, PerRank, dtensor_part, is_dtensor
     if not isinstance(state, Mapping):
@@ -122,6 +124,9 @@ def capture_state(state: Mapping[str, Any], rank: int = 0, world: int = 1, rules
         return (0, tensor.numel(), shape) if rank == 0 else ("ranges", (), shape)
 
     def add(name: str, tensor: torch.Tensor, where: Any = None) -> str:
+        problem = unstorable(tensor)
+        if problem:  # a Refusal naming the entry, not torch's error from deep inside a write
+            raise Refusal(RefusalCode.FORMAT, f"state entry {name!r}: {problem}")
         if name in seen:
             raise ValueError(f"state entry {name!r} appears twice after joining nested keys with dots")
         seen.add(name)
@@ -131,6 +136,17 @@ def capture_state(state: Mapping[str, Any], rank: int = 0, world: int = 1, rules
 
     skeleton = {"dict": [[key, encode_value(value, str(key), leaf)] for key, value in _top_items(state)]}
     return CapturedState(tuple(named), skeleton, tuple(placement))
+
+
+def unstorable(tensor: torch.Tensor) -> str | None:
+    """Why a tensor's words cannot be stored as one flat region (a sparse, nested or meta tensor), or None."""
+    if tensor.is_nested:
+        return "a nested tensor is not saved (save its component tensors)"
+    if tensor.layout != torch.strided:
+        return f"a tensor of layout {tensor.layout} is not saved (save .to_dense(), or its indices and values)"
+    if tensor.is_meta:
+        return "a meta tensor holds no data to save (materialize it first, e.g. module.to_empty() and init)"
+    return None
 
 
 def _top_items(state: Mapping[str, Any]) -> Iterable[tuple[Any, Any]]:

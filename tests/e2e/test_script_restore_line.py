@@ -1,0 +1,54 @@
+"""alpha-run says in one line what a script restored (update, root, bytes read) or that it starts fresh."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = """
+import sys
+import torch
+import torch.distributed as dist
+from alpha_ckpt import Checkpointer
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.Linear(32, 32)
+ckpt = Checkpointer()
+counters = ckpt.restore({"model": model})
+start = counters.update if counters else 0
+ckpt.save({"model": model}, update=start + 1)
+ckpt.close()
+dist.destroy_process_group()
+"""
+
+
+def _events(stderr: str) -> list[dict]:
+    out = []
+    for line in stderr.splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return [e for e in out if e.get("event") in ("restored", "fresh_start")]
+
+
+def alpha_run(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "alpha_ckpt.launcher", *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.timeout(400)
+def test_alpha_run_reports_a_fresh_start_and_then_the_update_root_and_bytes_a_script_restored(tmp_path):
+    script = tmp_path / "tiny.py"
+    script.write_text(SCRIPT)
+    store = tmp_path / "s"
+    fresh = alpha_run("--nproc", 2, "--store", store, script, cwd=tmp_path)
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    assert [e["event"] for e in _events(fresh.stderr)] == ["fresh_start"]
+    resumed = alpha_run("--nproc", 2, "--store", store, "--resume", "latest", script, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    [event] = _events(resumed.stderr)
+    assert event["event"] == "restored" and event["update"] == 1 and event["run"] == "tiny"
+    assert len(event["root"]) == 64 and event["bytes_read"] >= (32 * 32 + 32) * 4  # the weights, read by some rank

@@ -1,0 +1,145 @@
+"""A script that returns normally exits 0 under plain torchrun, whatever alpha_ckpt opened.
+
+The abort this guards against ("terminate called without an active exception", SIGABRT after
+the script returned): a message tensor that viewed Python memory (torch.frombuffer) was kept by
+gloo past the interpreter's end, and releasing it then needs the GIL.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ranks import run_ranks
+
+ROOT = Path(__file__).resolve().parents[2]
+
+CHECKPOINTER_DOOR = """
+import sys
+import torch
+import torch.distributed as dist
+from alpha_ckpt import Checkpointer
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.Linear(64, 64)
+ckpt = Checkpointer(sys.argv[1], run="exit", publisher=sys.argv[2])
+ckpt.restore({"model": model}, "latest")
+for step in range(1, 3):
+    ckpt.save({"model": model}, update=step)
+ckpt.wait()  # no close(), no destroy_process_group()
+"""
+
+DCP_DOOR = """
+import sys
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from alpha_ckpt.dcp import StorageReader, StorageWriter
+
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+full = torch.arange(10 * 6, dtype=torch.float32).reshape(10, 6)
+state = {"emb": distribute_tensor(full if sys.argv[2] == "save" else torch.zeros(10, 6), mesh, [Shard(0)])}
+if sys.argv[2] == "save":
+    dcp.save(state, storage_writer=StorageWriter(sys.argv[1], run="exit", update=1))
+else:
+    dcp.load(state, storage_reader=StorageReader(sys.argv[1], run="exit"))
+    assert torch.equal(state["emb"].full_tensor(), full)
+"""
+
+
+def torchrun(script: Path, nproc: int, *args, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                           "--standalone", str(script), *map(str, args)], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def _exits(tmp_path: Path, runs: int, door: str) -> list[tuple[int, str]]:
+    script = tmp_path / f"{door}.py"
+    script.write_text(CHECKPOINTER_DOOR if door == "checkpointer" else DCP_DOOR)
+    failed = []
+    if door == "dcp":
+        saved = torchrun(script, 4, tmp_path / "s", "save", cwd=tmp_path)
+        assert saved.returncode == 0, saved.stderr[-2000:]
+    for i in range(runs):
+        if door == "dcp":
+            done = torchrun(script, 3, tmp_path / "s", "load", cwd=tmp_path)  # 4 ranks' DTensors onto 3
+        else:
+            done = torchrun(script, 2, tmp_path / f"s{i}", "star" if i % 2 == 0 else "tree", cwd=tmp_path)
+        if done.returncode != 0:
+            failed.append((done.returncode, done.stderr[-4000:]))
+    return failed
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpointer_script_without_close_exits_0_under_torchrun_every_time(tmp_path):
+    assert _exits(tmp_path, 4, "checkpointer") == []
+
+
+@pytest.mark.full
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("door", ["checkpointer", "dcp"])
+def test_twenty_runs_in_a_row_through_each_door_all_exit_0_under_torchrun(tmp_path, door):
+    assert _exits(tmp_path, 20, door) == []
+
+
+def record_message_tensors(rank, world, store, publisher):
+    """Every tensor handed to a send or broadcast while saving and restoring: does it own its memory?"""
+    import torch
+    import torch.distributed as dist
+    from alpha_ckpt import Checkpointer
+    from alpha_ckpt.publish.wire import broadcast_json
+    seen = []
+
+    def recording(send):
+        def wrapped(tensor, *args, **kwargs):
+            seen.append(tensor.untyped_storage().resizable())  # frombuffer's storage never is
+            return send(tensor, *args, **kwargs)
+        return wrapped
+    dist.send, dist.broadcast, dist.isend = recording(dist.send), recording(dist.broadcast), recording(dist.isend)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    ckpt = Checkpointer(store, run="owned", publisher=publisher)
+    ckpt.save({"model": model}, update=1)
+    ckpt.restore({"model": model}, "latest")
+    broadcast_json({"a": 1} if rank == 0 else None, 0)
+    ckpt.close()
+    return {"sent": len(seen), "owned": all(seen)}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("publisher", ["star", "tree"])
+def test_every_message_tensor_owns_its_memory(tmp_path, publisher):
+    results = run_ranks(2, record_message_tensors, str(tmp_path / "s"), publisher, tmp=tmp_path)
+    assert all(r["sent"] > 0 and r["owned"] for r in results), results
+
+
+LEFT_AT_EXIT = """
+import atexit
+import sys
+import torch
+import torch.distributed as dist
+
+# Registered first, so it runs last: after alpha_ckpt's own exit handler.
+atexit.register(lambda: print("initialized at exit:", dist.is_initialized(), flush=True))
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+from alpha_ckpt import Checkpointer
+ckpt = Checkpointer(sys.argv[1], run="left")
+ckpt.save({"w": torch.ones(3)}, update=1)  # neither close() nor destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_gloo_group_a_finished_script_left_alive_is_destroyed_before_the_interpreter_ends(tmp_path):
+    script = tmp_path / "left.py"
+    script.write_text(LEFT_AT_EXIT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "s"), str(tmp_path / "rendezvous")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "initialized at exit: False" in done.stdout
