@@ -101,7 +101,8 @@ def capture_state(state: Mapping[str, Any], rank: int = 0, world: int = 1) -> Ca
             if not obj.dtype.isnative or obj.dtype.kind not in "biuf":
                 raise ValueError(f"state entry {name!r}: NumPy dtype {obj.dtype} is not saved (numbers in native "
                                  "byte order only)")
-            return {"ndarray": add(name, torch.from_numpy(np.ascontiguousarray(obj)))}
+            # ascontiguousarray makes a 0-d array 1-d: the region keeps the array's own shape
+            return {"ndarray": add(name, torch.from_numpy(np.ascontiguousarray(obj).reshape(obj.shape)))}
         if is_stateful(obj):
             inner = obj.state_dict()
             if not isinstance(inner, Mapping):
