@@ -581,6 +581,8 @@ def verify_generation(store: Store, root: str) -> Generation:
 
 def _flat_destination(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(bytes to fill, tensor to copy back into t or t itself when it can be filled in place)."""
+    if t.numel() == 0:  # nothing to fill (NumPy's empty arrays have zero strides, which view() refuses)
+        return torch.empty(0, dtype=torch.uint8), t
     if t.is_contiguous() and t.device.type == "cpu":
         return t.detach().reshape(-1).view(torch.uint8), t
     staging = torch.empty(t.shape, dtype=t.dtype)

@@ -138,6 +138,8 @@ class Published:
 def word_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The region's words as a flat uint8 CPU tensor, without copying when possible."""
     t = tensor.detach()
+    if t.numel() == 0:  # NumPy's empty arrays have zero strides, which view() refuses
+        return torch.empty(0, dtype=torch.uint8)
     if t.device.type != "cpu":
         t = t.to("cpu")
     if not t.is_contiguous():

@@ -27,3 +27,16 @@ def test_a_zero_dimensional_numpy_array_restores_as_a_zero_dimensional_array(tmp
     outcome = check_recipe(recipe(1, ["flag", tensor("bool", [], np=True)], ["x", tensor("float64", [], np=True)]),
                            tmp_path)
     assert_restorable(outcome)
+
+
+def test_a_zero_size_numpy_array_saves_and_restores(tmp_path):
+    import numpy as np
+    import alpha_ckpt
+    outcome = check_recipe(recipe(2, ["step", tensor("float32", [0], np=True)],
+                                  ["box", tensor("uint64", [5, 5, 0], np=True)]), tmp_path)
+    assert_restorable(outcome)
+    root = alpha_ckpt.save({"a": np.zeros((0, 3), np.float32)}, store=tmp_path / "one", run="r", step="s", update=1,
+                           cursor=0, epoch=0)
+    dest = {"a": np.ones((0, 3), np.float32)}
+    alpha_ckpt.load(dest, store=tmp_path / "one", digest=root)
+    assert dest["a"].shape == (0, 3)
