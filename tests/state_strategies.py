@@ -17,9 +17,9 @@ from state_recipes import FLOATS, NUMPY, encode, region_names
 
 DTYPE_NAMES = sorted(DTYPES)
 seeds = st.integers(0, 2 ** 31 - 1)
-worlds = st.integers(1, 4)
+worlds = st.sampled_from([1, 2, 3, 4])
 # Small tensors: zero-size, one-row and 0-d ones come up often (the edges real jobs reach).
-dims = st.integers(0, 5)
+dims = st.sampled_from([0, 1, 2, 3, 5])
 shapes = st.lists(dims, min_size=0, max_size=3)
 # Names that do not collide (letters; int keys 0-3 are joined as digits, no letter string is one).
 plain_keys = st.one_of(st.sampled_from(["a", "b", "w", "bias", "exp_avg", "step"]), st.integers(0, 3))
@@ -44,7 +44,8 @@ def tensor_nodes(draw, dtype: str | None = None, shape=shapes) -> dict:
 def dtensor_nodes(draw, world: int) -> dict:
     dtype = draw(st.sampled_from(DTYPE_NAMES))
     # rows and columns often fewer than the ranks: some ranks hold empty shards
-    shape = draw(st.lists(st.integers(0, 6), min_size=1, max_size=3))
+    around = st.sampled_from(sorted({0, 1, max(world - 1, 1), world, world + 1, 2 * world + 1}))
+    shape = draw(st.lists(around, min_size=1, max_size=3))
     mesh = [2, 2] if world == 4 and draw(st.booleans()) else [world]
     kinds = ["S0", "R"] + (["S1"] if len(shape) >= 2 else [])
     place = [draw(st.sampled_from(kinds)) for _ in mesh]
@@ -65,7 +66,7 @@ def tilings(draw, words: int, world: int) -> list[list[int]]:
 @st.composite
 def part_nodes(draw, world: int, bad: bool = False) -> dict:
     dtype = draw(st.sampled_from(DTYPE_NAMES))
-    shape = draw(st.lists(st.integers(0, 6), min_size=1, max_size=2))
+    shape = draw(st.lists(st.sampled_from([0, 1, 2, 3, 7]), min_size=1, max_size=2))
     words = math.prod(shape)
     node = {"t": "part", "dtype": dtype, "shape": shape, "seed": draw(seeds), "special": draw(_special(dtype)),
             "ranges": draw(tilings(words, world))}
@@ -178,7 +179,7 @@ def every_dtype(draw) -> dict:
 def dtensors(draw) -> dict:
     """DTensors Shard(0) / Shard(1) / Replicate on meshes of 1-4 ranks (2 x 2 too), fewer rows than ranks often."""
     world = draw(worlds)
-    state = draw(top(dtensor_nodes(world) | tensor_nodes(), max_size=4))
+    state = draw(top(dtensor_nodes(world), min_size=2, max_size=5))
     return _recipe(world, state)
 
 
@@ -186,7 +187,9 @@ def dtensors(draw) -> dict:
 def partitioned_good(draw) -> dict:
     """Partitioned entries whose ranges tile the region (empty shares too), beside replicated ones."""
     world = draw(worlds)
-    return _recipe(world, draw(top(part_nodes(world) | tensor_nodes(), max_size=4)))
+    state = draw(top(part_nodes(world), min_size=2, max_size=4))
+    state["items"].append(["replicated", draw(tensor_nodes())])
+    return _recipe(world, state)
 
 
 @st.composite
@@ -204,8 +207,11 @@ def per_rank(draw) -> dict:
     world = draw(worlds)
     part = containers(tensor_nodes() | value_nodes(), keys=colliding_keys, max_leaves=3)
     perrank = st.lists(part, min_size=world, max_size=world).map(lambda ps: {"t": "perrank", "parts": ps})
-    state = draw(top(perrank | tensor_nodes() | containers(tensor_nodes(), keys=colliding_keys, max_leaves=2),
-                     keys=colliding_keys, max_size=4))
+    state = draw(top(perrank, keys=colliding_keys, max_size=2))
+    others = draw(top(tensor_nodes() | containers(tensor_nodes(), keys=colliding_keys, max_leaves=2),
+                      keys=colliding_keys, min_size=0, max_size=3))
+    keys = {(type(k), k) for k, _ in state["items"]}
+    state["items"] += [kv for kv in others["items"] if (type(kv[0]), kv[0]) not in keys]
     return _recipe(world, state)
 
 
