@@ -243,12 +243,15 @@ def counters(draw) -> dict:
 
 @st.composite
 def nonfinite(draw) -> dict:
-    """NaN/inf words allowed by exact names, by one pattern string, by a list, or not at all."""
+    """NaN/inf words (always in model.w) allowed by exact names, by one pattern string, by a list, or not at all."""
     world = draw(worlds)
-    floats_ = tensor_nodes(dtype=draw(st.sampled_from(sorted(FLOATS))))
-    state = {"t": "dict", "items": [["model", draw(top(floats_, keys=st.sampled_from(["mask", "w", "causal_mask"])))]]}
+    dtype = draw(st.sampled_from(sorted(FLOATS)))
+    model = draw(top(tensor_nodes(dtype=dtype), keys=st.sampled_from(["mask", "causal_mask", "b"]), min_size=0,
+                     max_size=2))
+    model["items"].append(["w", {**draw(tensor_nodes(dtype=dtype, shape=st.just([3]))), "special": True}])
+    state = {"t": "dict", "items": [["model", model]]}
     names = _allowed(state, world)
-    allow = draw(st.sampled_from([names, [], "*mask", ["*mask"], names[0] if names else "model.mask"]))
+    allow = draw(st.sampled_from([names, [], "*mask", ["*mask"], "model.w", ["model.w"]]))
     return _recipe(world, state, allow=allow)
 
 
