@@ -259,7 +259,9 @@ def nonfinite(draw) -> dict:
 def mixed(draw) -> dict:
     """All of the above in one state."""
     world = draw(worlds)
-    entry = st.one_of(tensor_nodes(), dtensor_nodes(world), part_nodes(world), part_nodes(world, bad=True),
+    diverged = st.tuples(tensor_nodes(), st.lists(seeds, min_size=world, max_size=world)).map(
+        lambda ts: {**ts[0], "seeds": ts[1]})  # a replica that differs per rank (equal seeds: it does not)
+    entry = st.one_of(tensor_nodes(), diverged, dtensor_nodes(world), part_nodes(world), part_nodes(world, bad=True),
                       value_nodes(), st.lists(containers(tensor_nodes() | value_nodes(), keys=colliding_keys,
                                                          max_leaves=2), min_size=world, max_size=world)
                       .map(lambda ps: {"t": "perrank", "parts": ps}))
