@@ -129,9 +129,24 @@ def _top_items(state: Mapping[str, Any]) -> Iterable[tuple[Any, Any]]:
         yield key, value
 
 
-def matches_any(name: str, patterns: Sequence[str]) -> bool:
-    """fnmatch on dotted names: ``*.mask`` matches ``model.blocks.0.mask``."""
-    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+def pattern_list(patterns: str | Iterable[str], what: str) -> tuple[str, ...]:
+    """A parameter that takes fnmatch patterns (``allow_nonfinite``): a bare string is ONE pattern
+    (``"*.mask"``, never the patterns ``*``, ``.``, ``m``, ...); ValueError for anything but strings."""
+    if isinstance(patterns, str):
+        return (patterns,)
+    try:
+        out = tuple(patterns)
+    except TypeError:
+        raise ValueError(f"{what} is a pattern or a list of patterns, not {patterns!r}") from None
+    bad = [p for p in out if not isinstance(p, str)]
+    if bad:
+        raise ValueError(f"{what}: patterns are strings, not {bad[0]!r}")
+    return out
+
+
+def matches_any(name: str, patterns: str | Sequence[str]) -> bool:
+    """fnmatch on dotted names: ``*.mask`` matches ``model.blocks.0.mask``; a bare string is one pattern."""
+    return any(fnmatch.fnmatchcase(name, p) for p in pattern_list(patterns, "patterns"))
 
 
 def dotted_leaves(node: Any, prefix: str = "") -> Iterable[tuple[str, RegionRef]]:
