@@ -17,7 +17,7 @@ property (:func:`check_recipe`):
 Recipe format::
 
     {"world": W, "update": U, "cursor": C, "identity": VALUE, "allow_nonfinite": [patterns] | "pattern",
-     "state": NODE}
+     "state": NODE, "publisher": "star" | "tree", "fanout": F}
 
 NODE is one of ``{"t": "dict", "items": [[key, NODE], ...]}``, ``{"t": "list" |
 "tuple", "items": [NODE, ...]}``, ``{"t": "value", "v": VALUE}``, ``{"t":
@@ -402,7 +402,8 @@ class _Destination:
 def _checkpointer(recipe: dict, store: str):
     from alpha_ckpt import Checkpointer
     return Checkpointer(store, run=RUN, identity=decode(recipe.get("identity")),
-                        allow_nonfinite=recipe.get("allow_nonfinite", []))
+                        allow_nonfinite=recipe.get("allow_nonfinite", []), publisher=recipe.get("publisher", "star"),
+                        fanout=recipe.get("fanout", 8))
 
 
 def save_task(rank: int, world: int, recipe_text: str, store: str) -> dict:

@@ -386,7 +386,7 @@ class Checkpointer:
                 ack = written_verdict(reports)
                 if ack["ok"]:
                     ack = self._publish_root(prefix, regions, layout,
-                                             [ShardRef.from_json(s) for r in reports for s in r["shards"]])
+                                             _once([ShardRef.from_json(s) for r in reports for s in r["shards"]]))
             fault_point("publish", "before-completion")
             if self.rank == 0:
                 broadcast_json(ack, root0, group)
@@ -767,6 +767,13 @@ def roles_holding(manifest, wanted: Sequence[WantedSlice]) -> list[int] | None:
         elif w.ordinal in own:
             roles.add(own[w.ordinal])
     return sorted(r for r in roles if 0 <= r < manifest.owners) if manifest.owners else None
+
+
+def _once(shards: list[ShardRef]) -> list[ShardRef]:
+    """Each shard object once, in order. Ranks can write byte-identical shards (each holding only
+    an empty piece of the same regions: a [1, k] Shard(0) parameter on 3 ranks), and a manifest
+    that named one object twice would be refused by every reader."""
+    return list({s.digest: s for s in shards}.values())
 
 
 def _short(value: Any) -> str:

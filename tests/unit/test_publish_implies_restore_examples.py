@@ -108,3 +108,10 @@ def test_allow_nonfinite_given_as_one_string_publishes_no_nan_that_its_pattern_d
     outcome = check_recipe(recipe(1, ["model", {"t": "dict", "items": [["w", tensor("float32", [3], special=True)]]}],
                                   allow="*mask"), tmp_path)
     assert outcome["ok"], outcome
+
+
+@pytest.mark.parametrize("node", [dtensor("float32", [1, 2], [3], ["S0"]), part("float32", [2], [[0, 2], [2, 2], [2, 2]]),
+                                  dtensor("bfloat16", [0], [3], ["S0"])], ids=["one-row-dtensor", "partitioned", "empty"])
+def test_ranks_whose_shards_are_byte_identical_publish_a_generation_that_names_each_shard_once(tmp_path, node):
+    # two ranks each hold only an empty piece of the same region: their shards are one object
+    assert_restorable(check_recipe(recipe(3, ["head", node]), tmp_path))
