@@ -162,9 +162,15 @@ def _allowed(state: dict, world: int) -> list[str]:
                    if node.get("special") and node["dtype"] in FLOATS})
 
 
-def _recipe(world: int, state: dict, *, update=1, cursor=0, identity=None, allow=None) -> dict:
-    return {"world": world, "update": encode(update), "cursor": encode(cursor), "identity": encode(identity),
-            "allow_nonfinite": _allowed(state, world) if allow is None else allow, "state": state}
+def _recipe(world: int, state: dict, *, update=1, cursor=0, identity=None, allow=None, publisher=None) -> dict:
+    out = {"world": world, "update": encode(update), "cursor": encode(cursor), "identity": encode(identity),
+           "allow_nonfinite": _allowed(state, world) if allow is None else allow, "state": state}
+    if publisher is not None:
+        out["publisher"], out["fanout"] = publisher
+    return out
+
+
+publishers = st.sampled_from([("star", 8), ("tree", 1), ("tree", 2)])
 
 
 @st.composite
@@ -177,10 +183,11 @@ def every_dtype(draw) -> dict:
 
 @st.composite
 def dtensors(draw) -> dict:
-    """DTensors Shard(0) / Shard(1) / Replicate on meshes of 1-4 ranks (2 x 2 too), fewer rows than ranks often."""
+    """DTensors Shard(0) / Shard(1) / Replicate on meshes of 1-4 ranks (2 x 2 too), fewer rows than ranks often;
+    published by the star or the tree."""
     world = draw(worlds)
     state = draw(top(dtensor_nodes(world), min_size=2, max_size=5))
-    return _recipe(world, state)
+    return _recipe(world, state, publisher=draw(publishers))
 
 
 @st.composite
@@ -189,7 +196,7 @@ def partitioned_good(draw) -> dict:
     world = draw(worlds)
     state = draw(top(part_nodes(world), min_size=2, max_size=4))
     state["items"].append(["replicated", draw(tensor_nodes())])
-    return _recipe(world, state)
+    return _recipe(world, state, publisher=draw(publishers))
 
 
 @st.composite
@@ -198,7 +205,7 @@ def partitioned_bad(draw) -> dict:
     world = draw(worlds)
     state = draw(top(part_nodes(world) | tensor_nodes(), min_size=0, max_size=2))
     state["items"].append(["bad", draw(part_nodes(world, bad=True))])
-    return _recipe(world, state)
+    return _recipe(world, state, publisher=draw(publishers))
 
 
 @st.composite
@@ -267,7 +274,7 @@ def mixed(draw) -> dict:
                       .map(lambda ps: {"t": "perrank", "parts": ps}))
     state = draw(top(entry, keys=colliding_keys | plain_keys, max_size=5))
     return _recipe(world, state, update=draw(st.integers(0, 2 ** 63 - 1) | bad_counters),
-                   identity=draw(st.none() | identities))
+                   identity=draw(st.none() | identities), publisher=draw(publishers))
 
 
 CLASSES = {
