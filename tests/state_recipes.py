@@ -242,8 +242,7 @@ def region_names(node: dict, rank: int, prefix: str = "") -> list[tuple[str, boo
 def good_tiling(node: dict, world: int) -> bool:
     """A Partitioned entry whose ranks agree on its shape and whose ranges tile it exactly."""
     shapes = node.get("shapes") or [node["shape"]] * world
-    seeds = node.get("seeds") or [node["seed"]] * world
-    if any(list(s) != list(node["shape"]) for s in shapes) or len(set(seeds)) != 1:
+    if any(list(s) != list(node["shape"]) for s in shapes):
         return False
     at = 0
     for lo, hi in sorted((lo, hi) for lo, hi in node["ranges"] if hi > lo):
@@ -272,7 +271,7 @@ def may_refuse(recipe: dict) -> str | None:
             return f"dotted names collide on rank {rank}"
         merged += [name for name, per_rank, _ in names if per_rank or rank == 0]
         for name, _, node in names:
-            if node["t"] == "tensor" and len(set(node.get("seeds") or [0])) > 1:
+            if node["t"] == "tensor" and diverged(node):
                 return f"{name}: a replica that differs across ranks"
             if node["t"] == "part" and not good_tiling(node, world):
                 return f"{name}: Partitioned ranges that do not tile it"
@@ -292,6 +291,33 @@ def unallowed_nonfinite(recipe: dict) -> list[str]:
     return sorted({name for rank in range(recipe["world"]) for name, _, node in region_names(recipe["state"], rank)
                    if node.get("special") and node["dtype"] in FLOATS and math.prod(node["shape"])
                    and not any(fnmatchcase(name, p) for p in patterns)})
+
+
+def diverged(node: dict) -> bool:
+    """A replicated tensor whose ranks hold other bits (each builds it from its own seed)."""
+    seeds = node.get("seeds") or []
+    built = [build_tensor(node["dtype"], node["shape"], seed, node.get("special", False)) for seed in seeds]
+    return any(not same_bits(t, built[0]) for t in built[1:])
+
+
+def part_expected(node: dict, world: int) -> torch.Tensor | None:
+    """The region a Partitioned entry saved on ``world`` ranks holds: each word from the rank that holds it
+    (ranks build their words from their own seeds); None when two ranks hold one word with other bits,
+    or the ranks disagree on the shape: no restore can be bit for bit then."""
+    shape = node["shape"]
+    shapes = node.get("shapes") or [shape] * world
+    seeds = node.get("seeds") or [node["seed"]] * world
+    if any(list(s) != list(shape) for s in shapes):
+        return None
+    flat = build_tensor(node["dtype"], shape, seeds[0], node.get("special", False)).reshape(-1).clone()
+    held = torch.zeros(flat.numel(), dtype=torch.bool)
+    for rank, (lo, hi) in enumerate(node["ranges"][:world]):
+        mine = build_tensor(node["dtype"], shape, seeds[rank], node.get("special", False)).reshape(-1)[lo:hi]
+        if hi > lo and held[lo:hi].any() and not same_bits(flat[lo:hi][held[lo:hi]], mine[held[lo:hi]]):
+            return None
+        flat[lo:hi] = mine
+        held[lo:hi] = True
+    return flat.reshape(shape)
 
 
 def per_rank_bound(node: dict) -> bool:
@@ -379,6 +405,17 @@ class _Destination:
                 self.check(got.value, node["parts"][self.rank], f"{where}.{self.rank}", out)
             return
         full = build_tensor(node["dtype"], node["shape"], node["seed"], node.get("special", False))
+        if t == "tensor" and node.get("seeds"):
+            if diverged(node):
+                out.append(f"{where}: published, though its replicas differ across ranks")
+                return
+            full = build_tensor(node["dtype"], node["shape"], node["seeds"][0], node.get("special", False))
+        if t == "part":
+            full = part_expected(node, self.recipe["world"])
+            if full is None:
+                out.append(f"{where}: published, though its ranks hold other words at one place or disagree on "
+                           "its shape")
+                return
         if t == "tensor":
             ok = same_bits(got, full) and isinstance(got, np.ndarray) == bool(node.get("np"))
         elif t == "dtensor" and node["restore"] == "plain":

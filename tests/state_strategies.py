@@ -89,9 +89,11 @@ def part_nodes(draw, world: int, bad: bool = False) -> dict:
             node["shape"] = shape = [2]
             words = 2
             node["ranges"] = ranges = [[0, 2]] + [[0, 0]] * (world - 1)
-        s = draw(st.integers(0, world - 1).filter(lambda k: k != r))
-        lo, hi = ranges[s]
-        ranges[r] = [min(lo, max(0, hi - 1)), max(hi, min(words, lo + 1))] if hi > lo else [0, words]
+        s = max(range(world), key=lambda k: ranges[k][1] - ranges[k][0])  # holds a word: words > 0
+        r = draw(st.integers(0, world - 1).filter(lambda k: k != s))
+        lo, hi = ranges[r]
+        at = ranges[s][0]  # r's range reaches word `at`, which s holds too
+        ranges[r] = [min(lo, at), max(hi, at + 1)] if hi > lo else [at, at + 1]
         if kind == "conflict":  # and holds other words there
             node["seeds"] = [node["seed"] + (k == r) for k in range(world)]
     elif kind == "repeat":  # two ranks hold the same range
