@@ -221,6 +221,12 @@ def per_rank(draw) -> dict:
                       keys=colliding_keys, min_size=0, max_size=3))
     keys = {(type(k), k) for k, _ in state["items"]}
     state["items"] += [kv for kv in others["items"] if (type(kv[0]), kv[0]) not in keys]
+    if world > 1 and draw(st.booleans()):  # names that collide only across ranks: rank 0's q.0.1 and rank 1's
+        parts = [draw(containers(tensor_nodes(), max_leaves=2)) for _ in range(world)]
+        parts[0] = {"t": "dict", "items": [["1", draw(tensor_nodes())]]}
+        state["items"] = [kv for kv in state["items"] if kv[0] not in ("q", "q.0")]
+        state["items"] += [["q", {"t": "perrank", "parts": parts}],
+                           ["q.0", {"t": "perrank", "parts": [draw(tensor_nodes()) for _ in range(world)]}]]
     return _recipe(world, state)
 
 
