@@ -24,18 +24,13 @@ def _store(store: Store | str | os.PathLike, create: bool) -> tuple[Store, bool]
 
 
 def _prefix(run: str, step: str, update: int, cursor: int, epoch: int) -> CapturePrefix:
-    prefix = CapturePrefix(run, step, update, cursor, epoch)
-    for name in ("update", "cursor", "epoch"):
-        value = getattr(prefix, name)
-        if type(value) is not int or value < 0:
-            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    return prefix
+    return CapturePrefix(run, step, update, cursor, epoch)  # refuses counters no reader accepts (StoreUsageError)
 
 
 def save(state: Mapping[str, Any], *, store: Store | str | os.PathLike, run: str, step: str, update: int,
          cursor: int, epoch: int, metadata: Any = None, compression: str | Mapping[str, str] = "raw",
          max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, carry: ShardCarry | None = None,
-         allow_nonfinite: Sequence[str] = ()) -> str:
+         allow_nonfinite: str | Sequence[str] = ()) -> str:
     """Publish a generation of ``state``; return its root digest (64 hex).
 
     ``state`` is a dict of tensors, NumPy arrays, Stateful objects (modules,
@@ -48,7 +43,7 @@ def save(state: Mapping[str, Any], *, store: Store | str | os.PathLike, run: str
     The generation is visible (as the newest ref of ``run``/``step``) only once
     every object is durable. Refused (:class:`Refusal`, nothing published):
     a NaN or inf in a floating-point region that no ``allow_nonfinite`` pattern
-    (fnmatch on dotted names, e.g. ``"*.causal_mask"``) declares
+    (fnmatch on dotted names, e.g. ``"*.causal_mask"``; a bare string is one pattern) declares
     (``non-finite``); an update not after the newest of this run/step and
     epoch (``reset-cursor``); an epoch older than the newest (``stale-epoch``).
     ``epoch`` counts continuations: a run that restarts from an older
@@ -73,7 +68,7 @@ def save(state: Mapping[str, Any], *, store: Store | str | os.PathLike, run: str
 def save_async(state: Mapping[str, Any], *, store: Store, run: str, step: str, update: int, cursor: int,
                epoch: int, metadata: Any = None, compression: str | Mapping[str, str] = "raw",
                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, saver: AsyncSaver | None = None,
-               defer_snapshot: bool = False, allow_nonfinite: Sequence[str] = ()) -> SaveHandle | None:
+               defer_snapshot: bool = False, allow_nonfinite: str | Sequence[str] = ()) -> SaveHandle | None:
     """Snapshot ``state`` now and publish it in the background, as :func:`save` would.
 
     Values and Stateful objects are captured during the call; tensors are

@@ -61,7 +61,7 @@ from .format import DTYPES, CapturePrefix, RegionDecl, ShardRef, canonical_json,
 from .manifest import dtype_name, torch_dtype
 from .planner import Piece, WantedSlice
 from .restore import PreparedRestore, check_structure, latest_generation, open_generation
-from .state.capture import as_patterns, matches_any
+from .state.capture import matches_any, pattern_list
 from .state.placement import box_ranges
 from .state.values import decode_value, encode_value
 from .store import Store, check_fence
@@ -362,7 +362,7 @@ class StorageWriter(_DcpStorageWriter):
         self.run, self.step = check_name(run, "run"), check_name(step, "step")
         counters(self.run, self.step, update, cursor, 0)  # alpha_ckpt.save's check: a usage error (ValueError)
         self.update, self.cursor = update, cursor
-        self.allow_nonfinite = as_patterns(allow_nonfinite, "allow_nonfinite")
+        self.allow_nonfinite = pattern_list(allow_nonfinite, "allow_nonfinite")
         if slice_bytes < 1:
             raise ValueError(f"slice_bytes is positive, not {slice_bytes!r}")
         self.slice_bytes = slice_bytes

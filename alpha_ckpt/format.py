@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 
 import blake3
 
-from .errors import Refusal, RefusalCode
+from .errors import Refusal, RefusalCode, StoreUsageError
 
 MAGIC = b"ALPHCKPT"
 VERSION = 1
@@ -116,6 +116,14 @@ class CapturePrefix:
     update: int
     cursor: int
     epoch: int
+
+    def __post_init__(self) -> None:
+        # Every writer builds its prefix here (alpha_ckpt.save, the Checkpointer, the DCP backend): a
+        # counter no reader would accept (from_json) is a usage error before anything is written.
+        for name in ("update", "cursor", "epoch"):
+            value = getattr(self, name)
+            if type(value) is not int or not 0 <= value <= MAX_INT:
+                raise StoreUsageError(f"{name} must be an int in [0, 2**63), got {value!r}")
 
     def to_json(self) -> dict:
         return {"run": self.run, "step": self.step, "update": self.update, "cursor": self.cursor, "epoch": self.epoch}

@@ -8,13 +8,14 @@ Coverage is checked on word ranges, never by adding up byte counts.
 from __future__ import annotations
 
 import warnings
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
 
 from .errors import Refusal, RefusalCode
-from .format import DTYPES, CapturePrefix, RegionDecl, ShardHead, ShardRef
+from .format import (DTYPES, MAX_INT, CapturePrefix, ManifestHead, RegionDecl, ShardHead, ShardRef, canonical_json,
+                     decode_head, digest_bytes, parse_manifest_header)
 
 # torch.frombuffer warns on every read-only buffer (mapped files, caller memory); we never write through them.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning, module=r"alpha_ckpt\.")
@@ -125,14 +126,16 @@ def match_regions(saved: Sequence[RegionDecl], wanted: Sequence[RegionDecl], wha
 
 
 def check_coverage(regions: Sequence[RegionDecl], slices: Iterable[tuple[int, int, int, str]], what: str) -> None:
-    """Every region's words [0, n) are covered exactly once by (ordinal, lo, hi, source) slices."""
+    """Every region's words [0, n) are covered exactly once by (ordinal, lo, hi, source) slices.
+
+    An empty slice [w, w) inside the region holds no word and is accepted as nothing."""
     per_region: dict[int, list[tuple[int, int, str]]] = {r.ordinal: [] for r in regions}
     for ordinal, lo, hi, source in slices:
         if ordinal not in per_region:
             raise Refusal(RefusalCode.COVERAGE, f"{what}: {source} names region ordinal {ordinal}, which the schema does not declare")
+        if lo == hi <= regions[ordinal].words:
+            continue  # an empty piece (an FSDP shard of a tensor with fewer rows than ranks) holds nothing
         if not lo < hi <= regions[ordinal].words:
-            if lo == hi == 0 and regions[ordinal].words == 0:
-                continue
             raise Refusal(RefusalCode.COVERAGE, f"{what}: {source} holds words [{lo}, {hi}) of region "
                           f"{regions[ordinal].name!r}, which has {regions[ordinal].words} words")
         per_region[ordinal].append((lo, hi, source))
@@ -146,6 +149,92 @@ def check_coverage(regions: Sequence[RegionDecl], slices: Iterable[tuple[int, in
             end = hi
         if end != region.words:
             raise Refusal(RefusalCode.COVERAGE, f"{what}: region {region.name!r} words [{end}, {region.words}) are not saved by any shard")
+
+
+def check_region_names(regions: Sequence[RegionDecl], what: str) -> None:
+    """Region names are unique: a reader matches a destination's entries to regions by dotted name."""
+    seen: set[str] = set()
+    for r in regions:
+        if r.name in seen:
+            raise Refusal(RefusalCode.FORMAT, f"{what}: two regions are named {r.name!r} (dotted names that "
+                          "coincide, perhaps only across ranks: a PerRank entry beside another of that name)")
+        seen.add(r.name)
+
+
+def check_counters(prefix: CapturePrefix, what: str) -> None:
+    for name in ("update", "cursor", "epoch"):
+        value = getattr(prefix, name)
+        if type(value) is not int or not 0 <= value <= MAX_INT:
+            raise Refusal(RefusalCode.FORMAT, f"{what}: {name} {value!r} is not an int in [0, 2**63)")
+
+
+def encode_identity(identity: Any, what: str = "identity") -> Any:
+    """A learner identity as a root manifest records it: its typed JSON (:mod:`alpha_ckpt.state.values`), so
+    that tuples, int keys and floats come back as they were given. ValueError for what it cannot hold."""
+    from .state.values import encode_value
+    return encode_value(identity, what)
+
+
+def identity_matches(saved: Any, identity: Any) -> bool:
+    """Whether a root manifest's recorded identity (``metadata["identity"]``) is ``identity``, compared as
+    typed values: the saved encoding against the same encoding of the given one (bit-exact floats,
+    tuples apart from lists). A generation whose identity was recorded as plain JSON (before identities
+    were typed) is compared as plain JSON."""
+    from .state.values import decode_value
+    try:
+        given = canonical_json(encode_identity(identity))
+    except (ValueError, TypeError):
+        return False
+    try:
+        if canonical_json(saved) == given:
+            return True
+        decode_value(saved)
+        return False  # a typed identity, another one
+    except (ValueError, TypeError):
+        return False
+    except Refusal:  # not typed JSON: recorded as plain JSON
+        try:
+            return canonical_json(saved) == canonical_json(identity)
+        except (ValueError, TypeError):
+            return False
+
+
+_UNCHECKED = object()
+
+
+def check_root_manifest(manifest: ManifestHead, records: Iterable[ShardRef] | None, what: str, *,
+                        identity: Any = _UNCHECKED) -> None:
+    """THE structural check of a decoded root manifest, run by every publisher before its ref is written
+    (on the manifest's bytes as a reader decodes them: :func:`decode_manifest`) and by every reader
+    (restore, verify) before a byte is copied: what one accepts the other accepts.
+
+    Decoding (:func:`~alpha_ckpt.format.parse_manifest_header`) already checked the format, the
+    counters' types, the typed skeleton naming every region in order and canonical metadata. This adds:
+    counters in range, region names unique, and coverage: ``records`` (every shard record of the
+    generation; None for a tree's root alone, whose coverage is structural) hold every word of every
+    region exactly once. ``identity`` (a publisher's): the manifest records it so that a reader given
+    the same identity recognises it (:func:`identity_matches`).
+    """
+    check_counters(manifest.prefix, what)
+    check_region_names(manifest.regions, what)
+    if records is not None:
+        check_coverage(manifest.regions, ((o, lo, hi, f"shard {r.digest[:16]}...")
+                                          for r in records for (o, lo, hi) in r.slices), what)
+    if identity is not _UNCHECKED:
+        meta = manifest.metadata if isinstance(manifest.metadata, dict) else {}
+        if not identity_matches(meta.get("identity"), identity):
+            raise Refusal(RefusalCode.FORMAT, f"{what}: the identity it records would not match the one it was "
+                          "saved with on restore")
+
+
+def decode_manifest(head: bytes | memoryview, what: str) -> ManifestHead:
+    """A manifest's bytes (as :func:`alpha_ckpt.writer.encode_manifest` makes them) decoded exactly as a
+    reader decodes the object file: the head digest, canonical JSON, every field."""
+    digest = digest_bytes(head)
+    header = decode_head(head, digest, len(head), what)
+    if header.get("kind") != "manifest":
+        raise Refusal(RefusalCode.FORMAT, f"{what} is a {header.get('kind')}, not a manifest")
+    return parse_manifest_header(header, digest, len(head), what)
 
 
 def check_shard_against_record(head: ShardHead, record: ShardRef, prefix: CapturePrefix, schema_digest: str,

@@ -31,7 +31,7 @@ from .format import (
     parse_manifest_header, parse_shard_header, split_head,
 )
 from .manifest import (
-    check_coverage, check_shard_against_record, first_non_finite, word_value,
+    check_root_manifest, check_shard_against_record, first_non_finite, word_value,
 )
 from .planner import Hierarchy, PlanError, SavedSlice, WantedSlice, plan_restore
 from .store import History, ObjectFile, RefRecord, Store, UnreadableRef
@@ -214,9 +214,9 @@ def open_generation(store: Store, root: str, ref: RefRecord | None = None, *,
                 obj.close()
                 raise
             shards[record.digest] = (obj, head)
-        if targets is None or manifest.publisher.kind == "star":
-            check_coverage(manifest.regions, ((o, lo, hi, f"shard {r.digest[:16]}...")
-                                              for r in every_record for (o, lo, hi) in r.slices), what)
+        # The one validator publishers run before their ref (a path of a tree is covered structurally).
+        check_root_manifest(manifest, every_record if targets is None or manifest.publisher.kind == "star" else None,
+                            what)
         if isinstance(manifest.metadata, dict) and "dcp" in manifest.metadata:
             from .dcp import check_generation  # a DCP checkpoint: its Metadata must tile its tensors by its regions
             check_generation(manifest)
@@ -584,6 +584,8 @@ def verify_generation(store: Store, root: str) -> Generation:
 
 def _flat_destination(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(bytes to fill, tensor to copy back into t or t itself when it can be filled in place)."""
+    if t.numel() == 0:  # nothing to fill (NumPy's empty arrays have zero strides, which view() refuses)
+        return torch.empty(0, dtype=torch.uint8), t
     if t.is_contiguous() and t.device.type == "cpu":
         return t.detach().reshape(-1).view(torch.uint8), t
     staging = torch.empty(t.shape, dtype=t.dtype)

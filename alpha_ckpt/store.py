@@ -701,6 +701,9 @@ class Store:
             generation = history.top + 1
             record = RefRecord(prefix.run, prefix.step, generation, root, root_size, prefix, time.time(), total_bytes, owners)
             body = encode_ref(record)
+            # The last line of defence: never write a ref that this store's readers would refuse (it
+            # would stand as the newest generation and refuse every later publish and restore).
+            decode_ref(body, f"ref {prefix.run}/{prefix.step}/{generation:0{REF_DIGITS}d} (not written)")
 
             def write(fd: int) -> None:
                 write_all(fd, body)

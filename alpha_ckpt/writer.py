@@ -26,13 +26,13 @@ import zstandard
 
 from . import durable
 from .format import (
-    BLOCK_BYTES, DTYPES, STAR, CapturePrefix, ChildRef, Publisher, RegionDecl, ShardRef, SliceRecord, aligned, block_count,
+    BLOCK_BYTES, DTYPES, STAR, CapturePrefix, ChildRef, ManifestHead, Publisher, RegionDecl, ShardRef, SliceRecord, aligned, block_count,
     block_digests, blocked, canonical_json, check_name, digest_bytes, digest_of_blocks, encode_head, hash_blocks,
     manifest_header, schema_digest_of, shard_header,
 )
 from .errors import Refusal, RefusalCode
-from .manifest import first_non_finite, word_value
-from .state.capture import CapturedState, capture_state
+from .manifest import check_root_manifest, decode_manifest, first_non_finite, word_value
+from .state.capture import CapturedState, capture_state, pattern_list
 from .planner import Piece, pack_shards
 from .store import RefRecord, Store, check_fence
 
@@ -138,6 +138,8 @@ class Published:
 def word_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The region's words as a flat uint8 CPU tensor, without copying when possible."""
     t = tensor.detach()
+    if t.numel() == 0:  # NumPy's empty arrays have zero strides, which view() refuses
+        return torch.empty(0, dtype=torch.uint8)
     if t.device.type != "cpu":
         t = t.to("cpu")
     if not t.is_contiguous():
@@ -579,15 +581,27 @@ def _write_all(store, prefix, schema, regions, shards, pool, carry, check_finite
     return out  # type: ignore[return-value]
 
 
+def encode_manifest(prefix: CapturePrefix, regions: Sequence[RegionDecl], shards: Sequence[ShardRef],
+                    owners: int, metadata: Any, publisher: Publisher = STAR,
+                    children: Sequence[ChildRef] = (), state: Any = None) -> bytes:
+    """A manifest's bytes (the whole object: a manifest has no payload)."""
+    return encode_head(manifest_header(prefix, schema_digest_of(regions), regions, shards, owners, metadata,
+                                       publisher, children, state))
+
+
 def write_manifest(store: Store, prefix: CapturePrefix, regions: Sequence[RegionDecl], shards: Sequence[ShardRef],
                    owners: int, metadata: Any, publisher: Publisher = STAR,
-                   children: Sequence[ChildRef] = (), state: Any = None) -> tuple[str, int]:
+                   children: Sequence[ChildRef] = (), state: Any = None,
+                   check: Callable[[ManifestHead], None] | None = None) -> tuple[str, int]:
     """Durably write a manifest (the star's root, or one tree group manifest); returns (digest, size).
 
-    ``state`` is the typed skeleton of the saved state (root manifests).
+    ``state`` is the typed skeleton of the saved state (root manifests). ``check`` (a root's
+    publisher: :func:`alpha_ckpt.manifest.check_root_manifest`) gets the manifest decoded from its
+    bytes exactly as a reader decodes them, before anything is written; it raises a Refusal.
     """
-    head = encode_head(manifest_header(prefix, schema_digest_of(regions), regions, shards, owners, metadata,
-                                       publisher, children, state))
+    head = encode_manifest(prefix, regions, shards, owners, metadata, publisher, children, state)
+    if check is not None:
+        check(decode_manifest(head, f"root manifest {digest_bytes(head)[:16]}..."))
 
     def write(fd: int) -> str:
         _pwrite_all(fd, memoryview(head), 0)
@@ -603,13 +617,14 @@ def publish_slices(store: Store, prefix: CapturePrefix, regions: Sequence[Region
                    forged: bool = False, state: Any = None) -> Published:
     """Write each shard (its (piece, raw bytes, codec) parts in physical order), the manifest, then the ref.
 
-    Refuses (nothing published) what a restore would refuse (a NaN or inf word)
-    and what would fork the history (:func:`alpha_ckpt.store.check_fence`;
+    Refuses (nothing published) what a restore would refuse (a NaN or inf word, a root manifest
+    :func:`~alpha_ckpt.manifest.check_root_manifest` refuses) and what would fork the history (:func:`alpha_ckpt.store.check_fence`;
     ``follows`` as there). ``forged=True`` skips both: test generations only.
     """
     with store.pending_publish(prefix.run, prefix.step):  # gc spares what this publish writes or reuses
         shard_refs = write_shards(store, prefix, regions, shards, carry=carry, check_finite=not forged)
-        root, root_size = write_manifest(store, prefix, regions, shard_refs, owners, metadata, state=state)
+        check = None if forged else (lambda m: check_root_manifest(m, shard_refs, f"root manifest {m.digest[:16]}..."))
+        root, root_size = write_manifest(store, prefix, regions, shard_refs, owners, metadata, state=state, check=check)
         total = root_size + sum(s.size for s in shard_refs)
         record = store.publish_ref(prefix, root, root_size, total, owners=owners, follows=follows, fence=not forged)
     return Published(root, record, tuple(shard_refs))
@@ -627,7 +642,7 @@ def save_state(state: Mapping[str, Any] | CapturedState, *, store: Store, prefix
     if not (history.newest is not None and history.newest.prefix == prefix):  # decided by its root, at publish
         check_fence(history, prefix, None)  # a save the history refuses writes nothing (publish checks again)
     captured = state if isinstance(state, CapturedState) else capture_state(state)
-    regions = captured.regions(allow_nonfinite)
+    regions = captured.regions(pattern_list(allow_nonfinite, "allow_nonfinite"))
     _check_compression(compression, {r.name for r in regions})
     data = {r.ordinal: _u8_view(word_bytes(t)) for r, (_, t) in zip(regions, captured.named)}
     pieces = [Piece(r.ordinal, 0, r.words, DTYPES[r.dtype][0]) for r in regions]

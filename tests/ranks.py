@@ -14,14 +14,14 @@ from datetime import timedelta
 from pathlib import Path
 
 
-def _rank_main(fn, args, rank: int, world: int, rendezvous: str, out: str) -> None:
+def _rank_main(fn, args, rank: int, world: int, rendezvous: str, out: str, pg_timeout: float = 60.0) -> None:
     import torch.distributed as dist
     from alpha_ckpt import Refusal
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     try:
         # A file rendezvous: no port to race for with tests running beside this one.
         dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=60))
+                                timeout=timedelta(seconds=pg_timeout))
         try:
             result = fn(rank, world, *args)
         except Refusal as refusal:
@@ -35,17 +35,19 @@ def _rank_main(fn, args, rank: int, world: int, rendezvous: str, out: str) -> No
         os._exit(1)
 
 
-def run_ranks(world: int, fn, *args, tmp: Path, timeout: float = 120.0) -> list:
-    """Every rank's result, in rank order."""
+def run_ranks(world: int, fn, *args, tmp: Path, timeout: float = 120.0, pg_timeout: float = 60.0) -> list:
+    """Every rank's result, in rank order. ``pg_timeout``: how long a collective waits for a missing rank."""
     # Not fork: a test process has live threads (torch's intra-op pool, thread pools of earlier tests), and a
     # forked child can inherit one of their locks held, and hang. The fork server is a clean process that
     # imported torch once; its children start in milliseconds.
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "alpha_ckpt", "alpha_ckpt.collective"])
+    # DTensor's first from_local imports torch._dynamo (most of a second): once here, not in every child.
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
+                                "alpha_ckpt", "alpha_ckpt.collective"])
     run = uuid.uuid4().hex[:12]
     rendezvous = str(tmp / f"rendezvous-{run}")
     outs = [str(tmp / f"rank{r}-{run}.json") for r in range(world)]
-    procs = [ctx.Process(target=_rank_main, args=(fn, args, r, world, rendezvous, outs[r])) for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(fn, args, r, world, rendezvous, outs[r], pg_timeout)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:

@@ -69,8 +69,9 @@ from ..planner import Hierarchy, Piece, WantedSlice, owners_holding, shares
 from ..progress import emit, format_bytes, is_tty
 from ..publish.tree import GroupTransport, TreeRole, write_or_fail
 from ..publish.wire import broadcast_json, gather_json
+from ..manifest import check_coverage, check_region_names, check_root_manifest, encode_identity, identity_matches
 from ..restore import Counters, latest_order, open_generation, prepare_fill
-from ..state.capture import capture_state, dotted_leaves
+from ..state.capture import capture_state, dotted_leaves, pattern_list
 from ..state.load import plan_load
 from ..state.rules import METADATA_KEY as PLACEMENT_KEY, PlacementRules, recorded_per_rank
 from ..state.values import decode_value
@@ -99,7 +100,7 @@ class Checkpointer:
     def __init__(self, store: str | os.PathLike | None = None, *, run: str | None = None, step: str = "train",
                  group: Any = None, publisher: str | None = None, fanout: int | None = None,
                  commit_timeout: float | None = None, save: str | None = None, in_flight: str | None = None,
-                 identity: Any = None, allow_nonfinite: Sequence[str] = (), every: int | str | None = None,
+                 identity: Any = None, allow_nonfinite: str | Sequence[str] = (), every: int | str | None = None,
                  mtbf: float | str | None = None, checkpoint_cost: float | str | None = None,
                  keep: int | None = None, metadata: Mapping[str, Any] | None = None,
                  bindings: Callable[[Any], None] | None = None, bind_devices: bool = False,
@@ -121,7 +122,7 @@ class Checkpointer:
                              "ALPHA_CKPT_RUN)")
         try:  # an argument of the script's that cannot be: a usage error (exit 2), not a checkpoint's refusal
             self.run, self.step = check_name(run, "run"), check_name(step, "step")
-            canonical_json(identity)  # any JSON: refused here, not at the first save
+            encode_identity(identity)  # a typed value (tuples, int keys, floats exact): refused here, not at a save
         except (Refusal, ValueError, TypeError) as exc:
             raise UsageError(f"Checkpointer: {exc}") from None
         if publisher not in ("star", "tree"):
@@ -158,7 +159,11 @@ class Checkpointer:
         except ValueError as exc:
             raise UsageError(f"Checkpointer: {exc}") from None
         self._due_asked = False  # due() said yes: the save that follows re-plans (every="auto")
-        self.identity, self.allow_nonfinite, self.keep = identity, tuple(allow_nonfinite), keep
+        self.identity, self.keep = identity, keep
+        try:
+            self.allow_nonfinite = pattern_list(allow_nonfinite, "allow_nonfinite")  # a bare string: one pattern
+        except ValueError as exc:
+            raise UsageError(f"Checkpointer: {exc}") from None
         self.publisher, self.commit_timeout = publisher, float(commit_timeout)
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
@@ -399,7 +404,8 @@ class Checkpointer:
         return digests
 
     def _metadata(self, layout: dict) -> dict:
-        meta = {**self.metadata, "identity": self.identity, "owners": self.world, "devices": layout["devices"]}
+        meta = {**self.metadata, "identity": encode_identity(self.identity), "owners": self.world,
+                "devices": layout["devices"]}
         if layout.get("layout") is not None:
             meta["layout"] = layout["layout"]
         return meta
@@ -433,7 +439,7 @@ class Checkpointer:
                 ack = written_verdict(reports)
                 if ack["ok"]:
                     ack = self._publish_root(prefix, regions, layout,
-                                             [ShardRef.from_json(s) for r in reports for s in r["shards"]])
+                                             _once([ShardRef.from_json(s) for r in reports for s in r["shards"]]))
             fault_point("publish", "before-completion")
             if self.rank == 0:
                 broadcast_json(ack, root0, group)
@@ -445,7 +451,10 @@ class Checkpointer:
         """The star's rank 0: the root manifest naming every rank's shards, then the ref; the acknowledgment."""
         try:
             root, size = write_manifest(self.store, prefix, regions, shard_refs, self.world,
-                                        self._metadata(layout), state=layout["state"])
+                                        self._metadata(layout), state=layout["state"],
+                                        check=lambda m: check_root_manifest(m, shard_refs, f"root manifest "
+                                                                            f"{m.digest[:16]}...",
+                                                                            identity=self.identity))
             record = self.store.publish_ref(prefix, root, size, size + sum(s.size for s in shard_refs),
                                             owners=self.world, follows=self.follows)
             return {"ok": True, "root": root, "generation": record.generation, "bytes": record.bytes}
@@ -460,7 +469,9 @@ class Checkpointer:
         parts = self._own_parts(regions, own)
         metadata = self._metadata(layout) if self.rank == 0 else {"device": self.device}
         role = TreeRole(self.store, self.hierarchy, self.rank, GroupTransport(group), timeout=self.commit_timeout,
-                        carry=self._carry, tamper=self.tree_tamper)
+                        carry=self._carry, tamper=self.tree_tamper,
+                        check_root=lambda m: check_root_manifest(m, None, f"root manifest {m.digest[:16]}...",
+                                                                 identity=self.identity))
         written: dict[tuple, str] = {}
         try:
             failure = role.write_own(prefix, regions, [parts] if parts else [], digests_out=written,
@@ -624,9 +635,9 @@ class Checkpointer:
             return {"refusal": {"code": refusal.code.value, "message": refusal.message}}
         try:
             meta = manifest.metadata if isinstance(manifest.metadata, dict) else {}
-            if meta.get("identity") != self.identity:
+            if not identity_matches(meta.get("identity"), self.identity):
                 raise Refusal(RefusalCode.FOREIGN_LEARNER, f"generation {root[:16]}... was saved with identity "
-                              f"{_short(meta.get('identity'))}; this script binds {_short(self.identity)}")
+                              f"{_short(meta.get('identity'))}; this script binds {_short(encode_identity(self.identity))}")
             if self.bindings is not None:
                 self.bindings(manifest)
             devices = meta.get("devices") if isinstance(meta.get("devices"), list) else [None]
@@ -732,7 +743,11 @@ def merge_skeletons(skeletons: list[Any], path: str = "state") -> Any:
 
 def merge_captures(descriptors: list[dict]) -> tuple[Any, tuple[RegionDecl, ...]]:
     """Rank 0 (pure): every rank's capture must have the same prefix, replicas (by digest) and
-    replicated values; the result is one skeleton and the region list it names, in order."""
+    replicated values; the result is one skeleton and the region list it names, in order.
+
+    Before any rank writes: a region every rank declares alike (a Partitioned one of one shape),
+    names unique across ranks, and the ranks' pieces holding every word of every region exactly
+    once (:func:`~alpha_ckpt.manifest.check_coverage`, which the root manifest passes again)."""
     first = descriptors[0]
     for r, d in enumerate(descriptors):
         if d["prefix"] != first["prefix"]:
@@ -741,13 +756,21 @@ def merge_captures(descriptors: list[dict]) -> tuple[Any, tuple[RegionDecl, ...]
             raise Refusal(RefusalCode.MIXED_CAPTURE, f"rank {r} replicates {_short(d['replicated'])}, rank 0 "
                           f"{_short(first['replicated'])}")
     skeleton = merge_skeletons([d["skeleton"] for d in descriptors])
-    declared: dict[str, dict] = {}
-    for d in descriptors:
-        for r in d["regions"]:
-            declared.setdefault(r["name"], r)
     names = [name for name, _ in dotted_leaves(decode_value(skeleton, "merged skeleton"))]
-    return skeleton, tuple(RegionDecl(i, n, declared[n]["dtype"], tuple(declared[n]["shape"]),
-                                      bool(declared[n].get("nonfinite"))) for i, n in enumerate(names))
+    check_region_names([RegionDecl(i, n, "uint8", ()) for i, n in enumerate(names)], "save")
+    declared: dict[str, tuple[int, dict]] = {}
+    for rank, d in enumerate(descriptors):
+        for r in d["regions"]:
+            first, decl = declared.setdefault(r["name"], (rank, r))
+            if (r["dtype"], list(r["shape"])) != (decl["dtype"], list(decl["shape"])):
+                raise Refusal(RefusalCode.MIXED_CAPTURE, f"rank {rank} holds region {r['name']!r} as "
+                              f"{r['dtype']}{list(r['shape'])}, rank {first} as {decl['dtype']}{list(decl['shape'])}")
+    regions = tuple(RegionDecl(i, n, declared[n][1]["dtype"], tuple(declared[n][1]["shape"]),
+                               bool(declared[n][1].get("nonfinite"))) for i, n in enumerate(names))
+    ordinals = {r.name: r.ordinal for r in regions}
+    check_coverage(regions, [(ordinals.get(name, len(regions)), lo, hi, f"rank {rank}")
+                             for rank, d in enumerate(descriptors) for name, lo, hi in d["pieces"]], "save")
+    return skeleton, regions
 
 
 def written_verdict(reports: Sequence[Mapping[str, Any]]) -> dict:
@@ -850,6 +873,16 @@ def roles_holding(manifest, wanted: Sequence[WantedSlice]) -> list[int] | None:
     return sorted(r for r in roles if 0 <= r < manifest.owners) if manifest.owners else None
 
 
+def _once(shards: list[ShardRef]) -> list[ShardRef]:
+    """Each shard object once, in order. Ranks can write byte-identical shards (each holding only
+    an empty piece of the same regions: a [1, k] Shard(0) parameter on 3 ranks), and a manifest
+    that named one object twice would be refused by every reader."""
+    return list({s.digest: s for s in shards}.values())
+
+
 def _short(value: Any) -> str:
-    text = json.dumps(value, sort_keys=True)[:80]
+    try:
+        text = json.dumps(value, sort_keys=True)[:80]
+    except (TypeError, ValueError):  # not JSON (int beside str keys): for a message only
+        text = repr(value)[:80]
     return text

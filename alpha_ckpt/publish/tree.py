@@ -41,7 +41,8 @@ import torch.distributed as dist
 
 from ..durable import fault_point
 from ..errors import DurableWriteError, PublishConflict, Refusal, RefusalCode
-from ..format import CapturePrefix, ChildRef, Publisher, RegionDecl, canonical_json
+from ..format import CapturePrefix, ChildRef, ManifestHead, Publisher, RegionDecl, canonical_json
+from ..manifest import check_root_manifest
 from ..planner import Hierarchy, Piece
 from ..store import Store
 from ..writer import ShardCarry, write_manifest, write_shards
@@ -246,8 +247,12 @@ class TreeRole:
 
     def __init__(self, store: Store, hierarchy: Hierarchy, role: int, transport: Transport, *,
                  timeout: float, tamper: Callable[[dict], dict | None] | None = None,
-                 pool: ThreadPoolExecutor | None = None, carry: ShardCarry | None = None):
+                 pool: ThreadPoolExecutor | None = None, carry: ShardCarry | None = None,
+                 check_root: Callable[[ManifestHead], None] | None = None):
         self.store, self.hierarchy, self.role, self.transport = store, hierarchy, role, transport
+        # The root's manifest, decoded as a reader decodes it, must pass the one validator before the ref:
+        # check_root_manifest (the tree's coverage is structural, its words checked where they were agreed).
+        self.check_root = check_root or (lambda m: check_root_manifest(m, None, f"root manifest {m.digest[:16]}..."))
         # ``tamper``: a test hook (alpha_ckpt.faults) applied to each message sent up; None: withhold it.
         self.timeout, self.tamper, self.pool, self.carry = timeout, tamper, pool, carry
         path = hierarchy.path(role)
@@ -344,9 +349,11 @@ class TreeRole:
                 digest, nbytes = write_manifest(
                     self.store, prefix, regions, shard_refs, self.hierarchy.owners, metadata,
                     Publisher("tree", self.hierarchy.fanout, self.role, self.size), records,
-                    state if self.parent is None else None)
+                    state if self.parent is None else None, check=self.check_root if self.parent is None else None)
                 self.stats.bytes_held += nbytes
                 subtree_bytes += nbytes
+            except Refusal as refusal:
+                failure, code = refusal.message, refusal.code.value
             except (OSError, DurableWriteError, ValueError) as exc:
                 failure = f"role {self.role} could not write its group manifest: {exc}"
         if self.parent is None:

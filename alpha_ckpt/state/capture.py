@@ -109,7 +109,8 @@ def capture_state(state: Mapping[str, Any], rank: int = 0, world: int = 1, rules
             if not obj.dtype.isnative or obj.dtype.kind not in "biuf":
                 raise ValueError(f"state entry {name!r}: NumPy dtype {obj.dtype} is not saved (numbers in native "
                                  "byte order only)")
-            tensor = torch.from_numpy(np.ascontiguousarray(obj))
+            # ascontiguousarray makes a 0-d array 1-d: the region keeps the array's own shape
+            tensor = torch.from_numpy(np.ascontiguousarray(obj).reshape(obj.shape))
             return {"ndarray": add(name, tensor, rank0(tensor) if kind == "rank0" else None)}
         if is_stateful(obj):
             inner = obj.state_dict()
@@ -156,18 +157,26 @@ def _top_items(state: Mapping[str, Any]) -> Iterable[tuple[Any, Any]]:
         yield key, value
 
 
-def as_patterns(patterns: Any, what: str) -> tuple[str, ...]:
-    """A list of name patterns; a bare string is one pattern (``"*.mask"``, never ``*``, ``.``, ``m``, ...)."""
-    out = (patterns,) if isinstance(patterns, str) else tuple(patterns)
+def pattern_list(patterns: str | Iterable[str], what: str) -> tuple[str, ...]:
+    """A parameter that takes fnmatch patterns (``allow_nonfinite``): a bare string is ONE pattern
+    (``"*.mask"``, never the patterns ``*``, ``.``, ``m``, ...); ValueError for anything but strings."""
+    if isinstance(patterns, str):
+        return (patterns,)
+    if isinstance(patterns, (bytes, Mapping)):
+        raise ValueError(f"{what} is a pattern or a list of patterns, not {type(patterns).__name__}")
+    try:
+        out = tuple(patterns)
+    except TypeError:
+        raise ValueError(f"{what} is a pattern or a list of patterns, not {patterns!r}") from None
     bad = [p for p in out if not isinstance(p, str)]
     if bad:
-        raise ValueError(f"{what} is a pattern or a list of patterns (strings), not {bad[0]!r}")
+        raise ValueError(f"{what}: patterns are strings, not {bad[0]!r}")
     return out
 
 
-def matches_any(name: str, patterns: Sequence[str]) -> bool:
-    """fnmatch on dotted names: ``*.mask`` matches ``model.blocks.0.mask``."""
-    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+def matches_any(name: str, patterns: str | Sequence[str]) -> bool:
+    """fnmatch on dotted names: ``*.mask`` matches ``model.blocks.0.mask``; a bare string is one pattern."""
+    return any(fnmatch.fnmatchcase(name, p) for p in pattern_list(patterns, "patterns"))
 
 
 def dotted_leaves(node: Any, prefix: str = "") -> Iterable[tuple[str, RegionRef]]:

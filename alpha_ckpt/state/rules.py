@@ -17,21 +17,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from .capture import matches_any
+from .capture import matches_any, pattern_list
 
 METADATA_KEY = "placement_patterns"
 
 
 def patterns(value: Any, what: str) -> tuple[str, ...]:
-    """fnmatch patterns from a string (one pattern) or an iterable of strings; ValueError otherwise."""
-    if isinstance(value, str):
-        value = (value,)
-    elif isinstance(value, (bytes, Mapping)) or not isinstance(value, Iterable):
-        raise ValueError(f"{what} is a pattern or a list of patterns, not {type(value).__name__}")
-    out = tuple(value)
-    for p in out:
-        if not isinstance(p, str) or not p:
-            raise ValueError(f"{what}: a pattern is a non-empty string, not {p!r}")
+    """fnmatch patterns from a string (one pattern) or an iterable of strings, none empty; ValueError otherwise."""
+    out = pattern_list(value, what)
+    if any(not p for p in out):
+        raise ValueError(f"{what}: a pattern is a non-empty string, not ''")
     return out
 
 

@@ -148,7 +148,8 @@ def test_two_regions_with_one_name_are_refused_rather_than_one_dropped(store_dir
     with Store(store_dir) as store:
         root = publish_slices(store, CapturePrefix("r", "s", 1, 1, 0), regions,
                               [[(Piece(0, 0, 2, 4), memoryview(a.numpy()).cast("B"), "raw"),
-                                (Piece(1, 0, 2, 4), memoryview(b.numpy()).cast("B"), "raw")]]).root
+                                (Piece(1, 0, 2, 4), memoryview(b.numpy()).cast("B"), "raw")]],
+                              forged=True).root  # a publish itself refuses two regions of one name
     rc, text = _export(store_dir, root, tmp_path / "x.safetensors", "--json")
     assert (rc, json.loads(text)["code"]) == (3, "format")
     assert not (tmp_path / "x.safetensors").exists()

@@ -43,8 +43,11 @@ def test_shards_from_different_captures_are_mixed_capture(store_dir):
     t = word_bytes(torch.arange(4.0))
     view = memoryview(t.numpy())
     with Store(store_dir) as s:
-        a = publish_slices(s, CapturePrefix("r", "fit", 3, 30, 0), _regions(), [[(Piece(0, 0, 2, 4), view[:8], "raw")]])
-        b = publish_slices(s, CapturePrefix("r", "fit", 4, 40, 0), _regions(), [[(Piece(0, 2, 4, 4), view[8:], "raw")]])
+        # Each half alone covers half the region: forged (a publish refuses an incomplete generation).
+        a = publish_slices(s, CapturePrefix("r", "fit", 3, 30, 0), _regions(), [[(Piece(0, 0, 2, 4), view[:8], "raw")]],
+                           forged=True)
+        b = publish_slices(s, CapturePrefix("r", "fit", 4, 40, 0), _regions(), [[(Piece(0, 2, 4, 4), view[8:], "raw")]],
+                           forged=True)
         prefix = CapturePrefix("r", "fit", 3, 30, 0)
         root, _ = write_manifest(s, prefix, _regions(), [a.shards[0], b.shards[0]], 1, None)
         with pytest.raises(Refusal) as info:
