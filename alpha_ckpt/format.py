@@ -65,6 +65,18 @@ def canonical_json(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
 
 
+def check_json_value(value: Any, what: str) -> None:
+    """Refuse (StoreUsageError) a value that canonical JSON would not give back as it is: a tuple (comes
+    back a list), an int key (a str key), NaN; a reader would see another value than the writer meant."""
+    try:
+        same = json.loads(canonical_json(value)) == value
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise StoreUsageError(f"{what} is not JSON: {exc}") from None
+    if not same:
+        raise StoreUsageError(f"{what} would not read back as given from JSON (tuples come back lists, int keys "
+                              "str keys): pass lists and str keys")
+
+
 def _no_duplicate_keys(pairs):
     out = {}
     for key, value in pairs:

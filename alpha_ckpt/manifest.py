@@ -203,7 +203,7 @@ _UNCHECKED = object()
 
 
 def check_root_manifest(manifest: ManifestHead, records: Iterable[ShardRef] | None, what: str, *,
-                        identity: Any = _UNCHECKED) -> None:
+                        identity: Any = _UNCHECKED, metadata: Any = _UNCHECKED) -> None:
     """THE structural check of a decoded root manifest, run by every publisher before its ref is written
     (on the manifest's bytes as a reader decodes them: :func:`decode_manifest`) and by every reader
     (restore, verify) before a byte is copied: what one accepts the other accepts.
@@ -212,8 +212,8 @@ def check_root_manifest(manifest: ManifestHead, records: Iterable[ShardRef] | No
     counters' types, the typed skeleton naming every region in order and canonical metadata. This adds:
     counters in range, region names unique, and coverage: ``records`` (every shard record of the
     generation; None for a tree's root alone, whose coverage is structural) hold every word of every
-    region exactly once. ``identity`` (a publisher's): the manifest records it so that a reader given
-    the same identity recognises it (:func:`identity_matches`).
+    region exactly once. ``identity`` and ``metadata`` (a publisher's): what a reader decodes is what
+    was given (the identity as :func:`identity_matches` compares it; the metadata equal as a value).
     """
     check_counters(manifest.prefix, what)
     check_region_names(manifest.regions, what)
@@ -225,6 +225,9 @@ def check_root_manifest(manifest: ManifestHead, records: Iterable[ShardRef] | No
         if not identity_matches(meta.get("identity"), identity):
             raise Refusal(RefusalCode.FORMAT, f"{what}: the identity it records would not match the one it was "
                           "saved with on restore")
+    if metadata is not _UNCHECKED and not (manifest.metadata == metadata and
+                                           canonical_json(manifest.metadata) == canonical_json(metadata)):
+        raise Refusal(RefusalCode.FORMAT, f"{what}: its metadata reads back as another value than was given")
 
 
 def decode_manifest(head: bytes | memoryview, what: str) -> ManifestHead:

@@ -27,7 +27,7 @@ import zstandard
 from . import durable
 from .format import (
     BLOCK_BYTES, DTYPES, STAR, CapturePrefix, ChildRef, ManifestHead, Publisher, RegionDecl, ShardRef, SliceRecord, aligned, block_count,
-    block_digests, blocked, canonical_json, check_name, digest_bytes, digest_of_blocks, encode_head, hash_blocks,
+    block_digests, blocked, check_json_value, check_name, digest_bytes, digest_of_blocks, encode_head, hash_blocks,
     manifest_header, schema_digest_of, shard_header,
 )
 from .errors import Refusal, RefusalCode
@@ -623,7 +623,8 @@ def publish_slices(store: Store, prefix: CapturePrefix, regions: Sequence[Region
     """
     with store.pending_publish(prefix.run, prefix.step):  # gc spares what this publish writes or reuses
         shard_refs = write_shards(store, prefix, regions, shards, carry=carry, check_finite=not forged)
-        check = None if forged else (lambda m: check_root_manifest(m, shard_refs, f"root manifest {m.digest[:16]}..."))
+        check = None if forged else (lambda m: check_root_manifest(m, shard_refs, f"root manifest {m.digest[:16]}...",
+                                                                   metadata=metadata))
         root, root_size = write_manifest(store, prefix, regions, shard_refs, owners, metadata, state=state, check=check)
         total = root_size + sum(s.size for s in shard_refs)
         record = store.publish_ref(prefix, root, root_size, total, owners=owners, follows=follows, fence=not forged)
@@ -637,7 +638,7 @@ def save_state(state: Mapping[str, Any] | CapturedState, *, store: Store, prefix
     """Publish ``state`` (anything :func:`alpha_ckpt.state.capture_state` takes, or what it returned)."""
     check_name(prefix.run, "run")
     check_name(prefix.step, "step")
-    canonical_json(metadata)  # refuse non-JSON metadata before writing anything
+    check_json_value(metadata, "metadata")  # refused before writing anything: a reader gets it back as given
     history = store.history(prefix.run, prefix.step, whole=False)
     if not (history.newest is not None and history.newest.prefix == prefix):  # decided by its root, at publish
         check_fence(history, prefix, None)  # a save the history refuses writes nothing (publish checks again)

@@ -62,7 +62,8 @@ from ..device import check_devices, current_device
 from ..durable import fault_point
 from ..errors import (DurableWriteError, PublishConflict, PublishFailed, Refusal, RefusalCode, StoreUsageError,
                       UsageError)
-from ..format import (CapturePrefix, DTYPES, RegionDecl, ShardRef, block_digests, canonical_json, check_name,
+from ..format import (CapturePrefix, DTYPES, RegionDecl, ShardRef, block_digests, canonical_json,
+                      check_json_value, check_name,
                       joined_digest)
 from ..gc import retain_newest
 from ..planner import Hierarchy, Piece, WantedSlice, owners_holding, shares
@@ -137,7 +138,10 @@ class Checkpointer:
         if not (commit_timeout > 0 and math.isfinite(commit_timeout)):
             raise UsageError(f"commit_timeout is a positive number of seconds, not {commit_timeout!r}")
         metadata = dict(metadata or {})
-        canonical_json(metadata)
+        try:
+            check_json_value(metadata, "metadata")  # what a restore reads back is what was given
+        except ValueError as exc:
+            raise UsageError(f"Checkpointer: {exc}") from None
         if set(metadata) & {"identity", "owners", "devices", "layout", PLACEMENT_KEY}:
             raise UsageError("metadata= may not set identity, owners, devices, layout or placement_patterns (the "
                              "Checkpointer records them)")
@@ -454,7 +458,8 @@ class Checkpointer:
                                         self._metadata(layout), state=layout["state"],
                                         check=lambda m: check_root_manifest(m, shard_refs, f"root manifest "
                                                                             f"{m.digest[:16]}...",
-                                                                            identity=self.identity))
+                                                                            identity=self.identity,
+                                                                            metadata=self._metadata(layout)))
             record = self.store.publish_ref(prefix, root, size, size + sum(s.size for s in shard_refs),
                                             owners=self.world, follows=self.follows)
             return {"ok": True, "root": root, "generation": record.generation, "bytes": record.bytes}
@@ -471,7 +476,7 @@ class Checkpointer:
         role = TreeRole(self.store, self.hierarchy, self.rank, GroupTransport(group), timeout=self.commit_timeout,
                         carry=self._carry, tamper=self.tree_tamper,
                         check_root=lambda m: check_root_manifest(m, None, f"root manifest {m.digest[:16]}...",
-                                                                 identity=self.identity))
+                                                                 identity=self.identity, metadata=metadata))
         written: dict[tuple, str] = {}
         try:
             failure = role.write_own(prefix, regions, [parts] if parts else [], digests_out=written,

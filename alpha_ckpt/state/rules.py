@@ -15,7 +15,7 @@ pattern says so.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 from .capture import matches_any, pattern_list
 

@@ -283,3 +283,20 @@ def test_allow_nonfinite_given_as_one_string_is_one_pattern_and_a_nan_weight_is_
                            store=tmp_path / "one", run="r", step="train", update=1, cursor=0, epoch=0,
                            allow_nonfinite="*.mask")
     alpha_ckpt.verify(tmp_path / "one", root)
+
+
+# ---------------------------------------------------------------- metadata
+
+
+def test_metadata_that_would_read_back_as_another_value_is_a_usage_error_before_anything_is_written(tmp_path):
+    for metadata in ({"betas": (0.9, 0.95)}, {"by_rank": {0: "a"}}):
+        with pytest.raises(StoreUsageError, match="metadata"):
+            alpha_ckpt.save({"w": torch.ones(2)}, store=tmp_path / "store", run="r", step="train", update=1,
+                            cursor=0, epoch=0, metadata=metadata)
+    assert _refs(tmp_path / "store") == [] and _objects(tmp_path / "store") == []
+    with pytest.raises(StoreUsageError, match="metadata"):  # refused before the process group is touched
+        Checkpointer(str(tmp_path / "store"), run="r", metadata={"betas": (0.9, 0.95)})
+    root = alpha_ckpt.save({"w": torch.ones(2)}, store=tmp_path / "store", run="r", step="train", update=1,
+                           cursor=0, epoch=0, metadata={"betas": [0.9, 0.95]})
+    assert alpha_ckpt.load({"w": torch.zeros(2)}, store=tmp_path / "store", digest=root).metadata == \
+        {"betas": [0.9, 0.95]}
