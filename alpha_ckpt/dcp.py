@@ -58,7 +58,7 @@ from torch.futures import Future
 from .api import _prefix as counters
 from .errors import Refusal, RefusalCode
 from .format import DTYPES, CapturePrefix, RegionDecl, ShardRef, canonical_json, check_name, digest_bytes
-from .manifest import dtype_name, torch_dtype
+from .manifest import check_root_manifest, dtype_name, torch_dtype
 from .planner import Piece, WantedSlice
 from .restore import PreparedRestore, check_structure, latest_generation, open_generation
 from .state.capture import matches_any, pattern_list
@@ -526,8 +526,13 @@ class StorageWriter(_DcpStorageWriter):
             check_metadata(metadata, regions, f"DCP save of update {self.update}")  # what every load checks
             prefix = CapturePrefix(self.run, self.step, self.update, self.cursor, epoch)
             world = len(results)  # the ranks that saved (1 under no_dist=True, whatever the group)
-            root, size = write_manifest(store, prefix, regions, list(shards.values()), world,
-                                        {DCP_KEY: encode_metadata(metadata)})
+            records = list(shards.values())
+
+            def check(manifest) -> None:  # what every reader runs, before the ref
+                check_root_manifest(manifest, records, f"root manifest {manifest.digest[:16]}...")
+                check_generation(manifest)
+            root, size = write_manifest(store, prefix, regions, records, world, {DCP_KEY: encode_metadata(metadata)},
+                                        check=check)
             record = store.publish_ref(prefix, root, size, size + sum(s.size for s in shards.values()),
                                        owners=world, follows=follows)
             _CHAINS[_chain_key(store, self.run, self.step)] = _Chain(epoch, record.generation)

@@ -218,6 +218,12 @@ def check_root_manifest(manifest: ManifestHead, records: Iterable[ShardRef] | No
     check_counters(manifest.prefix, what)
     check_region_names(manifest.regions, what)
     if records is not None:
+        records = list(records)
+        seen: set[str] = set()
+        for r in records:  # a reader opens each shard once: a second record of one object is another claim
+            if r.digest in seen:
+                raise Refusal(RefusalCode.COVERAGE, f"{what}: shard {r.digest[:16]}... is named twice by the manifest")
+            seen.add(r.digest)
         check_coverage(manifest.regions, ((o, lo, hi, f"shard {r.digest[:16]}...")
                                           for r in records for (o, lo, hi) in r.slices), what)
     if identity is not _UNCHECKED:

@@ -8,7 +8,7 @@ import torch
 
 import alpha_ckpt
 from alpha_ckpt import Checkpointer, Partitioned, PerRank, Refusal, RefusalCode
-from alpha_ckpt.errors import StoreUsageError
+from alpha_ckpt.errors import StoreUsageError, UsageError
 from alpha_ckpt.format import CapturePrefix, RegionDecl
 from alpha_ckpt.planner import Piece
 from alpha_ckpt.store import Store
@@ -294,7 +294,7 @@ def test_metadata_that_would_read_back_as_another_value_is_a_usage_error_before_
             alpha_ckpt.save({"w": torch.ones(2)}, store=tmp_path / "store", run="r", step="train", update=1,
                             cursor=0, epoch=0, metadata=metadata)
     assert _refs(tmp_path / "store") == [] and _objects(tmp_path / "store") == []
-    with pytest.raises(StoreUsageError, match="metadata"):  # refused before the process group is touched
+    with pytest.raises(UsageError, match="metadata"):  # refused before the process group is touched
         Checkpointer(str(tmp_path / "store"), run="r", metadata={"betas": (0.9, 0.95)})
     root = alpha_ckpt.save({"w": torch.ones(2)}, store=tmp_path / "store", run="r", step="train", update=1,
                            cursor=0, epoch=0, metadata={"betas": [0.9, 0.95]})
