@@ -546,9 +546,20 @@ class _Payloads:
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="alpha-ckpt-verify")
         prefetcher.start()
         try:
-            futures = [(key, pool.submit(one, key, prefetcher.waiter(key))) for key in order]
-            for key, future in futures:
-                results[key] = future.result()
+            # Small slices are verified in batches (one task per ~1 MiB, not one per tensor), in order.
+            batches: list[list[tuple]] = [[]]
+            filled = 0
+            for key in order:
+                if batches[-1] and (filled >= _VERIFY_BATCH_BYTES or len(batches[-1]) >= _VERIFY_BATCH_SLICES):
+                    batches.append([])
+                    filled = 0
+                batches[-1].append((key, prefetcher.waiter(key)))
+                first, last = span_of(key)
+                filled += last - first
+            futures = [(batch, pool.submit(lambda b: [one(key, wait) for key, wait in b], batch))
+                       for batch in batches if batch]
+            for batch, future in futures:
+                results.update(zip((key for key, _ in batch), future.result()))
         finally:
             # On a refusal, stop reading and drop the queued slices at once.
             prefetcher.stop()
@@ -557,6 +568,10 @@ class _Payloads:
 
     def release(self) -> None:
         self._views.clear()
+
+
+_VERIFY_BATCH_BYTES = 1 << 20
+_VERIFY_BATCH_SLICES = 4096
 
 
 def payload_bytes(generation: Generation) -> int:
