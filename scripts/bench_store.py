@@ -1937,7 +1937,7 @@ def many_save_restore(name: str, top: str):
 
 def run_many_tensors(args: argparse.Namespace, top: str) -> dict:
     counts = sorted(set(args.many_counts))
-    methods = MANY_METHODS
+    methods = tuple(m for m in MANY_METHODS if m in (args.many_methods or MANY_METHODS))
     # The Checkpointer is collective: one rank of gloo, set up here and torn down at the end.
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(top, 'many-rendezvous')}", rank=0, world_size=1)
     times = {n: {m: {"save": [], "load": []} for m in methods} for n in counts}
@@ -1990,24 +1990,26 @@ def run_many_tensors(args: argparse.Namespace, top: str) -> dict:
 
 
 def report_many_tensors(args: argparse.Namespace, counts: list[int], nbytes: dict, times: dict, verified: int) -> dict:
-    med = {n: {m: {k: median(v) for k, v in times[n][m].items()} for m in times[n]} for n in counts}
+    methods = tuple(times[counts[0]])
+    med = {n: {m: {k: median(v) for k, v in times[n][m].items()} for m in methods} for n in counts}
+    ours = [m for m in ("ckpt", "ours") if m in methods]
     ratios, met = {}, {}
-    targets = {f"{m}_{p}/torch_{p}": ("<=", 3.0) for m in ("ckpt", "ours") for p in ("save", "load")}
+    targets = {f"{m}_{p}/torch_{p}": ("<=", 3.0) for m in ours for p in ("save", "load")}
     print()
     print(f"many-tensors: medians over {args.reps} rep(s), seconds")
-    print(f"{'tensors':>8} {'MB':>8}  " + "  ".join(f"{m + ' save':>10} {m + ' load':>10}" for m in MANY_METHODS))
+    print(f"{'tensors':>8} {'MB':>8}  " + "  ".join(f"{m + ' save':>10} {m + ' load':>10}" for m in methods))
     for n in counts:
         print(f"{n:>8,} {nbytes[n] / 1e6:8.2f}  " + "  ".join(f"{med[n][m]['save']:10.3f} {med[n][m]['load']:10.3f}"
-                                                           for m in MANY_METHODS))
+                                                           for m in methods))
     for n in counts:
         ratios[n] = {f"{m}_{p}/{b}_{p}": med[n][m][p] / med[n][b][p]
-                     for m in ("ckpt", "ours") for b in ("torch", "dcp") for p in ("save", "load")}
+                     for m in ours for b in ("torch", "dcp") if b in methods for p in ("save", "load")}
         met[n] = targets_met(ratios[n], targets)
         print()
         print(f"many-tensors: {n:,} tensors, ratios (of medians)")
         print_ratios(ratios[n], targets)
     keys = {n: str(n) for n in counts}
-    return {"counts": counts, "reps": args.reps, "warmup": args.warmup, "bytes": {keys[n]: nbytes[n] for n in counts},
+    return {"counts": counts, "methods": list(methods), "reps": args.reps, "warmup": args.warmup, "bytes": {keys[n]: nbytes[n] for n in counts},
             "median_s": {keys[n]: med[n] for n in counts}, "ratios": {keys[n]: ratios[n] for n in counts},
             "targets_met": {keys[n]: met[n] for n in counts}, "verified_restores": verified}
 
@@ -2091,6 +2093,9 @@ def main(argv: list[str] | None = None) -> dict | None:
                         "Checkpointer and alpha_ckpt.dcp against DCP on 2/4 ranks), or all of these (default: "
                         "store); many-tensors (states of --many-counts small tensors: ours against torch.save and "
                         "DCP) runs only when named")
+    p.add_argument("--many-methods", nargs="+", choices=MANY_METHODS, metavar="METHOD",
+                   help="many-tensors section: run only these of ckpt, ours, torch and dcp (torch and one of ours at "
+                        "least; default all), e.g. to leave out DCP, whose save grows fast with the tensor count")
     p.add_argument("--many-counts", type=int, nargs="+", default=[1000, 10000, 100000],
                    help="many-tensors section: tensor counts (default 1000 10000 100000)")
     p.add_argument("--reps", type=int, default=5, help="repetitions of the alternating method sequence (default 5)")
@@ -2138,6 +2143,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     if min(args.owners) < 1 or min(args.ckpt_ranks) < 1 or min(args.many_counts) < 1 or args.fanout < 1 \
             or args.compute_s < 0:
         p.error("--owners, --ckpt-ranks, --many-counts and --fanout must be positive, --compute-s non-negative")
+    if args.many_methods and not ("torch" in args.many_methods and {"ckpt", "ours"} & set(args.many_methods)):
+        p.error("--many-methods: torch and one of ckpt and ours at least")
     if args.tensors % 2 and ("checkpointer" in args.section or "all" in args.section):
         p.error("the checkpointer section splits --tensors into replicated and partitioned halves: it must be even")
     return run(args)
