@@ -2021,6 +2021,7 @@ NAMED_SECTIONS = ("many-tensors",)  # run only when named, not by "all"
 def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     sections = SECTIONS if "all" in args.section else tuple(s for s in SECTIONS if s in args.section)
+    sections += tuple(s for s in NAMED_SECTIONS if s in args.section)
     base = args.dir if args.dir else default_base_dir()
     os.makedirs(base, exist_ok=True)
     top = tempfile.mkdtemp(prefix="bench_store.", dir=base)
@@ -2037,9 +2038,10 @@ def run(args: argparse.Namespace) -> dict:
         nbytes = args.size_mib * MiB
         numel = nbytes // (4 * args.tensors)
 
-        print(f"bench_store: sections {', '.join(sections)}; {args.tensors} x float32[{numel}] = {nbytes / MiB:.0f} MiB "
-              f"({nbytes / 1e9:.3f} GB), {args.reps} rep(s) after {args.warmup} warm-up round(s), seed {args.seed} "
-              f"(state built in {gen_s:.1f} s)")
+        sized = "" if sections == NAMED_SECTIONS else \
+            f"; {args.tensors} x float32[{numel}] = {nbytes / MiB:.0f} MiB ({nbytes / 1e9:.3f} GB)"
+        print(f"bench_store: sections {', '.join(sections)}{sized}, {args.reps} rep(s) after {args.warmup} warm-up "
+              f"round(s), seed {args.seed} (state built in {gen_s:.1f} s)")
         print(f"  working dir {top}  (st_dev {os.stat(top).st_dev:#x}; repo st_dev {os.stat(REPO_ROOT).st_dev:#x})")
         code = code_under_test()
         print(f"  alpha_ckpt {alpha_ckpt.__version__} at commit {code['commit']}, uncommitted: {', '.join(code['dirty']) or 'none'}"
@@ -2055,7 +2057,6 @@ def run(args: argparse.Namespace) -> dict:
               f"{', '.join(f'{r:.0f}' for r in machine['resident_memory_touch_GBps'])} GB/s")
         sys.stdout.flush()
 
-        sections += tuple(s for s in NAMED_SECTIONS if s in args.section)
         result: dict = {"sections": list(sections), "code": code, "machine": machine}
         if "store" in sections:
             result.update(run_store(args, state, dest, top, code))  # top level, as before the other sections
