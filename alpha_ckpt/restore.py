@@ -154,9 +154,11 @@ def _tree_manifests(store: Store, root: ManifestHead, roles: Sequence[int] | Non
     return sorted(out, key=lambda g: g.publisher.role)  # preorder: the root first, a path top-down
 
 
-def _holds_any(record: ShardRef, wanted: Sequence[WantedSlice]) -> bool:
-    return any(o == w.ordinal and lo < w.hi and w.lo < hi and hi > lo
-               for (o, lo, hi) in record.slices for w in wanted)
+def _holds_any(record: ShardRef, wanted: Mapping[int, Sequence[tuple[int, int]]]) -> bool:
+    """Whether the record holds a word of ``wanted`` ((lo, hi) ranges by ordinal: each slice looks
+    only at its own region's ranges, never at every wanted slice)."""
+    return any(lo < w_hi and w_lo < hi and hi > lo
+               for (o, lo, hi) in record.slices for w_lo, w_hi in wanted.get(o, ()))
 
 
 def open_generation(store: Store, root: str, ref: RefRecord | None = None, *,
@@ -195,7 +197,10 @@ def open_generation(store: Store, root: str, ref: RefRecord | None = None, *,
         groups, records = [manifest], list(manifest.shards)
     every_record = records
     if wanted is not None:
-        records = [r for r in records if _holds_any(r, wanted)]
+        by_ordinal: dict[int, list[tuple[int, int]]] = {}
+        for w in wanted:
+            by_ordinal.setdefault(w.ordinal, []).append((w.lo, w.hi))
+        records = [r for r in records if _holds_any(r, by_ordinal)]
     shards: dict[str, tuple[ObjectFile, ShardHead]] = {}
     try:
         for record in records:
