@@ -92,8 +92,10 @@ def _reject_constant(name):
 
 def parse_canonical_json(data: bytes, what: str) -> Any:
     """Parse JSON we wrote; anything not in our canonical form is refused as ``format``."""
+    # Parsed with the C decoder's own dicts: a duplicate key cannot survive the canonical re-encoding
+    # below (the dict keeps one of them), and only a header that fails it is parsed again to name it.
     try:
-        obj = json.loads(data.decode("ascii"), object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant)
+        obj = json.loads(data.decode("ascii"), parse_constant=_reject_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise Refusal(RefusalCode.FORMAT, f"{what}: header is not valid canonical JSON ({exc})") from None
     try:
@@ -101,6 +103,10 @@ def parse_canonical_json(data: bytes, what: str) -> Any:
     except (ValueError, TypeError, RecursionError) as exc:
         raise Refusal(RefusalCode.FORMAT, f"{what}: header is not canonical JSON ({exc})") from None
     if again != bytes(data):
+        try:
+            json.loads(data.decode("ascii"), object_pairs_hook=_no_duplicate_keys)
+        except ValueError as exc:
+            raise Refusal(RefusalCode.FORMAT, f"{what}: header is not valid canonical JSON ({exc})") from None
         raise Refusal(RefusalCode.FORMAT, f"{what}: header is not in canonical JSON form")
     return obj
 

@@ -154,9 +154,11 @@ def _tree_manifests(store: Store, root: ManifestHead, roles: Sequence[int] | Non
     return sorted(out, key=lambda g: g.publisher.role)  # preorder: the root first, a path top-down
 
 
-def _holds_any(record: ShardRef, wanted: Sequence[WantedSlice]) -> bool:
-    return any(o == w.ordinal and lo < w.hi and w.lo < hi and hi > lo
-               for (o, lo, hi) in record.slices for w in wanted)
+def _holds_any(record: ShardRef, wanted: Mapping[int, Sequence[tuple[int, int]]]) -> bool:
+    """Whether the record holds a word of ``wanted`` ((lo, hi) ranges by ordinal: each slice looks
+    only at its own region's ranges, never at every wanted slice)."""
+    return any(lo < w_hi and w_lo < hi and hi > lo
+               for (o, lo, hi) in record.slices for w_lo, w_hi in wanted.get(o, ()))
 
 
 def open_generation(store: Store, root: str, ref: RefRecord | None = None, *,
@@ -195,7 +197,10 @@ def open_generation(store: Store, root: str, ref: RefRecord | None = None, *,
         groups, records = [manifest], list(manifest.shards)
     every_record = records
     if wanted is not None:
-        records = [r for r in records if _holds_any(r, wanted)]
+        by_ordinal: dict[int, list[tuple[int, int]]] = {}
+        for w in wanted:
+            by_ordinal.setdefault(w.ordinal, []).append((w.lo, w.hi))
+        records = [r for r in records if _holds_any(r, by_ordinal)]
     shards: dict[str, tuple[ObjectFile, ShardHead]] = {}
     try:
         for record in records:
@@ -549,9 +554,20 @@ class _Payloads:
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="alpha-ckpt-verify")
         prefetcher.start()
         try:
-            futures = [(key, pool.submit(one, key, prefetcher.waiter(key))) for key in order]
-            for key, future in futures:
-                results[key] = future.result()
+            # Small slices are verified in batches (one task per ~1 MiB, not one per tensor), in order.
+            batches: list[list[tuple]] = [[]]
+            filled = 0
+            for key in order:
+                if batches[-1] and (filled >= _VERIFY_BATCH_BYTES or len(batches[-1]) >= _VERIFY_BATCH_SLICES):
+                    batches.append([])
+                    filled = 0
+                batches[-1].append((key, prefetcher.waiter(key)))
+                first, last = span_of(key)
+                filled += last - first
+            futures = [(batch, pool.submit(lambda b: [one(key, wait) for key, wait in b], batch))
+                       for batch in batches if batch]
+            for batch, future in futures:
+                results.update(zip((key for key, _ in batch), future.result()))
         finally:
             # On a refusal, stop reading and drop the queued slices at once.
             prefetcher.stop()
@@ -560,6 +576,10 @@ class _Payloads:
 
     def release(self) -> None:
         self._views.clear()
+
+
+_VERIFY_BATCH_BYTES = 1 << 20
+_VERIFY_BATCH_SLICES = 4096
 
 
 def payload_bytes(generation: Generation) -> int:

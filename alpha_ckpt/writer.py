@@ -348,6 +348,56 @@ def _hash_and_check(view: memoryview, dtype: str, known: tuple[str, str | None] 
     return digest_of_blocks(listed), listed, bad
 
 
+def _hash_part(raw: memoryview, dtype: str, known: tuple[str, str | None] | None, check: bool,
+               ) -> tuple[str, str | None, int | None]:
+    """One raw part's (digest, block digests, first NaN/inf word or None; None unchecked)."""
+    if check:
+        return _hash_and_check(raw, dtype, known)
+    return (*(known or block_digests(raw)), None)
+
+
+_HASH_BATCH_BYTES = 1 << 20  # parts smaller than this are hashed in batches of about this many bytes
+_HASH_BATCH_PARTS = 4096
+
+
+class _Batch:
+    """Small parts hashed by one task; :meth:`add` gives a part's slot, whose ``result()`` is what
+    a future of the part's own would give."""
+
+    def __init__(self):
+        self.jobs: list[tuple] = []
+        self.bytes = 0
+        self.future: Future | None = None
+        self.results: list | None = None
+
+    def add(self, job: tuple) -> "_Slot":
+        self.jobs.append(job)
+        self.bytes += len(job[0])
+        return _Slot(self, len(self.jobs) - 1)
+
+    def full(self) -> bool:
+        return self.bytes >= _HASH_BATCH_BYTES or len(self.jobs) >= _HASH_BATCH_PARTS
+
+    def submit(self, pool: ThreadPoolExecutor) -> None:
+        jobs = self.jobs
+        self.future = pool.submit(lambda: [_hash_part(*job) for job in jobs])
+
+    def result(self, index: int):
+        if self.results is None:
+            self.results = self.future.result()
+        return self.results[index]
+
+
+class _Slot:
+    __slots__ = ("batch", "index")
+
+    def __init__(self, batch: _Batch, index: int):
+        self.batch, self.index = batch, index
+
+    def result(self):
+        return self.batch.result(self.index)
+
+
 def _refuse_non_finite(region: RegionDecl, piece: Piece, raw: memoryview, index: int) -> Refusal:
     value = word_value(raw, region.dtype, index)
     return Refusal(RefusalCode.NON_FINITE, f"region {region.name!r} word {piece.lo + index} is {value}: a restore "
@@ -421,13 +471,21 @@ def prepare_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regio
         records, payloads, head_len, end = layout()
         shard.size = end
         futures = []
+        batch = _Batch()  # small raw parts, hashed together: one task per batch, not one per tensor
         for record, stored, (piece, raw, _), digest in zip(records, payloads, parts, known):
-            if check_finite and not regions[piece.ordinal].nonfinite:
-                raw_f = pool.submit(_hash_and_check, raw, record.dtype, digest)
+            check = check_finite and not regions[piece.ordinal].nonfinite
+            if not check and digest is not None:
+                raw_f = _done((*digest, None))
+            elif len(raw) < _HASH_BATCH_BYTES:
+                raw_f = batch.add((raw, record.dtype, digest, check))
+                if batch.full():
+                    batch.submit(pool)
+                    batch = _Batch()
             else:
-                raw_f = _done((*digest, None)) if digest is not None else \
-                    pool.submit(lambda v: (*block_digests(v), None), raw)
+                raw_f = pool.submit(_hash_part, raw, record.dtype, digest, check)
             futures.append((raw_f, pool.submit(_hash, stored) if record.codec == "zstd" else None))
+        if batch.jobs:
+            batch.submit(pool)
 
         encoded_head: list[bytes] = []
 

@@ -2,7 +2,7 @@
 """Benchmark: save and restore one float32 state with alpha_ckpt, torch.save and DCP, against raw disk.
 
 Five sections, chosen with ``--section`` (default ``store``; ``all`` runs the
-five in turn, in one invocation):
+five in turn, in one invocation), and a sixth that runs only when named:
 
   store    one process: save and restore, ours against torch.save, DCP and raw disk
   stall    one process, a simulated training loop: the training stall of
@@ -15,6 +15,8 @@ five in turn, in one invocation):
   sharded  2 and 4 ranks: FSDP2-style sharded state (DTensors, Shard(0)): the
            Checkpointer (star, tree) and DCP with alpha_ckpt's storage
            (``alpha_ckpt.dcp``) against DCP's own FileSystemWriter/Reader
+  many-tensors  one process: states of many small tensors (``--many-counts``,
+           default 1,000, 10,000 and 100,000), ours against torch.save and DCP
 
 Section "store"
 ---------------
@@ -257,6 +259,28 @@ also adds ckpt-star-bf, the star writing buffered: beside ckpt-star in a run
 with ``ALPHA_CKPT_WRITE_MODE=auto`` or ``direct`` it shows what the writing
 mode costs the save and the next restore.
 
+Section "many-tensors"
+----------------------
+What costs per tensor rather than per byte: for each count in ``--many-counts``,
+a state of that many tensors shaped like an MoE model's experts with their Adam
+state (per expert a float32 [32, 16] weight and [32] bias, an exp_avg and
+exp_avg_sq of each, and a 0-dim int64 step of each: mostly tiny tensors, about
+0.8 KiB each on average), in a ``model`` and an ``optim`` dict. Each round runs
+every method once, the order rotated by one method each round; each restore
+goes into preallocated tensors (overwritten before it) and is compared with
+``torch.equal``.
+
+  ckpt     ``alpha_ckpt.Checkpointer`` on a 1-rank gloo group (created, and
+           restored with None, untimed): ``save`` and ``restore(dest, root)``
+  ours     ``alpha_ckpt.save`` / ``alpha_ckpt.load``, as in the store section
+  torch    ``torch.save`` with fsync of the file and its directory /
+           ``torch.load(weights_only=True)`` then ``copy_``, as in the store section
+  dcp      ``dcp.save`` / ``dcp.load`` (on the 1-rank group), as in the store section
+
+Both of ours hash every byte with BLAKE3 and fsync everything they write, as
+always. Reported per count: medians, and ours over torch and over DCP (target:
+at most 3x torch.save and torch.load).
+
 Every section ends with its tables; the last line is one JSON object with
 every median and ratio (the store section's keys at the top level, as before
 the other sections existed; ``stall``, ``owners``, ``checkpointer`` and ``sharded`` beside them).
@@ -270,6 +294,7 @@ Usage::
     python scripts/bench_store.py --reps 3 --section checkpointer     # Checkpointer against DCP, 2 and 4 ranks
     python scripts/bench_store.py --reps 3 --section sharded          # DTensor state: Checkpointer, alpha_ckpt.dcp, DCP
     python scripts/bench_store.py --size-mib 64 --reps 1 --warmup 0 --section all   # smoke run of all
+    python scripts/bench_store.py --reps 3 --section many-tensors     # 1,000 / 10,000 / 100,000 small tensors
 """
 from __future__ import annotations
 
@@ -1848,12 +1873,155 @@ def report_checkpointer(args: argparse.Namespace, result: dict) -> dict:
 
 # ---------------------------------------------------------------- driver
 
+# ---------------------------------------------------------------- section "many-tensors"
+# One process, states of many small tensors (an MoE model's experts with their per-parameter
+# optimizer state): what costs per tensor, not per byte, shows here.
+
+MANY_METHODS = ("ckpt", "ours", "torch", "dcp")
+
+
+def many_tensors_state(count: int, seed: int) -> dict:
+    """``count`` tensors, mostly tiny: per expert a [32, 16] weight, a [32] bias, their Adam moments and a
+    0-dim step counter, in a model and an optimizer dict (float32; the steps int64)."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = ((32, 16), (32,))  # weight, bias; each has exp_avg, exp_avg_sq and a step: 8 tensors per expert
+    model, optim = {}, {}
+    for i in range(count):
+        expert, slot = divmod(i, 8)
+        param, kind = divmod(slot, 4)
+        shape = shapes[param]
+        name = f"experts.{expert}.{'weight' if param == 0 else 'bias'}"
+        if kind == 0:
+            model[name] = torch.randn(shape, generator=gen)
+        elif kind == 3:
+            optim[f"{name}.step"] = torch.tensor(expert, dtype=torch.int64)
+        else:
+            optim[f"{name}.{'exp_avg' if kind == 1 else 'exp_avg_sq'}"] = torch.randn(shape, generator=gen)
+    return {"model": model, "optim": optim}
+
+
+def nested_tensors(state: dict) -> list[tuple[str, torch.Tensor]]:
+    return [(f"{k}.{n}", t) for k, part in state.items() for n, t in part.items()]
+
+
+def many_save_restore(name: str, top: str):
+    """(save(state, workdir, rep) -> handle, restore(dest, workdir, handle)) of a many-tensors method."""
+    if name == "ckpt":
+        def save(state, workdir, rep):
+            ckpt = alpha_ckpt.Checkpointer(workdir, run="bench", step="fit")  # untimed: created once per job
+            ckpt.restore(state, None)
+            t = time.perf_counter()
+            root = ckpt.save(state, update=rep)
+            elapsed = time.perf_counter() - t
+            return (ckpt, root), elapsed
+
+        def restore(dest, workdir, handle):
+            ckpt, root = handle
+            try:
+                ckpt.restore(dest, root)
+            finally:
+                ckpt.close()
+        return save, restore
+    if name == "ours":
+        return ours_save, ours_restore
+    if name == "torch":
+        def torch_restore_nested(dest, workdir, path):
+            loaded = torch.load(path, weights_only=True)
+            with torch.no_grad():
+                for k, part in dest.items():
+                    for n, t in part.items():
+                        t.copy_(loaded[k][n])
+        return torch_save, torch_restore_nested
+    return dcp_save, dcp_restore
+
+
+def run_many_tensors(args: argparse.Namespace, top: str) -> dict:
+    counts = sorted(set(args.many_counts))
+    methods = tuple(m for m in MANY_METHODS if m in (args.many_methods or MANY_METHODS))
+    # The Checkpointer is collective: one rank of gloo, set up here and torn down at the end.
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(top, 'many-rendezvous')}", rank=0, world_size=1)
+    times = {n: {m: {"save": [], "load": []} for m in methods} for n in counts}
+    nbytes, verified = {}, 0
+    print()
+    print(f"== section many-tensors: {', '.join(f'{n:,}' for n in counts)} small tensors, one process (the "
+          f"Checkpointer on a 1-rank gloo group); methods {', '.join(methods)}, each round in the next rotation of "
+          f"that order; every save hashed and fsynced as always (ours), torch.save fsyncs its file and directory",
+          flush=True)
+    try:
+        for n in counts:
+            state = many_tensors_state(n, args.seed)
+            dest = {k: {name: torch.empty_like(t) for name, t in part.items()} for k, part in state.items()}
+            flat_src, flat_dest = dict(nested_tensors(state)), dict(nested_tensors(dest))
+            nbytes[n] = sum(t.numel() * t.element_size() for t in flat_src.values())
+            for rnd in range(args.warmup + args.reps):
+                timed = rnd >= args.warmup
+                label = f"rep {rnd - args.warmup}" if timed else "warm-up"
+                order = methods[rnd % len(methods):] + methods[:rnd % len(methods)]
+                for name in order:
+                    save, restore = many_save_restore(name, top)
+                    workdir = os.path.join(top, f"many-{n}-{name}-{rnd}")
+                    os.mkdir(workdir)
+                    os.sync()
+                    gc.collect()
+                    t = time.perf_counter()
+                    handle = save(state, workdir, rnd)
+                    save_s = time.perf_counter() - t
+                    if name == "ckpt":
+                        handle, save_s = handle
+                    for t in flat_dest.values():
+                        t.fill_(-1)
+                    if args.cold:
+                        evicted(workdir)
+                    gc.collect()
+                    t = time.perf_counter()
+                    restore(dest, workdir, handle)
+                    load_s = time.perf_counter() - t
+                    check_equal(name, flat_src, flat_dest)
+                    verified += 1
+                    if timed:
+                        times[n][name]["save"].append(save_s)
+                        times[n][name]["load"].append(load_s)
+                    shutil.rmtree(workdir)
+                    os.sync()
+                    print(f"  {n:>7,}  {label:<7}  {name:<5} save {save_s:8.3f} s   restore {load_s:8.3f} s", flush=True)
+    finally:
+        dist.destroy_process_group()
+    return report_many_tensors(args, counts, nbytes, times, verified)
+
+
+def report_many_tensors(args: argparse.Namespace, counts: list[int], nbytes: dict, times: dict, verified: int) -> dict:
+    methods = tuple(times[counts[0]])
+    med = {n: {m: {k: median(v) for k, v in times[n][m].items()} for m in methods} for n in counts}
+    ours = [m for m in ("ckpt", "ours") if m in methods]
+    ratios, met = {}, {}
+    targets = {f"{m}_{p}/torch_{p}": ("<=", 3.0) for m in ours for p in ("save", "load")}
+    print()
+    print(f"many-tensors: medians over {args.reps} rep(s), seconds")
+    print(f"{'tensors':>8} {'MB':>8}  " + "  ".join(f"{m + ' save':>10} {m + ' load':>10}" for m in methods))
+    for n in counts:
+        print(f"{n:>8,} {nbytes[n] / 1e6:8.2f}  " + "  ".join(f"{med[n][m]['save']:10.3f} {med[n][m]['load']:10.3f}"
+                                                           for m in methods))
+    for n in counts:
+        ratios[n] = {f"{m}_{p}/{b}_{p}": med[n][m][p] / med[n][b][p]
+                     for m in ours for b in ("torch", "dcp") if b in methods for p in ("save", "load")}
+        met[n] = targets_met(ratios[n], targets)
+        print()
+        print(f"many-tensors: {n:,} tensors, ratios (of medians)")
+        print_ratios(ratios[n], targets)
+    keys = {n: str(n) for n in counts}
+    return {"counts": counts, "methods": list(methods), "reps": args.reps, "warmup": args.warmup, "bytes": {keys[n]: nbytes[n] for n in counts},
+            "median_s": {keys[n]: med[n] for n in counts}, "ratios": {keys[n]: ratios[n] for n in counts},
+            "targets_met": {keys[n]: met[n] for n in counts}, "verified_restores": verified}
+
+
 SECTIONS = ("store", "stall", "owners", "checkpointer", "sharded")
+NAMED_SECTIONS = ("many-tensors",)  # run only when named, not by "all"
 
 
 def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     sections = SECTIONS if "all" in args.section else tuple(s for s in SECTIONS if s in args.section)
+    sections += tuple(s for s in NAMED_SECTIONS if s in args.section)
     base = args.dir if args.dir else default_base_dir()
     os.makedirs(base, exist_ok=True)
     top = tempfile.mkdtemp(prefix="bench_store.", dir=base)
@@ -1870,9 +2038,10 @@ def run(args: argparse.Namespace) -> dict:
         nbytes = args.size_mib * MiB
         numel = nbytes // (4 * args.tensors)
 
-        print(f"bench_store: sections {', '.join(sections)}; {args.tensors} x float32[{numel}] = {nbytes / MiB:.0f} MiB "
-              f"({nbytes / 1e9:.3f} GB), {args.reps} rep(s) after {args.warmup} warm-up round(s), seed {args.seed} "
-              f"(state built in {gen_s:.1f} s)")
+        sized = "" if sections == NAMED_SECTIONS else \
+            f"; {args.tensors} x float32[{numel}] = {nbytes / MiB:.0f} MiB ({nbytes / 1e9:.3f} GB)"
+        print(f"bench_store: sections {', '.join(sections)}{sized}, {args.reps} rep(s) after {args.warmup} warm-up "
+              f"round(s), seed {args.seed} (state built in {gen_s:.1f} s)")
         print(f"  working dir {top}  (st_dev {os.stat(top).st_dev:#x}; repo st_dev {os.stat(REPO_ROOT).st_dev:#x})")
         code = code_under_test()
         print(f"  alpha_ckpt {alpha_ckpt.__version__} at commit {code['commit']}, uncommitted: {', '.join(code['dirty']) or 'none'}"
@@ -1905,6 +2074,10 @@ def run(args: argparse.Namespace) -> dict:
             state = dest = None
             gc.collect()
             result["sharded"] = run_checkpointer(args, top, sharded=True)
+        if "many-tensors" in args.section:
+            state = dest = None
+            gc.collect()
+            result["many-tensors"] = run_many_tensors(args, top)
     finally:
         shutil.rmtree(top, ignore_errors=True)
     print()
@@ -1914,11 +2087,18 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> dict | None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--section", nargs="+", choices=SECTIONS + ("all",), default=["store"],
+    p.add_argument("--section", nargs="+", choices=SECTIONS + NAMED_SECTIONS + ("all",), default=["store"],
                    help="what to measure: store (one process, save/restore against torch, DCP and raw disk), stall "
                         "(training stall of synchronous and asynchronous saves), owners (1/2/4 owner processes), "
                         "checkpointer (the collective Checkpointer against DCP on 2/4 ranks), sharded (DTensor state: "
-                        "Checkpointer and alpha_ckpt.dcp against DCP on 2/4 ranks), or all (default: store)")
+                        "Checkpointer and alpha_ckpt.dcp against DCP on 2/4 ranks), or all of these (default: "
+                        "store); many-tensors (states of --many-counts small tensors: ours against torch.save and "
+                        "DCP) runs only when named")
+    p.add_argument("--many-methods", nargs="+", choices=MANY_METHODS, metavar="METHOD",
+                   help="many-tensors section: run only these of ckpt, ours, torch and dcp (torch and one of ours at "
+                        "least; default all), e.g. to leave out DCP, whose save grows fast with the tensor count")
+    p.add_argument("--many-counts", type=int, nargs="+", default=[1000, 10000, 100000],
+                   help="many-tensors section: tensor counts (default 1000 10000 100000)")
     p.add_argument("--reps", type=int, default=5, help="repetitions of the alternating method sequence (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds of every method before the timed ones (default 1)")
     p.add_argument("--size-mib", type=int, default=1024, help="total state size in MiB (default 1024)")
@@ -1961,8 +2141,11 @@ def main(argv: list[str] | None = None) -> dict | None:
         return None
     if args.reps < 1 or args.size_mib < 1 or args.tensors < 1 or args.warmup < 0 or args.prefault < 0:
         p.error("--reps, --size-mib and --tensors must be positive, --warmup and --prefault non-negative")
-    if min(args.owners) < 1 or min(args.ckpt_ranks) < 1 or args.fanout < 1 or args.compute_s < 0:
-        p.error("--owners, --ckpt-ranks and --fanout must be positive, --compute-s non-negative")
+    if min(args.owners) < 1 or min(args.ckpt_ranks) < 1 or min(args.many_counts) < 1 or args.fanout < 1 \
+            or args.compute_s < 0:
+        p.error("--owners, --ckpt-ranks, --many-counts and --fanout must be positive, --compute-s non-negative")
+    if args.many_methods and not ("torch" in args.many_methods and {"ckpt", "ours"} & set(args.many_methods)):
+        p.error("--many-methods: torch and one of ckpt and ours at least")
     if args.tensors % 2 and ("checkpointer" in args.section or "all" in args.section):
         p.error("the checkpointer section splits --tensors into replicated and partitioned halves: it must be even")
     return run(args)

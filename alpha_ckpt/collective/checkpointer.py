@@ -399,9 +399,12 @@ class Checkpointer:
         cuts when it was cut into several shards), and the others'."""
         by_name = {r.name: r for r in regions}
         digests = dict(others.result())
+        by_ordinal: dict[int, list[tuple[int, int, str]]] = {}  # one pass over the pieces, not one per replica
+        for (o, lo, hi), d in written.items():
+            by_ordinal.setdefault(o, []).append((lo, hi, d))
         for name, view in wrote.items():
             region = by_name[name]
-            cuts = sorted((lo, hi, d) for (o, lo, hi), d in written.items() if o == region.ordinal)
+            cuts = sorted(by_ordinal.get(region.ordinal, ()))
             covered = [lo for lo, _, _ in cuts] == [0] + [hi for _, hi, _ in cuts[:-1]] and \
                 bool(cuts) and cuts[-1][1] == region.words
             digests[name] = joined_digest([d for *_, d in cuts]) if covered else block_digests(view)[0]
