@@ -444,12 +444,17 @@ class StorageWriter(_DcpStorageWriter):
     def _history(self, store: Store) -> tuple[int, int]:
         """(epoch, generation followed) of this save: what this process loaded or saved last, else epoch 0
         after the newest generation (a job that never loaded this run, as a Checkpointer that never restored)."""
-        chain = _CHAINS.get(_chain_key(store, self.run, self.step))
+        key = _chain_key(store, self.run, self.step)
+        chain = _CHAINS.get(key)
+        top = store.history(self.run, self.step, whole=False).top
+        if chain is not None and top == 0:  # the store was emptied or made anew: no history left to fork
+            del _CHAINS[key]
+            chain = None
         if chain is not None:
             if chain.stale:
                 raise Refusal(RefusalCode.STALE_EPOCH, chain.stale)
             return chain.epoch, chain.follows
-        return 0, store.history(self.run, self.step, whole=False).top  # an unreadable ref's number stays taken
+        return 0, top  # an unreadable ref's number stays taken
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         try:

@@ -783,3 +783,18 @@ def test_dcp_save_and_load_over_a_process_group_of_their_own_run_no_collective_o
     results = run_ranks(2, _save_and_load_over_a_subgroup, str(tmp_path / "store"), str(tmp_path / "marker"),
                         tmp=tmp_path, timeout=100)
     assert results[0]["equal"] and results[1] == {"waited_out": False}, results
+
+
+def test_a_store_emptied_and_made_anew_in_one_process_takes_a_dcp_save_as_a_fresh_history(tmp_path):
+    # The process's history of the run is fenced against the store it was saved in; a store removed and
+    # created again at the same path (its directory may get the same inode) holds nothing to fork.
+    import shutil
+    store = tmp_path / "store"
+    for update in (1, 2):
+        dcp.save({"w": torch.ones(3) * update}, storage_writer=StorageWriter(str(store), run="r", update=update),
+                 no_dist=True)
+    shutil.rmtree(store)
+    root = dcp.save({"w": torch.full((3,), 5.0)}, storage_writer=StorageWriter(str(store), run="r", update=1),
+                    no_dist=True).storage_meta.checkpoint_id
+    with Store(str(store), create=False) as s:
+        assert [(r.generation, r.prefix.update, r.root) for r in s.list_refs("r", "train")] == [(1, 1, root)]
