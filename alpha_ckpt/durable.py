@@ -293,6 +293,15 @@ def make_dirs_durable(parent_fd: int, names: Sequence[str]) -> None:
                                 f"making {', '.join(map(repr, names))} durable: {exc}") from exc
 
 
+def entry_exists(dir_fd: int, name: str) -> bool:
+    """Whether ``name`` is an entry of the directory ``dir_fd`` (a symlink is not followed)."""
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False
+
+
 def file_kind(mode: int) -> str:
     """What a directory entry of this mode is, in words (for messages about entries that are not ours)."""
     for test, kind in ((stat.S_ISDIR, "directory"), (stat.S_ISLNK, "symlink"), (stat.S_ISFIFO, "FIFO"),

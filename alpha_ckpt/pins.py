@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import durable
-from .durable import file_kind
+from .durable import entry_exists, file_kind
 from .errors import Refusal, RefusalCode
 from .format import canonical_json, check_name, is_digest, parse_canonical_json
 from .restore import open_generation, verify_generation
@@ -243,7 +243,7 @@ def _keep_ref(store: Store, record) -> None:
         raise Refusal(RefusalCode.FORMAT, f"refs/{where} is a symlink or not a directory") from exc
     if dir_fd is not None:
         try:
-            if _exists(dir_fd, name):
+            if entry_exists(dir_fd, name):
                 return
             for aside in sorted(n for n in os.listdir(dir_fd) if n.startswith(f"aside-{name}-")):
                 try:
@@ -254,20 +254,12 @@ def _keep_ref(store: Store, record) -> None:
                     return
                 except FileNotFoundError:  # put back or removed meanwhile
                     continue
-            if _exists(dir_fd, name):  # a gc put it back after the first look
+            if entry_exists(dir_fd, name):  # a gc put it back after the first look
                 return
         finally:
             os.close(dir_fd)
     raise Refusal(RefusalCode.MISSING_SHARD, f"generation {record.root} ({where} generation {record.generation}) "
                   "was removed by gc while it was being pinned")
-
-
-def _exists(dir_fd: int, name: str) -> bool:
-    try:
-        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        return True
-    except FileNotFoundError:
-        return False
 
 
 def unpin_generation(store: Store, root: str) -> bool:

@@ -521,23 +521,31 @@ class Store:
             return
         if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
             return
-        if self._quarantine_fd < 0:
-            self._quarantine_fd = durable.make_dir_durable(self._root_fd, QUARANTINE_DIR)
         name = f"{digest}-{int(time.time())}-{secrets.token_hex(4)}"
-        try:
-            # A fresh random name: a plain rename cannot replace anything, and it moves a directory too.
-            os.rename(digest, name, src_dir_fd=fan, dst_dir_fd=self._quarantine_fd)
-        except FileNotFoundError:
+        if not self._move_to_quarantine(fan, digest, name, f"object {digest}"):
             return
-        except OSError as exc:
-            raise DurableWriteError("quarantine", exc.errno or errno.EIO, f"setting aside object {digest}: {exc}") from exc
-        try:
-            durable.fsync_dir(self._quarantine_fd)
-            durable.fsync_dir(fan)
-        except OSError as exc:
-            raise DurableWriteError("dir-fsync", exc.errno or errno.EIO, f"setting aside object {digest}: {exc}") from exc
         _log(f"alpha_ckpt: store {self.root}: object {digest} was not reused: {problem}; "
              f"set aside as {QUARANTINE_DIR}/{name}, written again\n")
+
+    def _move_to_quarantine(self, dir_fd: int, name: str, aside: str, what: str) -> bool:
+        """Durably rename ``name`` in ``dir_fd`` to ``quarantine/aside`` (False: it was gone already).
+
+        A fresh random name: a plain rename cannot replace anything, and it moves a directory too.
+        """
+        if self._quarantine_fd < 0:
+            self._quarantine_fd = durable.make_dir_durable(self._root_fd, QUARANTINE_DIR)
+        try:
+            os.rename(name, aside, src_dir_fd=dir_fd, dst_dir_fd=self._quarantine_fd)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise DurableWriteError("quarantine", exc.errno or errno.EIO, f"setting aside {what}: {exc}") from exc
+        try:
+            durable.fsync_dir(self._quarantine_fd)
+            durable.fsync_dir(dir_fd)
+        except OSError as exc:
+            raise DurableWriteError("dir-fsync", exc.errno or errno.EIO, f"setting aside {what}: {exc}") from exc
+        return True
 
     def renew_object(self, digest: str) -> bool:
         """Renew an object's modification time (False if it is gone): gc then counts it as young."""
@@ -828,21 +836,10 @@ class Store:
             numbers = self._ref_numbers(dir_fd)
             if not (isinstance(entry, UnreadableRef) and entry.damaged and numbers and numbers[-1] > generation):
                 return None
-            if self._quarantine_fd < 0:
-                self._quarantine_fd = durable.make_dir_durable(self._root_fd, QUARANTINE_DIR)
             # Run and step names are long enough to overflow a name: the log line says where it came from.
             aside = f"ref-{generation:0{REF_DIGITS}d}-{int(time.time())}-{secrets.token_hex(4)}"
-            try:
-                os.rename(f"{generation:0{REF_DIGITS}d}", aside, src_dir_fd=dir_fd, dst_dir_fd=self._quarantine_fd)
-            except FileNotFoundError:
+            if not self._move_to_quarantine(dir_fd, f"{generation:0{REF_DIGITS}d}", aside, entry.name):
                 return None
-            except OSError as exc:
-                raise DurableWriteError("quarantine", exc.errno or errno.EIO, f"setting aside {entry.name}: {exc}") from exc
-            try:
-                durable.fsync_dir(self._quarantine_fd)
-                durable.fsync_dir(dir_fd)
-            except OSError as exc:
-                raise DurableWriteError("dir-fsync", exc.errno or errno.EIO, f"setting aside {entry.name}: {exc}") from exc
         finally:
             os.close(dir_fd)
         _log(f"alpha_ckpt: store {self.root}: ref {entry.name} cannot be read: {entry.refusal}; "

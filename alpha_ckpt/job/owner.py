@@ -338,7 +338,7 @@ class Owner:
             step_fd = durable.make_dir_durable(run_fd, self.config.step)
             tmp_fd = os.open("tmp", os.O_RDONLY | os.O_DIRECTORY, dir_fd=root_fd)
             try:
-                if not _exists(step_fd, name):
+                if not durable.entry_exists(step_fd, name):
                     durable.durable_commit(tmp_dir=tmp_fd, dest_dir=step_fd, write=lambda fd: write_all(fd, data),
                                            name=name, kind="output")
             except FileExistsError:
@@ -350,14 +350,6 @@ class Owner:
             os.close(root_fd)
         # Absolute: the line is read by whoever ran the job, maybe from another directory.
         return os.path.abspath(os.path.join(self.store.root, "outputs", self.config.run, self.config.step, name))
-
-
-def _exists(dir_fd: int, name: str) -> bool:
-    try:
-        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        return True
-    except FileNotFoundError:
-        return False
 
 
 def canonical_safetensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
