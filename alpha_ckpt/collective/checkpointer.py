@@ -470,6 +470,9 @@ class Checkpointer:
             return {"ok": False, "code": refusal.code.value, "reason": refusal.message}
         except (OSError, ValueError, PublishConflict, DurableWriteError) as exc:
             return {"ok": False, "reason": str(exc)}
+        except Exception as exc:  # noqa: BLE001 - any failure here: every rank must hear it, not wait out the group
+            logger.exception("rank 0: publishing the root of update %d failed", prefix.update)
+            return {"ok": False, "reason": f"{type(exc).__name__}: {exc}"}
 
     def _publish_tree(self, prefix, regions, layout, own, wrote, others, group) -> dict:
         """Every rank writes its own shards; the ranks agree that the writes succeeded and the replicas

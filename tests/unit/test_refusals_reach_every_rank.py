@@ -38,3 +38,33 @@ def test_a_value_only_rank_1_cannot_encode_refuses_on_every_rank_promptly(tmp_pa
     results = run_ranks(2, save_where_rank_1_cannot_encode, str(tmp_path / "s"), publisher, save, tmp=tmp_path)
     assert [r.get("refusal") for r in results] == ["format", "format"], results
     assert results[0]["message"] == results[1]["message"]  # the same refusal, naming rank 1's entry
+
+
+def save_where_rank_0s_root_publish_fails_unexpectedly(rank, world, store):
+    from alpha_ckpt.errors import PublishFailed
+    from alpha_ckpt.collective import checkpointer as module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("an unexpected failure while writing the root manifest")
+    if rank == 0:
+        module.write_manifest = broken  # this rank's process only
+    ckpt = Checkpointer(store, run="r", publisher="star")
+    t0 = time.monotonic()
+    try:
+        ckpt.save({"w": torch.arange(4.0)}, update=1)
+        outcome = "published"
+    except PublishFailed:
+        outcome = "publish-failed"
+    elapsed = time.monotonic() - t0
+    ckpt.close()
+    return {"outcome": outcome, "prompt": elapsed < PG_TIMEOUT_S / 4}
+
+
+@pytest.mark.timeout(90)
+def test_an_unexpected_failure_of_rank_0s_root_publish_fails_the_save_on_every_rank_at_once(tmp_path):
+    from alpha_ckpt.store import Store
+    store = str(tmp_path / "store")
+    results = run_ranks(2, save_where_rank_0s_root_publish_fails_unexpectedly, store, tmp=tmp_path)
+    assert results == [{"outcome": "publish-failed", "prompt": True}] * 2
+    with Store(store, create=False) as s:
+        assert s.list_refs("r", "train") == []
