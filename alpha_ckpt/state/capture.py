@@ -176,7 +176,9 @@ def pattern_list(patterns: str | Iterable[str], what: str) -> tuple[str, ...]:
 
 def matches_any(name: str, patterns: str | Sequence[str]) -> bool:
     """fnmatch on dotted names: ``*.mask`` matches ``model.blocks.0.mask``; a bare string is one pattern."""
-    return any(fnmatch.fnmatchcase(name, p) for p in pattern_list(patterns, "patterns"))
+    if isinstance(patterns, str):  # callers parse their patterns once (pattern_list); a bare string is still one
+        patterns = (patterns,)
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
 def dotted_leaves(node: Any, prefix: str = "") -> Iterable[tuple[str, RegionRef]]:
