@@ -22,6 +22,9 @@ method saving into a fresh directory that is removed after the round. Methods:
   ckpt                  ``alpha_ckpt.Checkpointer.save`` (synchronous, star; built, and its
                         fresh store opened, before the timer, as the benchmark does)
   dcp, dcp-t2           ``dcp.save`` with DCP's ``FileSystemWriter`` (one thread, two)
+  raw                   the disk's control: each rank writes its own shards' bytes, straight from
+                        the tensors, into one file with ``os.write`` and fsyncs it (no hashing,
+                        no rename, no collective)
 
 Optional, as the benchmark does: ``--restore`` (load each save back into poisoned
 DTensors, untimed, and check it with ``torch.equal``), ``--sync`` (``os.sync()``
@@ -72,7 +75,7 @@ BACKEND = re.compile(r"^dcp-alpha(?:-s(?P<slice>[1-9]\d*))?(?:-sh(?P<shard>[1-9]
 
 
 def method_ok(name: str) -> bool:
-    return name in ("ckpt", "dcp", "dcp-t2") or BACKEND.match(name) is not None
+    return name in ("ckpt", "dcp", "dcp-t2", "raw") or BACKEND.match(name) is not None
 
 
 def round_order(methods: list[str], rnd: int) -> tuple[str, ...]:
@@ -157,7 +160,36 @@ class PhaseClock:
         return [float(self._seconds.get(label, 0.0)) for label in self.labels]
 
 
+def raw_save(state: dict, directory: str) -> None:
+    """Write this rank's local bytes of ``state`` to one file and fsync it: the disk's rate, as a control."""
+    rank = dist.get_rank()
+    fd = os.open(os.path.join(directory, f"raw-{rank}.bin"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        for t in state.values():
+            view = memoryview(t.to_local().reshape(-1).view(torch.uint8).numpy())
+            while view:
+                view = view[os.write(fd, view[:RAW_CHUNK]):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+RAW_CHUNK = 16 * MiB
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values``, linearly interpolated (numpy's default)."""
+    ordered = sorted(values)
+    at = q * (len(ordered) - 1)
+    lo = math.floor(at)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (at - lo)
+
+
 def save(method: str, state: dict, directory: str, rnd: int, ckpt) -> str | None:
+    if method == "raw":
+        raw_save(state, directory)
+        return None
     if method == "ckpt":
         return ckpt.save({"model": state}, update=rnd + 1, cursor=rnd + 1)
     if method == "dcp":
@@ -182,6 +214,8 @@ def save(method: str, state: dict, directory: str, rnd: int, ckpt) -> str | None
 
 
 def restore(method: str, dest: dict, directory: str, handle, ckpt) -> None:
+    if method == "raw":
+        return  # the control is not restored
     if method == "ckpt":
         ckpt.restore({"model": dest}, root=handle)
     elif method in ("dcp", "dcp-t2"):
@@ -245,11 +279,12 @@ def rank_main(rank: int, config: dict) -> None:
                 prefault(int(config["prefault"] * own_bytes))
                 dist.barrier()
                 restore(method, dest, directory, handle, ckpt)
-                differ = torch.tensor([sum(not torch.equal(dest[k].to_local(), state[k].to_local()) for k in state)])
+                differ = torch.tensor([0 if method == "raw" else
+                                       sum(not torch.equal(dest[k].to_local(), state[k].to_local()) for k in state)])
                 dist.all_reduce(differ)
                 if int(differ.item()):
                     raise SystemExit(f"{method} round {rnd}: {int(differ.item())} restored tensor(s) differ")
-                verified += 1
+                verified += method != "raw"
             if ckpt is not None:
                 ckpt.close()
             dist.barrier()
@@ -301,7 +336,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"{args.warmup}, balanced method orders; restores {'checked' if args.restore else 'off'}, "
           f"sync {'on' if args.sync else 'off'}, prefault {args.prefault:g}x")
     for m, v in times.items():
-        print(f"  {m:<20} median save {statistics.median(v):7.3f} s  (min {min(v):.3f}, max {max(v):.3f}), "
+        print(f"  {m:<20} median save {statistics.median(v):7.3f} s  p90 {percentile(v, 0.9):7.3f} s  "
+              f"(min {min(v):.3f}, max {max(v):.3f}), "
               f"busiest rank's CPU {statistics.median(result['cpu'][m]):.3f} s")
     if result["phases"] is not None:
         print("  where each save's time went (median over saves of the slowest rank's seconds; steps nest):")
@@ -312,6 +348,26 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"    {m}: " + ", ".join(f"{label} {s:.3f} s ({100 * s / median_save:.0f}%)"
                                            for s, label in shown if s >= 0.0005)
                   + (f"; files written at once {max(steps['write_threads']):g}" if max(steps["write_threads"]) else ""))
+    if result["phases"] is not None:
+        print("  per round (seconds; for each method its three largest steps):")
+        for rnd in range(args.rounds):
+            cells = []
+            for m in args.methods:
+                steps = sorted(((v[rnd], label) for label, v in result["phases"][m].items()
+                                if label != "write_threads" and v[rnd] >= 0.0005), reverse=True)[:3]
+                inner = ", ".join(f"{label} {s:.2f}" for s, label in steps)
+                cells.append(f"{m} {times[m][rnd]:.3f}" + (f" [{inner}]" if inner else ""))
+            print(f"    {rnd:>3}: " + "; ".join(cells))
+    if "raw" in times:
+        print("  against the disk (target: p90 at most 1.25x raw's p90) and DCP thread_count=2 (median at most):")
+        for m in args.methods:
+            if m in ("raw", "dcp", "dcp-t2"):
+                continue
+            p90 = percentile(times[m], 0.9) / percentile(times["raw"], 0.9)
+            line = f"    {m}: p90 {p90:.2f}x raw's p90"
+            if "dcp-t2" in times:
+                line += f", median {statistics.median(times[m]) / statistics.median(times['dcp-t2']):.2f}x dcp-t2's"
+            print(line)
     pairs = {}
     for i, a in enumerate(args.methods):
         for b in args.methods[i + 1:]:

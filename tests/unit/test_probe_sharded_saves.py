@@ -106,3 +106,24 @@ def test_pair_stats_give_the_ratio_of_medians_the_rounds_won_and_the_geometric_m
     lo, hi = s["interval_90"]
     assert lo <= s["ratio"] <= hi
     assert probe.pair_stats(first[:4], second[:4])["interval_90"] is None  # too few rounds to claim one
+
+
+def test_the_raw_control_writes_each_ranks_bytes_to_one_file_and_is_never_restored(tmp_path, probe):
+    methods = ["raw", "ckpt"]
+    run = run_probe(tmp_path, "--ranks", "2", "--rounds", "2", "--warmup", "0", "--rows", "256",
+                    "--prefault", "0", "--restore", "--phases", "--methods", *methods)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert all(len(out["times"][m]) == 2 for m in methods)
+    assert out["verified_restores"] == 2  # the Checkpointer's saves; the control's bytes are not read back
+    ran = {label for label, v in out["phases"]["raw"].items() if all(s > 0 for s in v)}
+    assert ran == {"fsync"}  # no hashing store, collective or publish in the control
+    assert out["left_behind"] == []
+
+
+def test_percentile_interpolates_between_ranks_as_numpy_does(probe):
+    values = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert probe.percentile(values, 0.5) == 3.0
+    assert probe.percentile(values, 0.0) == 1.0 and probe.percentile(values, 1.0) == 5.0
+    assert math.isclose(probe.percentile(values, 0.9), 4.6)
+    assert probe.percentile([7.0], 0.9) == 7.0
