@@ -397,9 +397,22 @@ def manifest_header(
     return header
 
 
+_last_schema: tuple[tuple[RegionDecl, ...] | None, str] = (None, "")
+
+
 def schema_digest_of(regions: Sequence[RegionDecl]) -> str:
-    """Digest of the complete logical schema (names, dtypes, shapes, in declaration order)."""
-    return digest_bytes(canonical_json({"schema": [r.to_json() for r in regions]}))
+    """Digest of the complete logical schema (names, dtypes, shapes, in declaration order).
+
+    A save asks for the same regions' digest several times (its shards, its manifest); a tuple of
+    frozen declarations cannot change, so the last one's digest is reused for the same tuple."""
+    global _last_schema
+    last, digest = _last_schema
+    if last is not None and regions is last:
+        return digest
+    digest = digest_bytes(canonical_json({"schema": [r.to_json() for r in regions]}))
+    if isinstance(regions, tuple):
+        _last_schema = (regions, digest)
+    return digest
 
 
 # ---------------------------------------------------------------- decoding

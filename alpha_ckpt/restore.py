@@ -25,6 +25,7 @@ import zstandard
 
 from .destinations import check_destinations, check_tied_saved_alike, destination_layouts
 from .errors import Refusal, RefusalCode
+from .heap import cyclic_gc_paused
 from .format import (
     BLOCK_BYTES, DTYPES, CapturePrefix, ChildRef, ManifestHead, RegionDecl, ShardHead, ShardRef, SliceRecord, decode_head,
     hash_blocks, padding_ranges,
@@ -674,6 +675,7 @@ def restore_slices(generation: Generation, wanted: Sequence[WantedSlice], target
     PreparedRestore(generation, wanted).copy_into(targets)
 
 
+@cyclic_gc_paused()
 def load_state(state: Mapping[str, Any], *, store: Store, root: str) -> Counters:
     """Validate the generation for what ``state`` asks, then fill it: tensors in place, values and
     Stateful objects after every copy (:mod:`alpha_ckpt.state.load`).

@@ -31,12 +31,16 @@ from .format import (
     manifest_header, schema_digest_of, shard_header,
 )
 from .errors import Refusal, RefusalCode
+from .heap import cyclic_gc_paused
 from .manifest import check_root_manifest, decode_manifest, first_non_finite, word_value
 from .state.capture import CapturedState, capture_state, pattern_list
 from .planner import Piece, pack_shards
 from .store import RefRecord, Store, check_fence
 
-DEFAULT_MAX_SHARD_BYTES = 2 << 30
+# The largest shard file a save writes. Buffered writes to one file are serialized by the kernel
+# (one writer at a time per inode), so a larger file is written by one thread however many the
+# store runs; at most this size, a large save is several files that Store.write_threads write at once.
+DEFAULT_MAX_SHARD_BYTES = 128 << 20
 _PLACEHOLDER = "0" * 64
 _ZSTD_LEVEL = 1
 _SAMPLE_BYTES = 1 << 20
@@ -151,6 +155,17 @@ def _u8_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()) if t.numel() else memoryview(b"")
 
 
+def word_view(tensor: torch.Tensor) -> memoryview:
+    """The region's words as flat bytes (:func:`word_bytes` as a memoryview), without a torch op where
+    NumPy can see the tensor as it is: a state of many small tensors pays this once per tensor."""
+    if tensor.device.type == "cpu" and not tensor.requires_grad:
+        try:
+            return memoryview(tensor.numpy()).cast("B") if tensor.numel() else memoryview(b"")
+        except (TypeError, RuntimeError):  # bfloat16, strided, conjugate: through torch
+            pass
+    return _u8_view(word_bytes(tensor))
+
+
 DEFAULT_DISK_BYTES_PER_S = 1e9  # until the store has measured its own writes
 
 
@@ -211,23 +226,50 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         durable.start_writeback(fd, start, length)
 
 
+_GATHER_BYTES = 1 << 20  # segments smaller than this are copied together and written by one pwrite
+_GATHER_GAP = 4096       # the most zero bytes (alignment padding) a gathered run spans between two
+
+
 def _pwrite_segments(fd: int, segments: Sequence[tuple[int, memoryview]]) -> None:
-    """pwrite each (offset, bytes) in order, starting writeback of every run of at least
-    :data:`_WRITEBACK_MIN_BYTES` written, however small the segments: a shard of many small
-    slices otherwise leaves its whole size dirty for the final fsync to write."""
-    run_start = run_end = None
-    for offset, view in segments:
-        _pwrite_all(fd, view, offset)
+    """pwrite each (offset, bytes) in order. Segments under :data:`_GATHER_BYTES` are first copied
+    together, their padding zero, and written by one pwrite per ~:data:`_GATHER_BYTES`: a shard of
+    100,000 small slices costs about a hundred system calls, not 100,000. Writeback is started for
+    every run of at least :data:`_WRITEBACK_MIN_BYTES` written, however small the segments: a shard
+    of many small slices otherwise leaves its whole size dirty for the final fsync to write."""
+    dirty_start, dirty_end = None, 0
+    gathered, gathered_at = bytearray(), 0
+
+    def write(offset: int, view) -> None:
+        nonlocal dirty_start, dirty_end
+        _pwrite_all(fd, memoryview(view), offset)
         if len(view) >= _WRITEBACK_MIN_BYTES:
-            continue  # _pwrite_all started its writeback
-        if run_start is None or offset < run_end:
-            run_start = offset
-        run_end = offset + len(view)
-        if run_end - run_start >= _WRITEBACK_MIN_BYTES:
-            durable.start_writeback(fd, run_start, run_end - run_start)
-            run_start = None
-    if run_start is not None and run_end > run_start:
-        durable.start_writeback(fd, run_start, run_end - run_start)
+            return  # _pwrite_all started its writeback
+        if dirty_start is None or offset < dirty_end:
+            dirty_start = offset
+        dirty_end = offset + len(view)
+        if dirty_end - dirty_start >= _WRITEBACK_MIN_BYTES:
+            durable.start_writeback(fd, dirty_start, dirty_end - dirty_start)
+            dirty_start = None
+
+    for offset, view in segments:
+        end = gathered_at + len(gathered)
+        if gathered and (len(view) >= _GATHER_BYTES or not end <= offset <= end + _GATHER_GAP):
+            write(gathered_at, gathered)
+            gathered = bytearray()
+        if len(view) >= _GATHER_BYTES:
+            write(offset, view)
+            continue
+        if not gathered:
+            gathered_at = offset
+        gathered += bytes(offset - gathered_at - len(gathered))  # padding: zero, as a hole reads
+        gathered += view
+        if len(gathered) >= _GATHER_BYTES:
+            write(gathered_at, gathered)
+            gathered = bytearray()
+    if gathered:
+        write(gathered_at, gathered)
+    if dirty_start is not None and dirty_end > dirty_start:
+        durable.start_writeback(fd, dirty_start, dirty_end - dirty_start)
 
 
 _DIRECT_BLOCK = 16 << 20        # bytes per O_DIRECT write, from a reused page-aligned buffer
@@ -356,6 +398,29 @@ def _hash_part(raw: memoryview, dtype: str, known: tuple[str, str | None] | None
     return (*(known or block_digests(raw)), None)
 
 
+# Parts of at most one block are hashed and checked on the writing thread as they are met: their
+# cost is Python's per part, which threads would only contend for (the GIL), not share.
+_INLINE_HASH_BYTES = BLOCK_BYTES
+
+
+def _hash_small(raw: memoryview, dtype: str, known: tuple[str, str | None] | None, check: bool,
+                ) -> tuple[str, None, int | None]:
+    """An unblocked part's (digest, None, first NaN/inf word or None), as :func:`_hash_part` gives it."""
+    digest = known[0] if known else blake3.blake3(raw).hexdigest()
+    return digest, None, first_non_finite(raw, dtype) if check else None
+
+
+class _Ready:
+    """A result already computed, read as a future's (without a future's lock)."""
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
 _HASH_BATCH_BYTES = 1 << 20  # parts smaller than this are hashed in batches of about this many bytes
 _HASH_BATCH_PARTS = 4096
 
@@ -475,7 +540,9 @@ def prepare_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regio
         for record, stored, (piece, raw, _), digest in zip(records, payloads, parts, known):
             check = check_finite and not regions[piece.ordinal].nonfinite
             if not check and digest is not None:
-                raw_f = _done((*digest, None))
+                raw_f = _Ready((*digest, None))
+            elif len(raw) <= _INLINE_HASH_BYTES:
+                raw_f = _Ready(_hash_small(raw, record.dtype, digest, check))
             elif len(raw) < _HASH_BATCH_BYTES:
                 raw_f = batch.add((raw, record.dtype, digest, check))
                 if batch.full():
@@ -689,6 +756,7 @@ def publish_slices(store: Store, prefix: CapturePrefix, regions: Sequence[Region
     return Published(root, record, tuple(shard_refs))
 
 
+@cyclic_gc_paused()
 def save_state(state: Mapping[str, Any] | CapturedState, *, store: Store, prefix: CapturePrefix,
                metadata: Any = None, compression: str | Mapping[str, str] = "raw",
                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, carry: ShardCarry | None = None,
@@ -703,7 +771,7 @@ def save_state(state: Mapping[str, Any] | CapturedState, *, store: Store, prefix
     captured = state if isinstance(state, CapturedState) else capture_state(state)
     regions = captured.regions(pattern_list(allow_nonfinite, "allow_nonfinite"))
     _check_compression(compression, {r.name for r in regions})
-    data = {r.ordinal: _u8_view(word_bytes(t)) for r, (_, t) in zip(regions, captured.named)}
+    data = {r.ordinal: word_view(t) for r, (_, t) in zip(regions, captured.named)}
     pieces = [Piece(r.ordinal, 0, r.words, DTYPES[r.dtype][0]) for r in regions]
     shards = []
     for group in pack_shards(pieces, max_shard_bytes):

@@ -60,6 +60,7 @@ import torch.distributed as dist
 from ..async_save import AsyncSaver
 from ..device import check_devices, current_device
 from ..durable import fault_point
+from ..heap import cyclic_gc_paused
 from ..errors import (DurableWriteError, PublishConflict, PublishFailed, Refusal, RefusalCode, StoreUsageError,
                       UsageError)
 from ..format import (CapturePrefix, DTYPES, RegionDecl, ShardRef, block_digests, canonical_json,
@@ -77,7 +78,7 @@ from ..state.load import plan_load
 from ..state.rules import METADATA_KEY as PLACEMENT_KEY, PlacementRules, recorded_per_rank
 from ..state.values import decode_value
 from ..store import RefRecord, Store
-from ..writer import ShardCarry, word_bytes, write_manifest
+from ..writer import ShardCarry, word_view, write_manifest
 from .schedule import Schedule
 from .verdict import agree, any_rank
 
@@ -219,6 +220,7 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ save
 
+    @cyclic_gc_paused()
     def save(self, state: Mapping[str, Any], *, update: int, cursor: int = 0, defer_snapshot: bool = False):
         """Collective: publish ``state`` as ``update`` of this run/step.
 
@@ -256,6 +258,7 @@ class Checkpointer:
         else:
             stats: dict = {}
 
+            @cyclic_gc_paused()
             def publish(snapshot):
                 root = self._exchange(prefix, captured, regions, snapshot, self._save_group, refused)
                 stats.update(self.last_save)  # this save's, before a later save replaces last_save
@@ -309,8 +312,7 @@ class Checkpointer:
         """
         started, written = time.monotonic(), self.store.bytes_written
         try:
-            views = [] if refused else [memoryview(word_bytes(t).numpy()) if t.numel() else memoryview(b"")
-                                        for t in tensors]
+            views = [] if refused else [word_view(t) for t in tensors]
         except Exception as exc:  # noqa: BLE001 - told to every rank below, as a failed capture is
             refused = exc
         if refused is not None:
@@ -386,7 +388,7 @@ class Checkpointer:
             except Exception as exc:  # noqa: BLE001 - the others wait for this verdict: never leave them waiting
                 layout = {"ok": False, **_failure_json(exc, 0)}
             # Every rank writes its own shards against the agreed regions.
-            broadcast_json(layout, root0, group)
+            broadcast_json(layout, root0, group, echo=False)
         if not layout["ok"]:
             if layout.get("code"):
                 raise Refusal(layout["code"], layout["reason"])
@@ -449,7 +451,7 @@ class Checkpointer:
                                              _once([ShardRef.from_json(s) for r in reports for s in r["shards"]]))
             fault_point("publish", "before-completion")
             if self.rank == 0:
-                broadcast_json(ack, root0, group)
+                broadcast_json(ack, root0, group, echo=False)
             return ack
         finally:
             lease.release()
@@ -513,6 +515,7 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ restore
 
+    @cyclic_gc_paused()
     def restore(self, state: Mapping[str, Any], root: Any = _FROM_ENV, *, per_rank: str = "keep",
                 branch: bool = False) -> Counters | None:
         """Collective: restore ``state`` from ``root`` ("latest", a digest, or None: start fresh).
@@ -728,6 +731,8 @@ def _failure_json(exc: BaseException, rank: int) -> dict:
 def merge_skeletons(skeletons: list[Any], path: str = "state") -> Any:
     """One skeleton from every rank's: PerRank parts from their own ranks, everything else equal on all."""
     first = skeletons[0]
+    if len(skeletons) == 1:  # one rank's skeleton is the merge (its PerRank lists hold its one part)
+        return first
     if isinstance(first, dict) and set(first) == {"per_rank"}:
         parts = []
         for r, s in enumerate(skeletons):

@@ -106,8 +106,9 @@ def recv_view(src: int, group=None) -> memoryview:
     return memoryview(buf.cpu().numpy()).cast("B")
 
 
-def broadcast_json(obj, src: int = 0, group=None):
-    """Every owner gets owner ``src``'s JSON value (others pass None)."""
+def broadcast_json(obj, src: int = 0, group=None, *, echo: bool = True):
+    """Every owner gets owner ``src``'s JSON value (others pass None); ``src`` gets it back decoded,
+    or None with ``echo=False`` (a source that keeps using its own value decodes nothing)."""
     leave_groups_at_exit()
     device = wire_device(group)
     if dist.get_rank() == src:
@@ -119,6 +120,8 @@ def broadcast_json(obj, src: int = 0, group=None):
     buf = _to_tensor(data, group) if dist.get_rank() == src else torch.empty(int(length.item()), dtype=torch.uint8,
                                                                               device=device)
     dist.broadcast(buf, src, group=group)
+    if dist.get_rank() == src and not echo:
+        return None
     return json.loads(buf.cpu().numpy().tobytes().decode("ascii"))
 
 
