@@ -1,8 +1,9 @@
 """The README's and docs' examples run, and their links resolve.
 
 Every Python example is either a whole program, run here, or an excerpt of a script under
-examples/ (whose commands run here too); the README's Checkpointer example runs here inside a
-training script of its own. Nothing here matches wording or line breaks.
+examples/ (the README's commands for it run here; those the e2e tests repeat, in the full set);
+the README's Checkpointer example runs here inside a training script of its own. Nothing here
+matches wording or line breaks.
 """
 import json
 import re
