@@ -21,7 +21,7 @@ What a DCP checkpoint written this way is:
   the previous generation the newest; the history is fenced as a Checkpointer's (see
   :class:`StorageWriter`);
 - DCP's ``Metadata`` is stored in the root manifest as typed canonical JSON, and non-tensor values
-  (``BYTE_IO`` items) as typed JSON values (:mod:`alpha_ckpt.state.values`): nothing is pickled
+  (``BYTE_IO`` items) as typed JSON values (:mod:`alpha_ckpt.values`): nothing is pickled
   on disk, and reading never unpickles. DCP itself still exchanges its plans, results and
   exceptions between ranks with ``gather_object`` (pickle over the process group): that is DCP's
   protocol, not this store;
@@ -63,7 +63,7 @@ from .planner import Piece, WantedSlice
 from .restore import PreparedRestore, check_structure, latest_generation, open_generation
 from .state.capture import matches_any, pattern_list
 from .state.placement import box_ranges
-from .state.values import decode_value, encode_value
+from .values import decode_value, encode_value
 from .store import Store, check_fence
 from .writer import group_parts, word_bytes, write_manifest, write_shards
 

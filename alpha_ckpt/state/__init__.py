@@ -2,7 +2,7 @@
 from .capture import CapturedState, capture_state, is_stateful, matches_any
 from .load import LoadPlan, plan_load
 from .rng import RNGState
-from .values import RegionRef, decode_value, encode_value
+from ..values import RegionRef, decode_value, encode_value
 
 __all__ = ["CapturedState", "capture_state", "is_stateful", "matches_any", "LoadPlan", "plan_load", "RNGState",
            "RegionRef", "decode_value", "encode_value"]

@@ -31,10 +31,11 @@ import torch
 
 from ..format import RegionDecl
 from ..manifest import describe_region, dtype_name, refuse_mismatch, torch_dtype
-from .capture import capture_state, dotted_leaves as _refs, is_stateful, matches_any
+from ..values import dotted_leaves as _refs
+from .capture import capture_state, is_stateful, matches_any
 from .loaders import settle_lazy_load
 from .placement import Partitioned, PerRank, is_dtensor, restore_ranges
-from .values import PerRankSaved, RegionRef, decode_value
+from ..values import PerRankSaved, RegionRef, decode_value
 
 _ABSENT = object()
 
