@@ -42,7 +42,6 @@ LAYERS: dict[int, tuple[str, set[str]]] = {
 # Edges that break the contract today, each with why it is still there. Empty is the goal.
 ALLOWED: dict[tuple[str, str], str] = {
     ("alpha_ckpt.restore", "alpha_ckpt.dcp"): "a DCP generation's Metadata is checked by the DCP backend",
-    ("alpha_ckpt.store", "alpha_ckpt.restore"): "an existing object is validated by restore's reader",
 }
 
 
