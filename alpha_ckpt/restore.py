@@ -224,7 +224,9 @@ def open_generation(store: Store, root: str, ref: RefRecord | None = None, *,
         check_root_manifest(manifest, every_record if targets is None or manifest.publisher.kind == "star" else None,
                             what)
         if isinstance(manifest.metadata, dict) and "dcp" in manifest.metadata:
-            from .dcp import check_generation  # a DCP checkpoint: its Metadata must tile its tensors by its regions
+            # a DCP checkpoint: its Metadata must tile its tensors by its regions (imported here: torch's
+            # DCP package takes about a second to import, and most generations are not DCP's)
+            from .dcp_metadata import check_generation
             check_generation(manifest)
     except BaseException:
         for obj, _ in shards.values():
