@@ -7,7 +7,12 @@ the package ``a.b``'s ``__init__``, so that is an edge too (except from inside `
 from __future__ import annotations
 
 import ast
+import json
 import pathlib
+import subprocess
+import sys
+
+import pytest
 
 import alpha_ckpt
 
@@ -175,3 +180,25 @@ def test_every_allowed_exception_is_still_needed():
     graph = import_graph()
     stale = [edge for edge in ALLOWED if edge[1] not in graph.get(edge[0], {})]
     assert not stale, f"ALLOWED names edges the package no longer has: {stale}"
+
+
+@pytest.mark.timeout(120)
+def test_importing_each_layer_loads_no_module_of_a_higher_one():
+    # At run time too (importlib, re-exports): import the layers bottom-up in a fresh process and,
+    # after each, look at what is loaded. The collective layer thus loads neither the job, its
+    # learner, the test hooks nor alpha-run.
+    layers = [sorted(f"{ROOT}.{short}" if short else ROOT for short in names) for _, (_, names) in sorted(LAYERS.items())]
+    code = ("import importlib, json, sys\n"
+            f"layers = {layers!r}\n"
+            "seen = []\n"
+            "for modules in layers[:-1]:\n"
+            "    for m in modules:\n"
+            "        importlib.import_module(m)\n"
+            "    seen.append(sorted(m for m in sys.modules if m.startswith('alpha_ckpt.')))\n"
+            "print(json.dumps(seen))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    layer_of = _layer_of()
+    for layer, loaded in enumerate(json.loads(proc.stdout)):
+        above = [m for m in loaded if layer_of.get(m, 0) > layer]
+        assert not above, f"importing layers 0..{layer} loaded {above}"
