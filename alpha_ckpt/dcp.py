@@ -57,10 +57,10 @@ from .dcp_metadata import (DCP_KEY, check_chunks, check_generation, check_metada
                            encode_metadata)
 from .errors import Refusal, RefusalCode
 from .format import DTYPES, CapturePrefix, RegionDecl, ShardRef, canonical_json, check_name, digest_bytes
-from .manifest import check_root_manifest, dtype_name, torch_dtype
+from .manifest import check_root_manifest, dtype_name, matches_any, torch_dtype
 from .planner import Piece, WantedSlice
 from .restore import PreparedRestore, check_structure, latest_generation, open_generation
-from .state.capture import matches_any, pattern_list
+from .state.capture import pattern_list
 from .state.placement import box_ranges
 from .values import decode_value, encode_value
 from .store import Store, check_fence

@@ -35,6 +35,7 @@ from .manifest import (
     check_root_manifest, check_shard_against_record, first_non_finite, word_value,
 )
 from .planner import Hierarchy, PlanError, SavedSlice, WantedSlice, plan_restore
+from .state.load import plan_load
 from .store import History, ObjectFile, RefRecord, Store, UnreadableRef
 
 _HEAD_READ = 64 << 10
@@ -688,7 +689,6 @@ def load_state(state: Mapping[str, Any], *, store: Store, root: str) -> Counters
     same view under two names, only where the checkpoint holds the same
     words for both): the copies would otherwise overwrite each other.
     """
-    from .state.load import plan_load
     with open_generation(store, root) as generation:
         manifest = generation.manifest
         what = f"generation {root[:16]}..."

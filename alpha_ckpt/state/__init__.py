@@ -1,5 +1,6 @@
 """What a state may hold (tensors, NumPy arrays, typed values, Stateful objects, RNG) and how it is matched on load."""
-from .capture import CapturedState, capture_state, is_stateful, matches_any
+from ..manifest import matches_any
+from .capture import CapturedState, capture_state, is_stateful
 from .load import LoadPlan, plan_load
 from .rng import RNGState
 from ..values import RegionRef, decode_value, encode_value

@@ -24,8 +24,9 @@ import torch
 
 from ..errors import Refusal, RefusalCode
 from ..format import RegionDecl
-from ..manifest import matches_any, regions_of
-from ..values import PerRankSaved, RegionRef, encode_value
+from ..manifest import regions_of
+from ..values import encode_value
+from .placement import Partitioned, PerRank, dtensor_part, is_dtensor
 
 
 def is_stateful(obj: Any) -> bool:
@@ -68,7 +69,6 @@ def capture_state(state: Mapping[str, Any], rank: int = 0, world: int = 1, rules
     coincide (``{"a.b": x}`` beside ``{"a": {"b": y}}``, or keys ``0`` and ``"0"``); a Refusal
     (``format``) naming the entry for a tensor whose words cannot be stored (sparse, nested, meta).
     """
-    from .placement import Partitioned, PerRank, dtensor_part, is_dtensor
     if not isinstance(state, Mapping):
         raise ValueError(f"a state is a dict, not a {type(state).__name__}")
     named: list[tuple[str, torch.Tensor]] = []
