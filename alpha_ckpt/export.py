@@ -144,7 +144,7 @@ def export_opened(generation: Generation, path: str | os.PathLike, fmt: str | No
     prepared.copy_into([t.reshape(-1).view(torch.uint8) for t in tensors])
     state = {r.name: t for r, t in zip(regions, tensors)}
     if isinstance(generation.manifest.metadata, dict) and "dcp" in generation.manifest.metadata:
-        from .dcp import DCP_KEY, logical_tensors  # a DCP checkpoint: its chunks make whole tensors
+        from .dcp_metadata import DCP_KEY, logical_tensors  # a DCP checkpoint: its chunks make whole tensors
         state = logical_tensors(generation.manifest.metadata[DCP_KEY], regions, tensors)
         regions = tuple(RegionDecl(i, name, next(k for k, v in DTYPES.items() if torch_dtype(k) == t.dtype),
                                    tuple(t.shape)) for i, (name, t) in enumerate(state.items()))

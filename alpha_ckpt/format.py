@@ -25,6 +25,7 @@ from typing import Any, Mapping, Sequence
 import blake3
 
 from .errors import Refusal, RefusalCode, StoreUsageError
+from .values import decode_value, dotted_leaves
 
 MAGIC = b"ALPHCKPT"
 VERSION = 1
@@ -385,7 +386,7 @@ def manifest_header(
     prefix: CapturePrefix, schema_digest: str, regions: Sequence[RegionDecl], shards: Sequence[ShardRef],
     owners: int, metadata: Any, publisher: Publisher = STAR, children: Sequence[ChildRef] = (), state: Any = None,
 ) -> dict:
-    """``state`` is the typed skeleton (:mod:`alpha_ckpt.state.values`) of what was saved, root manifests only."""
+    """``state`` is the typed skeleton (:mod:`alpha_ckpt.values`) of what was saved, root manifests only."""
     header = {
         "kind": "manifest", "prefix": prefix.to_json(), "schema_digest": schema_digest,
         "regions": [r.to_json() for r in regions], "shards": [s.to_json() for s in shards],
@@ -646,8 +647,6 @@ def parse_manifest_header(header: Any, digest: str, head_len: int, what: str) ->
 
 def _state_skeleton(obj: Any, regions: Sequence[RegionDecl], what: str) -> Any:
     """Decode a root manifest's typed skeleton; it must name every region once, by its dotted path."""
-    from .state.capture import dotted_leaves
-    from .state.values import decode_value
     skeleton = decode_value(obj, f"{what} state")
     if not isinstance(skeleton, dict):
         raise _fail(what, "state must be a typed dict")

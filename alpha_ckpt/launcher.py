@@ -33,7 +33,8 @@ import sys
 
 from .format import NAME_RE
 from .lifeline import LAUNCHER_PID_ENV
-from .usage import OneLineArgumentParser, UsageError, check_checkpoint_flags, check_job_args, check_store_writable
+from .job.usage import check_job_args
+from .usage import OneLineArgumentParser, UsageError, check_checkpoint_flags, check_store_writable
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_RETRY, EXIT_INTERRUPTED = 0, 2, 3, 75, 130
 

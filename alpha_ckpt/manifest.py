@@ -7,6 +7,7 @@ Coverage is checked on word ranges, never by adding up byte counts.
 """
 from __future__ import annotations
 
+import fnmatch
 import warnings
 from typing import Any, Iterable, Sequence
 
@@ -16,6 +17,7 @@ import torch
 from .errors import Refusal, RefusalCode
 from .format import (DTYPES, MAX_INT, CapturePrefix, ManifestHead, RegionDecl, ShardHead, ShardRef, canonical_json,
                      decode_head, digest_bytes, parse_manifest_header)
+from .values import decode_value, encode_value
 
 # torch.frombuffer warns on every read-only buffer (mapped files, caller memory); we never write through them.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning, module=r"alpha_ckpt\.")
@@ -82,11 +84,17 @@ def dtype_name(dtype: torch.dtype, where: str) -> str:
 def regions_of(named: Sequence[tuple[str, torch.Tensor]], allow_nonfinite: Sequence[str] = ()) -> tuple[RegionDecl, ...]:
     """Region declarations of (dotted name, tensor) pairs; names matching an ``allow_nonfinite``
     pattern (fnmatch) are declared to hold NaN/inf."""
-    from .state.capture import matches_any
     return tuple(
         RegionDecl(i, name, dtype_name(t.dtype, name), tuple(t.shape), matches_any(name, allow_nonfinite))
         for i, (name, t) in enumerate(named)
     )
+
+
+def matches_any(name: str, patterns: str | Sequence[str]) -> bool:
+    """fnmatch on dotted names: ``*.mask`` matches ``model.blocks.0.mask``; a bare string is one pattern."""
+    if isinstance(patterns, str):  # callers parse their patterns once (pattern_list); a bare string is still one
+        patterns = (patterns,)
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
 def describe_region(r: RegionDecl) -> str:
@@ -175,9 +183,8 @@ def check_counters(prefix: CapturePrefix, what: str) -> None:
 
 
 def encode_identity(identity: Any, what: str = "identity") -> Any:
-    """A learner identity as a root manifest records it: its typed JSON (:mod:`alpha_ckpt.state.values`), so
+    """A learner identity as a root manifest records it: its typed JSON (:mod:`alpha_ckpt.values`), so
     that tuples, int keys and floats come back as they were given. ValueError for what it cannot hold."""
-    from .state.values import encode_value
     return encode_value(identity, what)
 
 
@@ -186,7 +193,6 @@ def identity_matches(saved: Any, identity: Any) -> bool:
     typed values: the saved encoding against the same encoding of the given one (bit-exact floats,
     tuples apart from lists). A generation whose identity was recorded as plain JSON (before identities
     were typed) is compared as plain JSON."""
-    from .state.values import decode_value
     try:
         given = canonical_json(encode_identity(identity))
     except (ValueError, TypeError):
@@ -276,9 +282,3 @@ def check_shard_against_record(head: ShardHead, record: ShardRef, prefix: Captur
 
 def _describe(p: CapturePrefix) -> str:
     return f"run={p.run} step={p.step} update={p.update} cursor={p.cursor} epoch={p.epoch}"
-
-
-def flatten_state(state) -> list[tuple[str, torch.Tensor]]:
-    """The (dotted name, tensor) regions of ``state``, in declaration order (:func:`alpha_ckpt.state.capture_state`)."""
-    from .state.capture import capture_state
-    return list(capture_state(state).named)

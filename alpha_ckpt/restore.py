@@ -35,6 +35,7 @@ from .manifest import (
     check_root_manifest, check_shard_against_record, first_non_finite, word_value,
 )
 from .planner import Hierarchy, PlanError, SavedSlice, WantedSlice, plan_restore
+from .state.load import plan_load
 from .store import History, ObjectFile, RefRecord, Store, UnreadableRef
 
 _HEAD_READ = 64 << 10
@@ -224,7 +225,9 @@ def open_generation(store: Store, root: str, ref: RefRecord | None = None, *,
         check_root_manifest(manifest, every_record if targets is None or manifest.publisher.kind == "star" else None,
                             what)
         if isinstance(manifest.metadata, dict) and "dcp" in manifest.metadata:
-            from .dcp import check_generation  # a DCP checkpoint: its Metadata must tile its tensors by its regions
+            # a DCP checkpoint: its Metadata must tile its tensors by its regions (imported here: torch's
+            # DCP package takes about a second to import, and most generations are not DCP's)
+            from .dcp_metadata import check_generation
             check_generation(manifest)
     except BaseException:
         for obj, _ in shards.values():
@@ -686,7 +689,6 @@ def load_state(state: Mapping[str, Any], *, store: Store, root: str) -> Counters
     same view under two names, only where the checkpoint holds the same
     words for both): the copies would otherwise overwrite each other.
     """
-    from .state.load import plan_load
     with open_generation(store, root) as generation:
         manifest = generation.manifest
         what = f"generation {root[:16]}..."

@@ -198,6 +198,10 @@ class ObjectFile:
         self.close()
 
 
+# Checks an existing object file's content against its name (a Refusal if it does not match).
+Validate = Callable[[ObjectFile, str], object]
+
+
 class Store:
     """A store rooted at ``root`` (created if missing)."""
 
@@ -401,22 +405,26 @@ class Store:
             return False
         return stat.S_ISREG(st.st_mode)
 
-    def put_object(self, write: Callable[[int], str], digest_hint: str | None = None) -> tuple[str, bool]:
+    def put_object(self, write: Callable[[int], str], digest_hint: str | None = None, *,
+                   validate: Validate) -> tuple[str, bool]:
         """Durably write an object; ``write(fd)`` writes it and returns its digest.
 
         Returns (digest, written). An object that already exists is not written
         again (same name, same content): that is the dedup. It is reused only
-        once it is known intact (see :meth:`_reusable`); anything else found
+        once it is known intact (see :meth:`_reusable`): ``validate(obj, what)``
+        checks an existing file's content against its name, raising a Refusal
+        if it does not match (the store knows names, not what objects hold:
+        :func:`alpha_ckpt.restore.validate_object_file` does). Anything else found
         under the name is set aside into ``quarantine/`` and the object
         committed anew. A reused object's modification time is renewed, so
         gc's grace period protects it until the publish reusing it has its ref.
         """
-        if digest_hint is not None and self._reusable(self.check_digest(digest_hint), size=None):
+        if digest_hint is not None and self._reusable(self.check_digest(digest_hint), None, validate):
             self._sync_new_fans()
             return digest_hint, False
-        return self.put_objects([write])[0]
+        return self.put_objects([write], validate=validate)[0]
 
-    def put_objects(self, writes: Sequence[Callable[[int], str]]) -> list[tuple[str, bool]]:
+    def put_objects(self, writes: Sequence[Callable[[int], str]], *, validate: Validate) -> list[tuple[str, bool]]:
         """Durably write several objects as :meth:`put_object` does, in one batched durable commit.
 
         Every object is written before any is fsynced (see
@@ -444,7 +452,7 @@ class Store:
             again = []
             for i, outcome in zip(left, outcomes):
                 if isinstance(outcome, FileExistsError):
-                    if self._reusable(names[i], size=files[i].st_size):
+                    if self._reusable(names[i], files[i].st_size, validate):
                         results[i] = (names[i], False)
                     else:
                         again.append(i)
@@ -458,7 +466,7 @@ class Store:
                 return results  # type: ignore[return-value]
         raise DurableWriteError("rename", errno.EEXIST, f"object {names[left[0]]} kept disappearing while being reused")
 
-    def _reusable(self, digest: str, size: int | None) -> bool:
+    def _reusable(self, digest: str, size: int | None, validate: Validate) -> bool:
         """Whether the entry named ``digest`` may stand for the object being written; renews it if so.
 
         It may when it is a regular file (never followed through a symlink,
@@ -477,7 +485,7 @@ class Store:
             return False
         if stat.S_ISREG(st.st_mode) and (size is None or st.st_size == size) and _file_key(st) in self._known_intact:
             return self._renew(digest)
-        problem = self._damage(fan, digest, st, size)
+        problem = self._damage(fan, digest, st, size, validate)
         if problem is None:
             self._known_intact.add(_file_key(st))
             return self._renew(digest)
@@ -485,7 +493,7 @@ class Store:
             self._quarantine(fan, digest, st, problem)
         return False
 
-    def _damage(self, fan: int, digest: str, st: os.stat_result, size: int | None) -> str | None:
+    def _damage(self, fan: int, digest: str, st: os.stat_result, size: int | None, validate: Validate) -> str | None:
         """What is wrong with the entry ``st`` found under ``digest``: None if intact, "" if it changed meanwhile."""
         if not stat.S_ISREG(st.st_mode):
             return f"a {durable.file_kind(st.st_mode)}, not a regular file"
@@ -505,10 +513,9 @@ class Store:
         if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino) or not stat.S_ISREG(opened.st_mode):
             os.close(fd)
             return ""
-        from .restore import validate_object_file  # restore builds on this module
         with ObjectFile(fd, opened.st_size, digest) as obj:
             try:
-                validate_object_file(obj, f"existing object {digest[:16]}...")
+                validate(obj, f"existing object {digest[:16]}...")
             except Refusal as refusal:
                 return refusal.message
         return None

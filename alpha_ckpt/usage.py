@@ -1,6 +1,7 @@
-"""A job's usage errors, found before any owner starts: one check shared by alpha-run and every owner.
+"""Usage errors found before any owner starts: one check shared by alpha-run and every owner.
 
-alpha-run runs :func:`check_job_args` and :func:`check_store_writable` in its
+alpha-run runs the checks of what it launches (:func:`check_checkpoint_flags`, and for the
+built-in job :func:`alpha_ckpt.job.usage.check_job_args`) and :func:`check_store_writable` in its
 one process, so a bad flag, config key or value, run name or store is one line
 and exit 2 instead of a traceback from every owner (or a whole interval
 trained before a publish fails). Each owner runs the same checks, so the
@@ -12,12 +13,10 @@ import argparse
 import math
 import os
 import secrets
-import tomllib
 
 from .errors import DurableWriteError, Refusal, StoreUsageError, UsageError  # noqa: F401 (UsageError: its home was here)
 from .format import is_digest
 from .interval import check_schedule_args
-from .learner.config import JobConfig, load_config
 from .store import Store
 
 EXIT_USAGE = 2
@@ -36,27 +35,6 @@ class OneLineArgumentParser(argparse.ArgumentParser):
 def _check_seconds(flag: str, value: float) -> None:
     if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
         raise UsageError(f"{flag} must be a positive number of seconds, at most {MAX_TIMEOUT_S:.0f}, not {value}")
-
-
-def check_job_args(args, overrides: list[str]) -> JobConfig:
-    """The job's config, or :class:`UsageError` naming the first problem in ``args`` or the config.
-
-    ``args`` carries the flags alpha-run and the worker share; ``overrides``
-    are the ``KEY=VALUE`` config overrides (alpha-run's ``--run`` among them).
-    """
-    if args.updates < 1:
-        raise UsageError(f"--updates must be at least 1 (the committed update count to reach), not {args.updates}")
-    check_checkpoint_flags(args)
-    if not args.config:
-        raise UsageError("the job config path is empty")
-    try:
-        return load_config(args.config, overrides)
-    except OSError as exc:
-        raise UsageError(f"config {args.config}: {exc.strerror or exc}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise UsageError(f"config {args.config} is not TOML: {exc}") from None
-    except (ValueError, TypeError) as exc:
-        raise UsageError(exc) from None
 
 
 def check_checkpoint_flags(args) -> None:

@@ -35,6 +35,7 @@ from .heap import cyclic_gc_paused
 from .manifest import check_root_manifest, decode_manifest, first_non_finite, word_value
 from .state.capture import CapturedState, capture_state, pattern_list
 from .planner import Piece, pack_shards
+from .restore import validate_object_file
 from .store import RefRecord, Store, check_fence
 
 # The largest shard file a save writes. Buffered writes to one file are serialized by the kernel
@@ -617,7 +618,7 @@ def commit_shards(store: Store, shards: Sequence[ShardWrite], writers: int = 1,
         for s in batch:
             s.mode = mode
         started = time.perf_counter()
-        results = store.put_objects([s.write for s in batch])
+        results = store.put_objects([s.write for s in batch], validate=validate_object_file)
         seconds = time.perf_counter() - started
         large = [s for s, (_, written) in zip(batch, results) if s.large and written]
         if large:
@@ -732,7 +733,7 @@ def write_manifest(store: Store, prefix: CapturePrefix, regions: Sequence[Region
         _pwrite_all(fd, memoryview(head), 0)
         return digest_bytes(head)
 
-    digest, _ = store.put_object(write, digest_hint=digest_bytes(head))
+    digest, _ = store.put_object(write, digest_hint=digest_bytes(head), validate=validate_object_file)
     return digest, len(head)
 
 

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import alpha_ckpt  # noqa: E402
 import gpt_training  # noqa: E402
-from alpha_ckpt.manifest import flatten_state  # noqa: E402
+from alpha_ckpt.state.capture import flatten_state  # noqa: E402
 
 
 def main() -> int:

@@ -147,7 +147,7 @@ def targets(objects: dict[str, bytes]):
     @given(TYPED)
     def typed_values(value):
         from alpha_ckpt.format import parse_canonical_json
-        from alpha_ckpt.state.values import decode_value, encode_value
+        from alpha_ckpt.values import decode_value, encode_value
         try:
             data = canonical_json(value)
         except (ValueError, TypeError):

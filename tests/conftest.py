@@ -3,7 +3,8 @@ import torch
 
 import alpha_ckpt
 from alpha_ckpt.format import DTYPES, CapturePrefix
-from alpha_ckpt.manifest import flatten_state, regions_of
+from alpha_ckpt.manifest import regions_of
+from alpha_ckpt.state.capture import flatten_state
 from alpha_ckpt.planner import Piece
 from alpha_ckpt.store import Store
 from alpha_ckpt.writer import publish_slices, word_bytes

@@ -73,10 +73,10 @@ from ..publish.tree import GroupTransport, TreeRole, write_or_fail
 from ..publish.wire import broadcast_json, gather_json
 from ..manifest import check_coverage, check_region_names, check_root_manifest, encode_identity, identity_matches
 from ..restore import Counters, latest_order, open_generation, prepare_fill
-from ..state.capture import capture_state, dotted_leaves, pattern_list
+from ..state.capture import capture_state, pattern_list
 from ..state.load import plan_load
 from ..state.rules import METADATA_KEY as PLACEMENT_KEY, PlacementRules, recorded_per_rank
-from ..state.values import decode_value
+from ..values import decode_value, dotted_leaves
 from ..store import RefRecord, Store
 from ..writer import ShardCarry, word_view, write_manifest
 from .schedule import Schedule

@@ -40,7 +40,8 @@ from ..state.placement import Partitioned
 from ..gc import discard_completed_step
 from ..restore import open_generation
 from ..store import Store, write_all
-from ..usage import OneLineArgumentParser, UsageError, check_job_args, check_store_writable
+from ..usage import OneLineArgumentParser, UsageError, check_store_writable
+from .usage import check_job_args
 from .. import faults
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_RETRY = 0, 2, 3, 75

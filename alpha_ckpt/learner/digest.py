@@ -10,7 +10,8 @@ from __future__ import annotations
 import blake3
 
 from ..format import canonical_json
-from ..manifest import dtype_name, flatten_state
+from ..manifest import dtype_name
+from ..state.capture import flatten_state
 from ..writer import word_bytes
 
 

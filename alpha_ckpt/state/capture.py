@@ -10,12 +10,11 @@ of these. Capturing it (pure, no I/O):
   (``optim.state.0.exp_avg``: dict keys, int keys and list indices joined by
   dots), in the order met;
 - everything else becomes the skeleton: the typed JSON of
-  :mod:`alpha_ckpt.state.values`, with ``{"tensor": name}`` where a tensor was.
+  :mod:`alpha_ckpt.values`, with ``{"tensor": name}`` where a tensor was.
   A Stateful object is recorded as what its ``state_dict()`` returned.
 """
 from __future__ import annotations
 
-import fnmatch
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
@@ -25,7 +24,9 @@ import torch
 
 from ..errors import Refusal, RefusalCode
 from ..format import RegionDecl
-from .values import PerRankSaved, RegionRef, encode_value
+from ..manifest import regions_of
+from ..values import encode_value
+from .placement import Partitioned, PerRank, dtensor_part, is_dtensor
 
 
 def is_stateful(obj: Any) -> bool:
@@ -50,7 +51,6 @@ class CapturedState:
     placement: tuple[Any, ...] = ()
 
     def regions(self, allow_nonfinite: Sequence[str] = ()) -> tuple[RegionDecl, ...]:
-        from ..manifest import regions_of
         decls = regions_of(self.named, allow_nonfinite)
         return tuple(RegionDecl(r.ordinal, r.name, r.dtype, p[2], r.nonfinite) if isinstance(p, tuple) else r
                      for r, p in zip(decls, self.placement or ("replicated",) * len(decls)))
@@ -69,7 +69,6 @@ def capture_state(state: Mapping[str, Any], rank: int = 0, world: int = 1, rules
     coincide (``{"a.b": x}`` beside ``{"a": {"b": y}}``, or keys ``0`` and ``"0"``); a Refusal
     (``format``) naming the entry for a tensor whose words cannot be stored (sparse, nested, meta).
     """
-    from .placement import Partitioned, PerRank, dtensor_part, is_dtensor
     if not isinstance(state, Mapping):
         raise ValueError(f"a state is a dict, not a {type(state).__name__}")
     named: list[tuple[str, torch.Tensor]] = []
@@ -174,24 +173,6 @@ def pattern_list(patterns: str | Iterable[str], what: str) -> tuple[str, ...]:
     return out
 
 
-def matches_any(name: str, patterns: str | Sequence[str]) -> bool:
-    """fnmatch on dotted names: ``*.mask`` matches ``model.blocks.0.mask``; a bare string is one pattern."""
-    if isinstance(patterns, str):  # callers parse their patterns once (pattern_list); a bare string is still one
-        patterns = (patterns,)
-    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
-
-
-def dotted_leaves(node: Any, prefix: str = "") -> Iterable[tuple[str, RegionRef]]:
-    """The (dotted name, reference) of every region a decoded skeleton names, in order."""
-    if isinstance(node, RegionRef):
-        yield prefix, node
-    elif isinstance(node, PerRankSaved):
-        for i, value in enumerate(node.parts):
-            if value is not None:
-                yield from dotted_leaves(value, f"{prefix}.{i}" if prefix else str(i))
-    elif isinstance(node, Mapping):
-        for key, value in node.items():
-            yield from dotted_leaves(value, f"{prefix}.{key}" if prefix else str(key))
-    elif isinstance(node, (list, tuple)):
-        for i, value in enumerate(node):
-            yield from dotted_leaves(value, f"{prefix}.{i}" if prefix else str(i))
+def flatten_state(state) -> list[tuple[str, torch.Tensor]]:
+    """The (dotted name, tensor) regions of ``state``, in declaration order (:func:`capture_state`)."""
+    return list(capture_state(state).named)

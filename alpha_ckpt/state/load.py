@@ -29,12 +29,13 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 
+from ..errors import Refusal, RefusalCode
 from ..format import RegionDecl
-from ..manifest import describe_region, dtype_name, refuse_mismatch, torch_dtype
-from .capture import capture_state, dotted_leaves as _refs, is_stateful, matches_any
+from ..manifest import describe_region, dtype_name, matches_any, refuse_mismatch, torch_dtype
+from ..values import PerRankSaved, RegionRef, decode_value, dotted_leaves as _refs
+from .capture import capture_state, is_stateful
 from .loaders import settle_lazy_load
 from .placement import Partitioned, PerRank, is_dtensor, restore_ranges
-from .values import PerRankSaved, RegionRef, decode_value
 
 _ABSENT = object()
 
@@ -57,7 +58,6 @@ class LoadPlan:
     placement_bound: list[str] = field(default_factory=list)
 
     def refusal(self, what: str):
-        from ..errors import Refusal, RefusalCode
         if self.placement_bound:
             return Refusal(RefusalCode.PLACEMENT_BOUND, f"{what}: per-rank entries were saved by another rank count: "
                            f"{', '.join(self.placement_bound[:10])} (restore with per_rank=\"drop\" to start "

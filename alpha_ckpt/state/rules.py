@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .capture import matches_any, pattern_list
+from ..manifest import matches_any
+from .capture import pattern_list
 
 METADATA_KEY = "placement_patterns"
 

@@ -192,11 +192,11 @@ def test_an_intact_object_holding_nan_is_reused_not_set_aside(tmp_path):
 
 
 def test_a_store_handle_reads_back_only_objects_it_did_not_write_or_check_itself(tmp_path, monkeypatch):
-    from alpha_ckpt import restore
+    from alpha_ckpt import restore, writer
     checked = []
     real = restore.validate_object_file
-    monkeypatch.setattr(restore, "validate_object_file", lambda obj, what="object": checked.append(obj.digest)
-                        or real(obj, what))
+    monkeypatch.setattr(writer, "validate_object_file", lambda obj, what="object": checked.append(obj.digest)
+                        or real(obj, what))  # what the writer gives the store to check an existing object with
     store_dir, state = tmp_path / "store", {"w": torch.randn(4096)}
     with alpha_ckpt.Store(store_dir) as own:
         root = alpha_ckpt.save(state, store=own, **STATE_KW)

@@ -13,7 +13,7 @@ from alpha_ckpt import cli, durable
 from alpha_ckpt.errors import StoreUsageError
 from alpha_ckpt.export import export_generation
 from alpha_ckpt.format import CapturePrefix, RegionDecl
-from alpha_ckpt.manifest import flatten_state
+from alpha_ckpt.state.capture import flatten_state
 from alpha_ckpt.planner import Piece
 from alpha_ckpt.publish import simulate
 from alpha_ckpt.store import Store

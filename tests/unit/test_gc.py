@@ -13,7 +13,7 @@ from alpha_ckpt import cli
 from alpha_ckpt.errors import StoreUsageError
 from alpha_ckpt.gc import apply_gc, plan_gc
 from alpha_ckpt.publish import simulate
-from alpha_ckpt.restore import verify_generation
+from alpha_ckpt.restore import validate_object_file, verify_generation
 from alpha_ckpt.store import Store
 
 
@@ -62,7 +62,8 @@ def test_young_objects_and_temp_files_survive_the_grace_period(tmp_path):
     store = Store(tmp_path / "s")
     _save(store, 1)
     stray = _stray(tmp_path / "s")
-    orphan, _ = store.put_object(lambda fd: (os.write(fd, b"x"), "ab" * 32)[1])  # as an in-flight publish would
+    # as an in-flight publish would
+    orphan, _ = store.put_object(lambda fd: (os.write(fd, b"x"), "ab" * 32)[1], validate=validate_object_file)
     apply_gc(store, plan_gc(store, grace=3600))
     assert stray.exists() and store.has_object(orphan)
     apply_gc(store, plan_gc(store, grace=0))  # even at grace 0, the last seconds are spared (clock slack)
@@ -94,7 +95,7 @@ def test_tree_generations_keep_every_group_manifest_and_shard(tmp_path):
 def test_a_damaged_kept_generation_stops_object_removal_but_not_the_temp_sweep(tmp_path):
     store = Store(tmp_path / "s")
     root = _save(store, 1)
-    orphan, _ = store.put_object(lambda fd: (os.write(fd, b"y"), "cd" * 32)[1])
+    orphan, _ = store.put_object(lambda fd: (os.write(fd, b"y"), "cd" * 32)[1], validate=validate_object_file)
     stray = _stray(tmp_path / "s")
     path = store.object_path(root)
     os.chmod(path, 0o644)
@@ -128,7 +129,7 @@ def test_the_command_line_reports_what_it_removed(tmp_path):
 
 def _orphan(store, byte: bytes):
     """An object no ref names, as a publish in flight leaves it."""
-    digest, _ = store.put_object(lambda fd: (os.write(fd, byte), blake3_of(byte))[1])
+    digest, _ = store.put_object(lambda fd: (os.write(fd, byte), blake3_of(byte))[1], validate=validate_object_file)
     return digest
 
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from alpha_ckpt import Refusal, RefusalCode
 from alpha_ckpt.format import canonical_json, parse_canonical_json
-from alpha_ckpt.state.values import decode_value, encode_value
+from alpha_ckpt.values import decode_value, encode_value
 from gpt_training import assert_identical
 
 KEYS = st.text(max_size=8) | st.integers(-2**70, 2**70)

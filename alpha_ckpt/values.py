@@ -28,6 +28,9 @@ a PerRank entry of N ranks        ``{"per_rank": [rank 0's, ..., rank N-1's]}``
 Every JSON object has exactly one key, the type tag. The decoder takes
 hostile bytes: it bounds nesting depth, big-int and bytes lengths, and raises
 only :class:`~alpha_ckpt.errors.Refusal` (code ``format``).
+
+Part of the format (docs/FORMAT.md): a root manifest's ``state`` is written in it, so the
+format layer decodes it; it imports nothing of the package but the errors.
 """
 from __future__ import annotations
 
@@ -36,9 +39,9 @@ import binascii
 import collections
 import struct
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Mapping
 
-from ..errors import Refusal, RefusalCode
+from .errors import Refusal, RefusalCode
 
 MAX_DEPTH = 64            # nesting of containers; real state dicts are a handful deep
 MAX_BIGINT_HEX = 1 << 16  # 262,144-bit integers: far past any counter, bounded work to parse
@@ -183,3 +186,19 @@ def _short(value: Any) -> str:
 
 def _bad(what: str, message: str) -> Refusal:
     return Refusal(RefusalCode.FORMAT, f"{what}: {message}")
+
+
+def dotted_leaves(node: Any, prefix: str = "") -> Iterable[tuple[str, RegionRef]]:
+    """The (dotted name, reference) of every region a decoded skeleton names, in order."""
+    if isinstance(node, RegionRef):
+        yield prefix, node
+    elif isinstance(node, PerRankSaved):
+        for i, value in enumerate(node.parts):
+            if value is not None:
+                yield from dotted_leaves(value, f"{prefix}.{i}" if prefix else str(i))
+    elif isinstance(node, Mapping):
+        for key, value in node.items():
+            yield from dotted_leaves(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(node, (list, tuple)):
+        for i, value in enumerate(node):
+            yield from dotted_leaves(value, f"{prefix}.{i}" if prefix else str(i))
