@@ -10,7 +10,7 @@
 # 2. The manifest records the GPU's real product and UUID, read here again
 #    through NVML and compared.
 # 3. A generation whose saved device product was altered (digests repaired,
-#    python -m alpha_ckpt.forge) is refused with device-mismatch before any
+#    python -m alpha_ckpt.testing.forge) is refused with device-mismatch before any
 #    owner trains, and the store's bytes are unchanged.
 # Prints one PASS/FAIL line per check; exits 1 if any failed.
 set -uo pipefail
@@ -43,7 +43,7 @@ for opt in sgd momentum adam; do
     straight=$(job --run "straight-$opt" --updates 5 "${sets[@]}" | field state_digest)
     first=$(job --run "split-$opt" --updates 3 --checkpoint-every 3 "${sets[@]}" | field last_generation)
     resumed=$(job --run "split-$opt" --updates 5 --resume-from "${first:-none}" "${sets[@]}" | field state_digest)
-    oracle=$($PY -m alpha_ckpt.oracle "$CONFIG" --updates 5 --device "$DEVICE" "${sets[@]}" | field state_digest)
+    oracle=$($PY -m alpha_ckpt.testing.oracle "$CONFIG" --updates 5 --device "$DEVICE" "${sets[@]}" | field state_digest)
     ok=0; [[ -n $straight && $straight == "$resumed" && $straight == "$oracle" ]] && ok=1
     verdict "resume-equivalence $opt on $DEVICE/$BACKEND" $ok \
         "straight ${straight:0:16} resumed ${resumed:0:16} oracle ${oracle:0:16} $(tail -c 300 "$STORE/last.err" | tr '\n' ' ')"
@@ -70,7 +70,7 @@ EOF
     verdict "nvml-binding" "${recorded%% *}" "${recorded#* }"
 fi
 
-forged=$($PY -m alpha_ckpt.forge --store "$STORE" "${root:-none}" --edit 'devices.0.product="Altered GPU Product"')
+forged=$($PY -m alpha_ckpt.testing.forge --store "$STORE" "${root:-none}" --edit 'devices.0.product="Altered GPU Product"')
 before=$(store_hash)
 $PY -m alpha_ckpt.launcher --nproc 1 --backend "$BACKEND" --store "$STORE" --run nvml --updates 3 \
     --resume-from "${forged:-none}" "$CONFIG" >/dev/null 2>"$STORE/refused.err"

@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 import alpha_ckpt  # noqa: E402
 from alpha_ckpt import Refusal  # noqa: E402
 from alpha_ckpt.format import PREFIX_LEN, canonical_json, digest_bytes, encode_head  # noqa: E402
-from alpha_ckpt.publish import simulate  # noqa: E402
+from alpha_ckpt.testing import simulate  # noqa: E402
 from alpha_ckpt.restore import validate_object_bytes  # noqa: E402
 from alpha_ckpt.store import Store, decode_ref  # noqa: E402
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from alpha_ckpt.publish import simulate  # noqa: E402
+from alpha_ckpt.testing import simulate  # noqa: E402
 from alpha_ckpt.store import Store  # noqa: E402
 
 

@@ -38,7 +38,7 @@ def assert_bit_equal(a: dict, b: dict) -> None:
 
 def save_forged(state: dict, store_dir, *, update: int = 1, cursor: int = 0, epoch: int = 0,
                 compression: str = "raw", run: str = "r", step: str = "s") -> str:
-    """Publish a generation that publication refuses (NaN/inf words), as alpha_ckpt.forge makes one:
+    """Publish a generation that publication refuses (NaN/inf words), as alpha_ckpt.testing.forge makes one:
     restore's own checks must refuse it (an old store, or damage with the checksums repaired)."""
     named = flatten_state(state)
     regions = regions_of(named)

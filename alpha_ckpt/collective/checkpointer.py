@@ -156,7 +156,7 @@ class Checkpointer:
         # on a generation before any rank reads a shard (bindings(root manifest) raises a Refusal).
         # bind_devices: each rank's device must be the very one that saved its rank (UUID), not only the product.
         self.metadata, self.bindings, self.bind_devices = metadata, bindings, bind_devices
-        self.tree_tamper = None  # a test hook, set only from outside the product path (alpha_ckpt/faults.py)
+        self.tree_tamper = None  # a test hook, set only from outside the product path (alpha_ckpt/testing/faults.py)
         self._branch = False
         self._fence = None  # an asynchronous save whose snapshot is still being taken (defer_snapshot=True)
         try:

@@ -42,7 +42,7 @@ from ..restore import open_generation
 from ..store import Store, write_all
 from ..usage import OneLineArgumentParser, UsageError, check_store_writable
 from .usage import check_job_args
-from .. import faults
+from ..testing import faults
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_RETRY = 0, 2, 3, 75
 _IDENTITY_EXCLUDES = ("run", "step", "parameters", "bind_placement")

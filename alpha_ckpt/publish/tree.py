@@ -253,7 +253,7 @@ class TreeRole:
         # The root's manifest, decoded as a reader decodes it, must pass the one validator before the ref:
         # check_root_manifest (the tree's coverage is structural, its words checked where they were agreed).
         self.check_root = check_root or (lambda m: check_root_manifest(m, None, f"root manifest {m.digest[:16]}..."))
-        # ``tamper``: a test hook (alpha_ckpt.faults) applied to each message sent up; None: withhold it.
+        # ``tamper``: a test hook (alpha_ckpt.testing.faults) applied to each message sent up; None: withhold it.
         self.timeout, self.tamper, self.pool, self.carry = timeout, tamper, pool, carry
         path = hierarchy.path(role)
         self.size = path[-1][1]

@@ -119,7 +119,7 @@ def test_a_frozen_embedding_table_costs_zero_bytes_written_after_the_first_gener
     written = [e["bytes_written"] for e in events(run.stderr, "publish")]
     assert len(written) == 4 and written[0] > table_bytes
     assert all(w < table_bytes // 20 for w in written[1:]), written   # the trained regions and manifests only
-    oracle = subprocess.run([sys.executable, "-m", "alpha_ckpt.oracle", CONFIG, "--updates", "4", "--placements", "2",
+    oracle = subprocess.run([sys.executable, "-m", "alpha_ckpt.testing.oracle", CONFIG, "--updates", "4", "--placements", "2",
                              *SMALL, *table], capture_output=True, text=True, timeout=120)
     assert out["state_digest"] == json.loads(oracle.stdout)["state_digest"]
     # A generation that names a carried shard resumes like any other.

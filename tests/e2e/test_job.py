@@ -50,7 +50,7 @@ def test_job_and_split_resume_match_the_oracle(saved, tmp_path):
     subprocess.run(["cp", "-a", str(store), str(tmp_path / "copy")], check=True)
     store = tmp_path / "copy"
     resumed = final(alpha_run(store, "--updates", "3", "--resume-from", first["last_generation"]))
-    oracle = subprocess.run([sys.executable, "-m", "alpha_ckpt.oracle", CONFIG, "--updates", "3", "--placements", "2",
+    oracle = subprocess.run([sys.executable, "-m", "alpha_ckpt.testing.oracle", CONFIG, "--updates", "3", "--placements", "2",
                              *SMALL], capture_output=True, text=True, timeout=120)
     assert resumed["state_digest"] == json.loads(oracle.stdout)["state_digest"]
     assert (resumed["update"], resumed["epoch"], resumed["owners"]) == (3, 1, 2)
@@ -147,7 +147,7 @@ def test_two_nodes_on_one_machine_train_the_job_of_four_owners(tmp_path):
     # c10d rendezvous assigns ranks by join order: owner 0 may be on either node.
     (printed,) = [out for out, _ in outs if out.strip()]
     result = json.loads(printed.strip().splitlines()[-1])
-    oracle = subprocess.run([sys.executable, "-m", "alpha_ckpt.oracle", CONFIG, "--updates", "2", "--placements", "4",
+    oracle = subprocess.run([sys.executable, "-m", "alpha_ckpt.testing.oracle", CONFIG, "--updates", "2", "--placements", "4",
                              *SMALL], capture_output=True, text=True, timeout=120)
     assert result["owners"] == 4 and result["state_digest"] == json.loads(oracle.stdout)["state_digest"]
 
@@ -156,7 +156,7 @@ def test_two_nodes_on_one_machine_train_the_job_of_four_owners(tmp_path):
 @pytest.mark.timeout(300)
 def test_eight_owners_run_on_a_two_core_machine_and_match_the_oracle(tmp_path):
     result = final(alpha_run(tmp_path / "store", "--updates", "2", nproc=8))
-    oracle = subprocess.run([sys.executable, "-m", "alpha_ckpt.oracle", CONFIG, "--updates", "2", "--placements", "8",
+    oracle = subprocess.run([sys.executable, "-m", "alpha_ckpt.testing.oracle", CONFIG, "--updates", "2", "--placements", "8",
                              *SMALL], capture_output=True, text=True, timeout=120)
     assert result["owners"] == 8 and result["state_digest"] == json.loads(oracle.stdout)["state_digest"]
 
@@ -169,7 +169,7 @@ def test_a_generation_saved_on_another_device_product_is_refused_before_training
     store, first = saved
     copy = tmp_path / "copy"
     subprocess.run(["cp", "-a", str(store), str(copy)], check=True)
-    forged = subprocess.run([sys.executable, "-m", "alpha_ckpt.forge", "--store", str(copy), first["last_generation"],
+    forged = subprocess.run([sys.executable, "-m", "alpha_ckpt.testing.forge", "--store", str(copy), first["last_generation"],
                              "--edit", 'devices.0.product="NVIDIA H200"'], capture_output=True, text=True, timeout=60)
     assert forged.returncode == 0, forged.stderr
     before = store_hash(copy)
@@ -279,7 +279,7 @@ def test_each_of_four_owners_reads_about_a_quarter_and_three_owners_resume_to_th
     # The same generation on 3 owners (a branch, so the continuation above does not make it stale).
     three = alpha_run(store, *args, "--updates", "3", "--branch-from", first["last_generation"], "--run", "three",
                       nproc=3)
-    oracle = subprocess.run([sys.executable, "-m", "alpha_ckpt.oracle", CONFIG, "--updates", "3", "--placements",
+    oracle = subprocess.run([sys.executable, "-m", "alpha_ckpt.testing.oracle", CONFIG, "--updates", "3", "--placements",
                              "4:2,3:1", *SMALL, "--set", "optimizer=momentum"], capture_output=True, text=True, timeout=120)
     assert final(three)["state_digest"] == json.loads(oracle.stdout)["state_digest"]
     assert max(_bytes_read(three.stderr).values()) <= part_bytes / 3 * 1.01 + other_bytes + part_bytes / 4

@@ -46,7 +46,7 @@ def test_a_diverging_job_stops_with_a_refusal_and_its_last_good_generation_survi
 
 @pytest.mark.timeout(300)
 def test_resume_latest_on_an_empty_history_starts_at_update_zero(tmp_path):
-    oracle = subprocess.run([sys.executable, "-m", "alpha_ckpt.oracle", CONFIG, "--updates", "2", "--placements", "2",
+    oracle = subprocess.run([sys.executable, "-m", "alpha_ckpt.testing.oracle", CONFIG, "--updates", "2", "--placements", "2",
                              *SMALL], capture_output=True, text=True, timeout=120)
     started = final(alpha_run(tmp_path / "store", "--updates", "2", "--resume", "latest"))
     assert started["state_digest"] == json.loads(oracle.stdout)["state_digest"]

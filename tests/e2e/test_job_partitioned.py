@@ -29,7 +29,7 @@ def test_the_partitioned_job_on_eight_owners_with_an_empty_share_resumes_latest_
     first = final(alpha_run(store, "--updates", "1", "--checkpoint-every", "1"))
     resumed = final(alpha_run(store, "--updates", "2", "--resume", "latest"))
     assert (resumed["update"], resumed["epoch"], resumed["owners"]) == (2, 1, 8)
-    oracle = subprocess.run([sys.executable, "-m", "alpha_ckpt.oracle", CONFIG, "--updates", "2", "--placements", "8",
+    oracle = subprocess.run([sys.executable, "-m", "alpha_ckpt.testing.oracle", CONFIG, "--updates", "2", "--placements", "8",
                              *SMALL], capture_output=True, text=True, timeout=120)
     assert oracle.returncode == 0, oracle.stderr[-2000:]
     assert resumed["state_digest"] == json.loads(oracle.stdout)["state_digest"]

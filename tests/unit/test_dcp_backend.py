@@ -515,7 +515,7 @@ def _refusal_codes(exc: CheckpointException) -> list[str]:
 
 def _forge(state, store, root, kind):
     """Republish ``root`` with its DCP Metadata altered (every digest valid again)."""
-    from alpha_ckpt.forge import republish_with_metadata
+    from alpha_ckpt.testing.forge import republish_with_metadata
 
     def edit(metadata):
         dcp_meta = metadata["dcp"]

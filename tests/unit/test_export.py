@@ -15,7 +15,7 @@ from alpha_ckpt.export import export_generation
 from alpha_ckpt.format import CapturePrefix, RegionDecl
 from alpha_ckpt.state.capture import flatten_state
 from alpha_ckpt.planner import Piece
-from alpha_ckpt.publish import simulate
+from alpha_ckpt.testing import simulate
 from alpha_ckpt.store import Store
 from alpha_ckpt.writer import publish_slices
 from conftest import small_state

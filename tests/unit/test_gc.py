@@ -12,7 +12,7 @@ import alpha_ckpt
 from alpha_ckpt import cli
 from alpha_ckpt.errors import StoreUsageError
 from alpha_ckpt.gc import apply_gc, plan_gc
-from alpha_ckpt.publish import simulate
+from alpha_ckpt.testing import simulate
 from alpha_ckpt.restore import validate_object_file, verify_generation
 from alpha_ckpt.store import Store
 

@@ -38,9 +38,9 @@ LAYERS: dict[int, tuple[str, set[str]]] = {
         {"api", "dcp", "export", "cli", "usage", "script_runner"}),
     7: ("the built-in job, its learner and test hooks, and alpha-run, which launches it or a script",
         {"job", "job.__main__", "job.owner", "job.usage", "learner", "learner.config", "learner.data",
-         "learner.digest", "learner.model", "faults", "launcher"}),
+         "learner.digest", "learner.model", "testing", "testing.faults", "launcher"}),
     8: ("test support shipped in the package: forged generations, the tree's simulation, the oracle",
-        {"forge", "publish.simulate", "oracle"}),
+        {"testing.forge", "testing.simulate", "testing.oracle"}),
     9: ("the package's public names (re-exported on first use)",
         {""}),
 }

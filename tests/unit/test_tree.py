@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 from alpha_ckpt import Refusal, RefusalCode
 from alpha_ckpt.format import CapturePrefix, ChildRef
 from alpha_ckpt.planner import Hierarchy
-from alpha_ckpt.publish import simulate
+from alpha_ckpt.testing import simulate
 from alpha_ckpt.publish.tree import Commitment, check_commitment
 from alpha_ckpt.restore import open_generation, verify_generation
 from alpha_ckpt.store import Store

@@ -1,6 +1,6 @@
 """The oracle: the distributed learner's exact arithmetic, run in one process.
 
-    python -m alpha_ckpt.oracle CONFIG --updates N [--placements 4:3,3:2] [--set KEY=VALUE ...]
+    python -m alpha_ckpt.testing.oracle CONFIG --updates N [--placements 4:3,3:2] [--set KEY=VALUE ...]
 
 ``--device cuda`` runs on the GPU, to compare with NCCL jobs (their kernels
 differ from the CPU's, so their bits do too). ``--placements 4:3,3:2`` means 4 owners for 3 updates, then 3 owners for 2
@@ -16,10 +16,10 @@ import argparse
 import json
 import sys
 
-from .learner.config import JobConfig, load_config
-from .learner.data import shares
-from .learner.digest import state_digest
-from .learner.model import (
+from ..learner.config import JobConfig, load_config
+from ..learner.data import shares
+from ..learner.digest import state_digest
+from ..learner.model import (
     LearnerState, apply_update, combine, configure_determinism, share_gradient, sum_in_owner_order,
 )
 
@@ -64,7 +64,7 @@ def run(config: JobConfig, updates: int, placements: list[int], state: LearnerSt
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m alpha_ckpt.oracle", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m alpha_ckpt.testing.oracle", description=__doc__.splitlines()[0])
     parser.add_argument("config")
     parser.add_argument("--updates", type=int, required=True)
     parser.add_argument("--placements")

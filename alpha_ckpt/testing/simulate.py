@@ -20,8 +20,8 @@ from ..format import CapturePrefix, RegionDecl
 from ..planner import Hierarchy, Piece, WantedSlice
 from ..restore import open_generation, restore_slices
 from ..store import Store
-from ..faults import tree_tamper
-from .tree import MemoryTransport, TreeRole
+from .faults import tree_tamper
+from ..publish.tree import MemoryTransport, TreeRole
 
 REPLICATED_WORDS = 8
 

@@ -1,8 +1,8 @@
 """Deliberately altered generations, for refusal tests and gates.
 
-    python -m alpha_ckpt.forge --store S ROOT --edit devices.0.product='"NVIDIA A100"'
-    python -m alpha_ckpt.forge --store S ROOT --poison model.w1:5=nan
-    python -m alpha_ckpt.forge --store S ROOT --prefix cursor=0
+    python -m alpha_ckpt.testing.forge --store S ROOT --edit devices.0.product='"NVIDIA A100"'
+    python -m alpha_ckpt.testing.forge --store S ROOT --poison model.w1:5=nan
+    python -m alpha_ckpt.testing.forge --store S ROOT --prefix cursor=0
 
 Publishes a new generation of the same run/step. With only ``--edit``, its
 shards are ROOT's own objects and its root manifest carries ROOT's metadata
@@ -24,12 +24,12 @@ from typing import Any, Callable
 
 import torch
 
-from .format import DTYPES, CapturePrefix
-from .manifest import torch_dtype
-from .planner import Piece, WantedSlice
-from .restore import open_generation, restore_slices
-from .store import Store
-from .writer import publish_slices, write_manifest
+from ..format import DTYPES, CapturePrefix
+from ..manifest import torch_dtype
+from ..planner import Piece, WantedSlice
+from ..restore import open_generation, restore_slices
+from ..store import Store
+from ..writer import publish_slices, write_manifest
 
 
 def set_path(document: Any, dotted: str, value: Any) -> Any:
@@ -82,7 +82,7 @@ def republish_state(store: Store, root: str, *, edit: Callable[[Any], Any] = lam
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m alpha_ckpt.forge", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m alpha_ckpt.testing.forge", description=__doc__.splitlines()[0])
     parser.add_argument("--store", required=True)
     parser.add_argument("root")
     parser.add_argument("--edit", action="append", default=[], metavar="PATH=JSON")
