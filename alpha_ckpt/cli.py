@@ -371,6 +371,8 @@ def _refused(refusal: Refusal, args, out) -> int:
 
 
 def entry() -> None:
+    from .testing.faults import install_from_environment
+    install_from_environment()  # the fault points a test asks of this command, if any
     sys.exit(main())
 
 

@@ -11,12 +11,12 @@ A crash at any point leaves either nothing visible or the complete file: the
 temporary name is never published, and NOREPLACE means a published name is
 never overwritten.
 
-Fault points: set ``ALPHA_CKPT_FAULT=<kind>:<point>[:<rank>]`` (kind ``object``,
-``ref``, ``output``, ``export``, ``lease``, ``pin`` or ``*``) to SIGKILL the process (or only owner <rank>)
-exactly there, or install a Python hook with :func:`set_fault_hook` for
-in-process tests. Publishers add ``publish:before-completion``: an owner
-dies holding the durable-completion acknowledgment, before passing it on or
-reporting the update committed.
+Each stage calls :func:`alpha_ckpt.hooks.fault_point` with the file's kind (``object``,
+``ref``, ``output``, ``export``, ``lease``, ``pin``); the default hooks do nothing. Test support
+installs hooks that SIGKILL the process there (:mod:`alpha_ckpt.testing.faults`, which also
+reads ``ALPHA_CKPT_FAULT``). Publishers add ``publish:before-completion``: an owner dies
+holding the durable-completion acknowledgment, before passing it on or reporting the update
+committed.
 """
 from __future__ import annotations
 
@@ -24,13 +24,13 @@ import ctypes
 import errno
 import os
 import secrets
-import signal
 import stat
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from .errors import DurableWriteError
+from .hooks import fault_point
 
 FAULT_POINTS = (
     "before-data-fsync",
@@ -40,32 +40,7 @@ FAULT_POINTS = (
     "before-dir-fsync",
     "after-dir-fsync",
 )
-FAULT_ENV = "ALPHA_CKPT_FAULT"
 _RENAME_NOREPLACE = 1
-
-_fault_hook: Callable[[str, str], None] | None = None
-
-
-def set_fault_hook(hook: Callable[[str, str], None] | None) -> None:
-    """Install ``hook(kind, point)``, called at every fault point (tests only)."""
-    global _fault_hook
-    _fault_hook = hook
-
-
-def fault_point(kind: str, point: str) -> None:
-    """A named point where tests may kill this process: ``ALPHA_CKPT_FAULT=kind:point[:rank]``.
-
-    With ``:rank`` only the owner whose RANK (as torchrun sets it) matches dies there.
-    """
-    wanted = os.environ.get(FAULT_ENV)
-    if wanted:
-        want_kind, _, rest = wanted.partition(":")
-        want_point, _, want_rank = rest.partition(":")
-        if want_point == point and want_kind in (kind, "*") and want_rank in ("", os.environ.get("RANK", "0")):
-            os.kill(os.getpid(), signal.SIGKILL)
-    if _fault_hook is not None:
-        _fault_hook(kind, point)
-
 
 _fault = fault_point
 

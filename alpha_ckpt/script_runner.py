@@ -111,6 +111,8 @@ def exit_now(code) -> None:
 
 
 if __name__ == "__main__":
+    from .testing.faults import install_from_environment
+    install_from_environment()  # the fault and kill points a test asks of this rank, if any
     try:
         status = main()
     except SystemExit as exc:  # the script's own sys.exit, argparse's usage errors (2)

@@ -686,7 +686,7 @@ class Store:
         return exc
 
     def publish_ref(self, prefix: CapturePrefix, root: str, root_size: int, total_bytes: int, owners: int, *,
-                    follows: int | None = None, fence: bool = True) -> RefRecord:
+                    follows: int | None = None) -> RefRecord:
         """Publish the next generation of (run, step): a NOREPLACE ref naming ``root``, if the history allows it.
 
         History fencing (:func:`check_fence`): the refs are read from the
@@ -702,33 +702,23 @@ class Store:
         :class:`PublishConflict` (retryable) when the winner was not one to
         fence it. Publishing the root the newest ref already names returns that
         ref (a retried save is idempotent). Unreadable refs passed over are
-        named on stderr. ``fence=False`` is for forging test generations only.
+        named on stderr.
         """
         dir_fd = self._refs_dir(prefix.run, prefix.step, create=True)
         try:
             history = self._history(dir_fd, prefix.run, prefix.step, whole=False)
             newest = history.newest
-            if fence and newest is not None and newest.generation == history.top \
+            if newest is not None and newest.generation == history.top \
                     and (newest.root, newest.prefix) == (root, prefix):
                 return newest  # this very state is already the newest generation (a retried save): nothing to add
-            if fence:
-                check_fence(history, prefix, follows)
+            check_fence(history, prefix, follows)
             generation = history.top + 1
             record = RefRecord(prefix.run, prefix.step, generation, root, root_size, prefix, time.time(), total_bytes, owners)
-            body = encode_ref(record)
-            # The last line of defence: never write a ref that this store's readers would refuse (it
-            # would stand as the newest generation and refuse every later publish and restore).
-            decode_ref(body, f"ref {prefix.run}/{prefix.step}/{generation:0{REF_DIGITS}d} (not written)")
-
-            def write(fd: int) -> None:
-                write_all(fd, body)
-
             try:
-                durable.durable_commit(tmp_dir=self._tmp_fd, dest_dir=dir_fd, write=write,
-                                       name=f"{generation:0{REF_DIGITS}d}", kind="ref")
+                self._put_ref(dir_fd, record)
             except FileExistsError:
                 winner = self._read_ref(dir_fd, prefix.run, prefix.step, generation)
-                if fence and isinstance(winner, RefRecord):  # it may fence this publish: say so precisely
+                if isinstance(winner, RefRecord):  # it may fence this publish: say so precisely
                     check_fence(History(prefix.run, prefix.step, (winner,), generation), prefix, follows)
                 raise PublishConflict(f"generation {generation} of {prefix.run}/{prefix.step} was published by another publisher") from None
             for bad in history.unreadable_above:
@@ -738,6 +728,28 @@ class Store:
             return record
         finally:
             os.close(dir_fd)
+
+    def put_ref(self, record: RefRecord) -> None:
+        """Durably write ``record`` as generation ``record.generation`` of its run and step if that number is
+        free (FileExistsError if not). The storage step under :meth:`publish_ref`, with no history check:
+        only :meth:`publish_ref` publishes a generation that follows its history."""
+        dir_fd = self._refs_dir(record.run, record.step, create=True)
+        try:
+            self._put_ref(dir_fd, record)
+        finally:
+            os.close(dir_fd)
+
+    def _put_ref(self, dir_fd: int, record: RefRecord) -> None:
+        body = encode_ref(record)
+        name = f"{record.generation:0{REF_DIGITS}d}"
+        # The last line of defence: never write a ref that this store's readers would refuse (it
+        # would stand as the newest generation and refuse every later publish and restore).
+        decode_ref(body, f"ref {record.run}/{record.step}/{name} (not written)")
+
+        def write(fd: int) -> None:
+            write_all(fd, body)
+
+        durable.durable_commit(tmp_dir=self._tmp_fd, dest_dir=dir_fd, write=write, name=name, kind="ref")
 
     @staticmethod
     def _ref_numbers(dir_fd: int) -> list[int]:

@@ -740,20 +740,20 @@ def write_manifest(store: Store, prefix: CapturePrefix, regions: Sequence[Region
 def publish_slices(store: Store, prefix: CapturePrefix, regions: Sequence[RegionDecl],
                    shards: Sequence[Sequence[tuple[Piece, memoryview, str]]], *, metadata: Any = None,
                    owners: int = 1, carry: ShardCarry | None = None, follows: int | None = None,
-                   forged: bool = False, state: Any = None) -> Published:
+                   state: Any = None) -> Published:
     """Write each shard (its (piece, raw bytes, codec) parts in physical order), the manifest, then the ref.
 
     Refuses (nothing published) what a restore would refuse (a NaN or inf word, a root manifest
     :func:`~alpha_ckpt.manifest.check_root_manifest` refuses) and what would fork the history (:func:`alpha_ckpt.store.check_fence`;
-    ``follows`` as there). ``forged=True`` skips both: test generations only.
+    ``follows`` as there).
     """
     with store.pending_publish(prefix.run, prefix.step):  # gc spares what this publish writes or reuses
-        shard_refs = write_shards(store, prefix, regions, shards, carry=carry, check_finite=not forged)
-        check = None if forged else (lambda m: check_root_manifest(m, shard_refs, f"root manifest {m.digest[:16]}...",
-                                                                   metadata=metadata))
-        root, root_size = write_manifest(store, prefix, regions, shard_refs, owners, metadata, state=state, check=check)
+        shard_refs = write_shards(store, prefix, regions, shards, carry=carry)
+        root, root_size = write_manifest(
+            store, prefix, regions, shard_refs, owners, metadata, state=state,
+            check=lambda m: check_root_manifest(m, shard_refs, f"root manifest {m.digest[:16]}...", metadata=metadata))
         total = root_size + sum(s.size for s in shard_refs)
-        record = store.publish_ref(prefix, root, root_size, total, owners=owners, follows=follows, fence=not forged)
+        record = store.publish_ref(prefix, root, root_size, total, owners=owners, follows=follows)
     return Published(root, record, tuple(shard_refs))
 
 

@@ -7,7 +7,8 @@ from alpha_ckpt.manifest import regions_of
 from alpha_ckpt.state.capture import flatten_state
 from alpha_ckpt.planner import Piece
 from alpha_ckpt.store import Store
-from alpha_ckpt.writer import publish_slices, word_bytes
+from alpha_ckpt.testing.forge import publish_forged
+from alpha_ckpt.writer import word_bytes
 
 
 def small_state(seed: int = 0) -> dict:
@@ -45,7 +46,7 @@ def save_forged(state: dict, store_dir, *, update: int = 1, cursor: int = 0, epo
     shards = [[(Piece(r.ordinal, 0, r.words, DTYPES[r.dtype][0]), memoryview(word_bytes(t).numpy()), compression)]
               for r, (_, t) in zip(regions, named)]
     with Store(store_dir) as s:
-        return publish_slices(s, CapturePrefix(run, step, update, cursor, epoch), regions, shards, forged=True).root
+        return publish_forged(s, CapturePrefix(run, step, update, cursor, epoch), regions, shards).root
 
 
 @pytest.fixture

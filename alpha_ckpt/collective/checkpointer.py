@@ -59,7 +59,7 @@ import torch.distributed as dist
 
 from ..async_save import AsyncSaver
 from ..device import check_devices, current_device
-from ..durable import fault_point
+from ..hooks import fault_point
 from ..heap import cyclic_gc_paused
 from ..errors import (DurableWriteError, PublishConflict, PublishFailed, Refusal, RefusalCode, StoreUsageError,
                       UsageError)
@@ -156,7 +156,6 @@ class Checkpointer:
         # on a generation before any rank reads a shard (bindings(root manifest) raises a Refusal).
         # bind_devices: each rank's device must be the very one that saved its rank (UUID), not only the product.
         self.metadata, self.bindings, self.bind_devices = metadata, bindings, bind_devices
-        self.tree_tamper = None  # a test hook, set only from outside the product path (alpha_ckpt/testing/faults.py)
         self._branch = False
         self._fence = None  # an asynchronous save whose snapshot is still being taken (defer_snapshot=True)
         try:
@@ -482,7 +481,7 @@ class Checkpointer:
         parts = self._own_parts(regions, own)
         metadata = self._metadata(layout) if self.rank == 0 else {"device": self.device}
         role = TreeRole(self.store, self.hierarchy, self.rank, GroupTransport(group), timeout=self.commit_timeout,
-                        carry=self._carry, tamper=self.tree_tamper,
+                        carry=self._carry,
                         check_root=lambda m: check_root_manifest(m, None, f"root manifest {m.digest[:16]}...",
                                                                  identity=self.identity, metadata=metadata))
         written: dict[tuple, str] = {}

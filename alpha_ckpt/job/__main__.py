@@ -8,6 +8,8 @@ if __name__ == "__main__":
     # Under alpha-run the owner bound its life to the launcher on its first import
     # (alpha_ckpt/lifeline.py); under plain torchrun it binds to the agent now.
     lifeline.bind_to_parent()
+    from ..testing.faults import install_from_environment
+    install_from_environment()  # the fault and kill points a test asks of this owner, if any
     from .owner import main
     exit_code = main()
     sys.stdout.flush()

@@ -42,7 +42,7 @@ from ..restore import open_generation
 from ..store import Store, write_all
 from ..usage import OneLineArgumentParser, UsageError, check_store_writable
 from .usage import check_job_args
-from ..testing import faults
+from .. import hooks
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_RETRY = 0, 2, 3, 75
 _IDENTITY_EXCLUDES = ("run", "step", "parameters", "bind_placement")
@@ -112,7 +112,6 @@ class Owner:
                                  every=every, mtbf=mtbf, checkpoint_cost=checkpoint_cost,
                                  identity=learner_identity(config), metadata=self.metadata(),
                                  bindings=self._check_binding, bind_devices=config.bind_placement)
-        self.ckpt.tree_tamper = faults.tree_fault_of(self.rank)
         self._unreported: list[tuple[object, int]] = []  # asynchronous saves not yet reported
         self._plans_reported = 0
 
@@ -442,7 +441,7 @@ def run_owner(args) -> int:
         scheduled = every != "0"  # else only the final update is published
         while owner.state.update < args.updates:
             owner.train_update()
-            faults.after_update(owner.rank, owner.state.update)
+            hooks.installed().after_update(owner.rank, owner.state.update)
             final = owner.state.update == args.updates
             # due() on every owner at every update: it times the updates, and plans --checkpoint-every auto.
             due = owner.ckpt.due(owner.state.update) if scheduled else False

@@ -39,7 +39,8 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from ..durable import fault_point
+from .. import hooks
+from ..hooks import fault_point
 from ..errors import DurableWriteError, PublishConflict, Refusal, RefusalCode
 from ..format import CapturePrefix, ChildRef, ManifestHead, Publisher, RegionDecl, canonical_json
 from ..manifest import check_root_manifest
@@ -246,15 +247,13 @@ class TreeRole:
     """
 
     def __init__(self, store: Store, hierarchy: Hierarchy, role: int, transport: Transport, *,
-                 timeout: float, tamper: Callable[[dict], dict | None] | None = None,
-                 pool: ThreadPoolExecutor | None = None, carry: ShardCarry | None = None,
+                 timeout: float, pool: ThreadPoolExecutor | None = None, carry: ShardCarry | None = None,
                  check_root: Callable[[ManifestHead], None] | None = None):
         self.store, self.hierarchy, self.role, self.transport = store, hierarchy, role, transport
         # The root's manifest, decoded as a reader decodes it, must pass the one validator before the ref:
         # check_root_manifest (the tree's coverage is structural, its words checked where they were agreed).
         self.check_root = check_root or (lambda m: check_root_manifest(m, None, f"root manifest {m.digest[:16]}..."))
-        # ``tamper``: a test hook (alpha_ckpt.testing.faults) applied to each message sent up; None: withhold it.
-        self.timeout, self.tamper, self.pool, self.carry = timeout, tamper, pool, carry
+        self.timeout, self.pool, self.carry = timeout, pool, carry
         path = hierarchy.path(role)
         self.size = path[-1][1]
         self.parent = path[-2][0] if len(path) > 1 else None
@@ -377,10 +376,9 @@ class TreeRole:
         return None
 
     def _send_up(self, obj: dict) -> None:
-        if self.tamper is not None:
-            obj = self.tamper(obj)
-            if obj is None:
-                return
+        obj = hooks.installed().tamper(self.role, obj)  # the default hooks send it as it is
+        if obj is None:
+            return
         try:
             self._send(self.parent, obj)
         except ConnectionError:

@@ -1,25 +1,41 @@
-"""Test hooks, in one place: the only code that reads them from the environment or builds them.
+"""Fault and kill points for tests: the hooks (:mod:`alpha_ckpt.hooks`) and the environment that installs them.
 
-- ``ALPHA_CKPT_KILL_OWNER=RANK:UPDATE``: that owner of the job SIGKILLs itself right after
-  training that update (:func:`after_update`).
-- ``ALPHA_CKPT_TREE_FAULT=RANK:FAULT``: that owner's tree publication misbehaves as FAULT
-  (:func:`tree_tamper`, one of :data:`TREE_FAULTS`); the tree simulation uses the same tampers.
+Three environment variables, read only here, and only in a process that called
+:func:`install_from_environment` (the built-in job's owners, the script runner alpha-run starts per
+rank, and the ``alpha-ckpt`` command do so as they start):
 
-The product path holds only the call sites: a publication role may be given a ``tamper``
-(called on each message it sends up the tree) and nothing else. The durable commit's named
-fault points (``ALPHA_CKPT_FAULT``) belong to the durability contract and live with it
-(:func:`alpha_ckpt.durable.fault_point`). Nothing in :mod:`alpha_ckpt.collective` imports this.
+- ``ALPHA_CKPT_FAULT=KIND:POINT[:RANK]``: SIGKILL the process (with RANK, only the owner whose
+  ``RANK``, as torchrun sets it, matches) at that fault point: a stage of a durable commit
+  (KIND ``object``, ``ref``, ``output``, ``export``, ``lease``, ``pin`` or ``*``; POINT one of
+  :data:`alpha_ckpt.durable.FAULT_POINTS`) or ``publish:before-completion`` (an owner dies holding
+  the durable-completion acknowledgment).
+- ``ALPHA_CKPT_KILL_OWNER=RANK:UPDATE``: that owner of the job SIGKILLs itself right after training
+  that update.
+- ``ALPHA_CKPT_TREE_FAULT=RANK:FAULT``: that owner's tree publication misbehaves as FAULT (one of
+  :data:`TREE_FAULTS`, see :func:`tree_tamper`); the tree simulation uses the same tampers.
+
+In-process tests install :class:`FaultHooks` (a callable at every fault point, a tamper per role)
+with :func:`installed`, which puts back what was there before.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import signal
-from typing import Callable
+from typing import Callable, Iterator, Mapping
 
+from .. import hooks
+from ..hooks import Hooks
+
+FAULT_ENV = "ALPHA_CKPT_FAULT"
 KILL_ENV = "ALPHA_CKPT_KILL_OWNER"
 TREE_FAULT_ENV = "ALPHA_CKPT_TREE_FAULT"
 TREE_FAULTS = ("kill-before-commit", "withhold-commit", "wrong-prefix", "extra-role", "wrong-role")
+
+
+def _kill() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def tree_tamper(fault: str | None) -> Callable[[dict], dict | None] | None:
@@ -32,7 +48,7 @@ def tree_tamper(fault: str | None) -> Callable[[dict], dict | None] | None:
 
     def tamper(message: dict) -> dict | None:
         if fault == "kill-before-commit":
-            os.kill(os.getpid(), signal.SIGKILL)
+            _kill()
         if fault == "withhold-commit":
             return None  # alive, but silent: the parent's timeout must end the publication
         if message.get("kind") != "commit":
@@ -48,12 +64,56 @@ def tree_tamper(fault: str | None) -> Callable[[dict], dict | None] | None:
     return tamper
 
 
-def tree_fault_of(rank: int) -> Callable[[dict], dict | None] | None:
-    """The tamper ``ALPHA_CKPT_TREE_FAULT`` gives owner ``rank``, if any."""
-    where, _, fault = os.environ.get(TREE_FAULT_ENV, "").partition(":")
-    return tree_tamper(fault) if fault and where == str(rank) else None
+class FaultHooks(Hooks):
+    """``fault(kind, point)`` called at every fault point; role -> tree fault (:data:`TREE_FAULTS`)."""
+
+    def __init__(self, fault: Callable[[str, str], None] | None = None, tree_faults: Mapping[int, str] | None = None):
+        self._fault = fault
+        self._tampers = {role: tree_tamper(name) for role, name in (tree_faults or {}).items()}
+
+    def fault(self, kind: str, point: str) -> None:
+        if self._fault is not None:
+            self._fault(kind, point)
+
+    def tamper(self, role: int, message: dict) -> dict | None:
+        tamper = self._tampers.get(role)
+        return message if tamper is None else tamper(message)
 
 
-def after_update(rank: int, update: int) -> None:
-    if os.environ.get(KILL_ENV) == f"{rank}:{update}":
-        os.kill(os.getpid(), signal.SIGKILL)
+class EnvironmentFaults(Hooks):
+    """The hooks the environment variables ask for, read at each point (as a test may set them late)."""
+
+    def fault(self, kind: str, point: str) -> None:
+        wanted = os.environ.get(FAULT_ENV)
+        if wanted:
+            want_kind, _, rest = wanted.partition(":")
+            want_point, _, want_rank = rest.partition(":")
+            if want_point == point and want_kind in (kind, "*") and want_rank in ("", os.environ.get("RANK", "0")):
+                _kill()
+
+    def tamper(self, role: int, message: dict) -> dict | None:
+        where, _, fault = os.environ.get(TREE_FAULT_ENV, "").partition(":")
+        tamper = tree_tamper(fault) if fault and where == str(role) else None
+        return message if tamper is None else tamper(message)
+
+    def after_update(self, rank: int, update: int) -> None:
+        if os.environ.get(KILL_ENV) == f"{rank}:{update}":
+            _kill()
+
+
+def install_from_environment() -> bool:
+    """Install :class:`EnvironmentFaults` if any of the variables is set; True if it did."""
+    if any(os.environ.get(name) for name in (FAULT_ENV, KILL_ENV, TREE_FAULT_ENV)):
+        hooks.install(EnvironmentFaults())
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def installed(test_hooks: Hooks) -> Iterator[Hooks]:
+    """``test_hooks`` installed for the block, then the previous hooks again."""
+    previous = hooks.install(test_hooks)
+    try:
+        yield test_hooks
+    finally:
+        hooks.install(previous)

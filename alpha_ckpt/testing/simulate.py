@@ -20,7 +20,7 @@ from ..format import CapturePrefix, RegionDecl
 from ..planner import Hierarchy, Piece, WantedSlice
 from ..restore import open_generation, restore_slices
 from ..store import Store
-from .faults import tree_tamper
+from .faults import FaultHooks, installed
 from ..publish.tree import MemoryTransport, TreeRole
 
 REPLICATED_WORDS = 8
@@ -66,11 +66,10 @@ def publish(store: Store, owners: int, fanout: int, *, words: int = 4, faults: d
     completions: list[dict] = [{}] * owners
     depth: list[int] = [0] * owners
     roles: list[TreeRole | None] = [None] * owners
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    with installed(FaultHooks(tree_faults=faults)), ThreadPoolExecutor(max_workers=2) as pool:
         at_root = None
         for r in reversed(range(owners)):
-            role = TreeRole(store, hierarchy, r, net.endpoint(r), timeout=0.0, tamper=tree_tamper(faults.get(r)),
-                            pool=pool)
+            role = TreeRole(store, hierarchy, r, net.endpoint(r), timeout=0.0, pool=pool)
             roles[r] = role
             own = owned_values(r, words)
             parts = [(Piece(1, r * words, (r + 1) * words, 4), memoryview(own.numpy()).cast("B"), "raw")]

@@ -12,6 +12,7 @@ import pytest
 
 from alpha_ckpt import durable
 from alpha_ckpt.errors import DurableWriteError
+from alpha_ckpt.testing.faults import FaultHooks, installed
 
 
 @pytest.fixture
@@ -113,17 +114,16 @@ def test_enospc_while_writing_removes_the_temporary_file(dirs):
 def test_fault_points_fire_in_commit_order(dirs):
     _, tmp, dest = dirs
     seen = []
-    durable.set_fault_hook(lambda kind, point: seen.append((kind, point)))
-    try:
+    with installed(FaultHooks(lambda kind, point: seen.append((kind, point)))):
         durable.durable_commit(tmp_dir=tmp, dest_dir=dest, write=_writer(b"x"), name="a", kind="ref")
-    finally:
-        durable.set_fault_hook(None)
     assert seen == [("ref", p) for p in durable.FAULT_POINTS]
 
 
 _KILL_SCRIPT = textwrap.dedent("""
     import os, sys
     from alpha_ckpt import durable
+    from alpha_ckpt.testing.faults import install_from_environment
+    install_from_environment()  # as every process alpha-run starts does
     root = sys.argv[1]
     tmp = os.open(os.path.join(root, "tmp"), os.O_RDONLY | os.O_DIRECTORY)
     dest = os.open(os.path.join(root, "dest"), os.O_RDONLY | os.O_DIRECTORY)

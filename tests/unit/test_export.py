@@ -9,7 +9,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import alpha_ckpt
-from alpha_ckpt import cli, durable
+from alpha_ckpt import cli
 from alpha_ckpt.errors import StoreUsageError
 from alpha_ckpt.export import export_generation
 from alpha_ckpt.format import CapturePrefix, RegionDecl
@@ -17,7 +17,8 @@ from alpha_ckpt.state.capture import flatten_state
 from alpha_ckpt.planner import Piece
 from alpha_ckpt.testing import simulate
 from alpha_ckpt.store import Store
-from alpha_ckpt.writer import publish_slices
+from alpha_ckpt.testing.faults import FaultHooks, installed
+from alpha_ckpt.testing.forge import publish_forged
 from conftest import small_state
 
 
@@ -113,12 +114,9 @@ def test_a_failure_before_the_rename_leaves_no_file_in_the_destination_directory
     def fail(kind, at):
         if (kind, at) == ("export", point):
             raise OSError(5, "injected I/O error")
-    durable.set_fault_hook(fail)
-    try:
+    with installed(FaultHooks(fail)):
         rc = cli.main(["export", "--store", str(store_dir), root, "--to", str(tmp_path / "x.safetensors")],
                       out=io.StringIO(), err=io.StringIO())
-    finally:
-        durable.set_fault_hook(None)
     assert rc == 1
     assert [p for p in os.listdir(tmp_path) if p != "store"] == []
 
@@ -146,10 +144,9 @@ def test_two_regions_with_one_name_are_refused_rather_than_one_dropped(store_dir
     regions = (RegionDecl(0, "w", "float32", (2,)), RegionDecl(1, "w", "float32", (2,)))
     a, b = torch.ones(2), torch.zeros(2)
     with Store(store_dir) as store:
-        root = publish_slices(store, CapturePrefix("r", "s", 1, 1, 0), regions,
+        root = publish_forged(store, CapturePrefix("r", "s", 1, 1, 0), regions,
                               [[(Piece(0, 0, 2, 4), memoryview(a.numpy()).cast("B"), "raw"),
-                                (Piece(1, 0, 2, 4), memoryview(b.numpy()).cast("B"), "raw")]],
-                              forged=True).root  # a publish itself refuses two regions of one name
+                                (Piece(1, 0, 2, 4), memoryview(b.numpy()).cast("B"), "raw")]]).root  # a publish itself refuses two regions of one name
     rc, text = _export(store_dir, root, tmp_path / "x.safetensors", "--json")
     assert (rc, json.loads(text)["code"]) == (3, "format")
     assert not (tmp_path / "x.safetensors").exists()

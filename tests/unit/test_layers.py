@@ -21,8 +21,8 @@ ROOT = "alpha_ckpt"
 
 # Bottom to top, in the order the package is built: each module may import its own layer and below.
 LAYERS: dict[int, tuple[str, set[str]]] = {
-    0: ("format and durable: bytes on disk, the one commit, and what needs nothing else",
-        {"errors", "format", "values", "durable", "heap", "progress", "interval", "lifeline"}),
+    0: ("format and durable: bytes on disk, the one commit, the test hooks' call sites, and what needs nothing else",
+        {"errors", "format", "values", "durable", "hooks", "heap", "progress", "interval", "lifeline"}),
     1: ("store: objects, refs, tmp and leases of a store",
         {"store", "leases"}),
     2: ("plan, state, restore, writer: what a generation holds and how it is read and written",
@@ -34,15 +34,18 @@ LAYERS: dict[int, tuple[str, set[str]]] = {
         {"publish", "publish.wire", "publish.tree"}),
     5: ("collective: the Checkpointer of any torch.distributed group",
         {"collective", "collective.checkpointer", "collective.schedule", "collective.verdict"}),
-    6: ("clients of the library: the one-process API, DCP, export, the CLI, alpha-run's generic checks",
-        {"api", "dcp", "export", "cli", "usage", "script_runner"}),
-    7: ("the built-in job, its learner and test hooks, and alpha-run, which launches it or a script",
-        {"job", "job.__main__", "job.owner", "job.usage", "learner", "learner.config", "learner.data",
-         "learner.digest", "learner.model", "testing", "testing.faults", "launcher"}),
-    8: ("test support shipped in the package: forged generations, the tree's simulation, the oracle",
-        {"testing.forge", "testing.simulate", "testing.oracle"}),
-    9: ("the package's public names (re-exported on first use)",
-        {""}),
+    6: ("clients of the library: the one-process API, DCP, export, alpha-run's generic checks",
+        {"api", "dcp", "export", "usage"}),
+    7: ("the built-in job and its learner",
+        {"job", "job.owner", "job.usage", "learner", "learner.config", "learner.data", "learner.digest",
+         "learner.model"}),
+    8: ("test support: fault and kill points, forged generations, the tree's simulation, the oracle",
+        {"testing", "testing.faults", "testing.forge", "testing.simulate", "testing.oracle"}),
+    9: ("where a process starts (and installs the fault points a test asks for): alpha-ckpt, alpha-run, "
+        "the job's owner, a script's rank",
+        {"cli", "launcher", "job.__main__", "script_runner"}),
+    10: ("the package's public names (re-exported on first use)",
+         {""}),
 }
 
 # Edges that break the contract today, each with why it is still there. Empty is the goal.

@@ -8,8 +8,9 @@ from alpha_ckpt import PublishConflict, Refusal, RefusalCode
 from alpha_ckpt.format import CapturePrefix, RegionDecl
 from alpha_ckpt.planner import Piece
 from alpha_ckpt.restore import open_generation
-from alpha_ckpt.writer import publish_slices, word_bytes, write_manifest
+from alpha_ckpt.writer import word_bytes, write_manifest
 from alpha_ckpt.store import Store
+from alpha_ckpt.testing.forge import publish_forged
 
 
 def test_generations_are_numbered_per_run_and_step(store_dir):
@@ -44,10 +45,8 @@ def test_shards_from_different_captures_are_mixed_capture(store_dir):
     view = memoryview(t.numpy())
     with Store(store_dir) as s:
         # Each half alone covers half the region: forged (a publish refuses an incomplete generation).
-        a = publish_slices(s, CapturePrefix("r", "fit", 3, 30, 0), _regions(), [[(Piece(0, 0, 2, 4), view[:8], "raw")]],
-                           forged=True)
-        b = publish_slices(s, CapturePrefix("r", "fit", 4, 40, 0), _regions(), [[(Piece(0, 2, 4, 4), view[8:], "raw")]],
-                           forged=True)
+        a = publish_forged(s, CapturePrefix("r", "fit", 3, 30, 0), _regions(), [[(Piece(0, 0, 2, 4), view[:8], "raw")]])
+        b = publish_forged(s, CapturePrefix("r", "fit", 4, 40, 0), _regions(), [[(Piece(0, 2, 4, 4), view[8:], "raw")]])
         prefix = CapturePrefix("r", "fit", 3, 30, 0)
         root, _ = write_manifest(s, prefix, _regions(), [a.shards[0], b.shards[0]], 1, None)
         with pytest.raises(Refusal) as info:

@@ -12,6 +12,7 @@ from alpha_ckpt.testing import simulate
 from alpha_ckpt.publish.tree import Commitment, check_commitment
 from alpha_ckpt.restore import open_generation, verify_generation
 from alpha_ckpt.store import Store
+from alpha_ckpt.testing.forge import publish_ref_unfenced
 from alpha_ckpt.writer import write_manifest
 
 
@@ -125,7 +126,7 @@ def _republish_root_with_children(store, root_digest, children) -> str:
     root = _root_manifest(store, root_digest)
     digest, size = write_manifest(store, root.prefix, root.regions, root.shards, root.owners, root.metadata,
                                   root.publisher, children)
-    store.publish_ref(root.prefix, digest, size, size, owners=root.owners, fence=False)  # a forged root
+    publish_ref_unfenced(store, root.prefix, digest, size, size, root.owners)  # a forged root
     return digest
 
 
