@@ -13,8 +13,8 @@ never overwritten.
 
 Each stage calls :func:`alpha_ckpt.hooks.fault_point` with the file's kind (``object``,
 ``ref``, ``output``, ``export``, ``lease``, ``pin``); the default hooks do nothing. Test support
-installs hooks that SIGKILL the process there (:mod:`alpha_ckpt.testing.faults`, which also
-reads ``ALPHA_CKPT_FAULT``). Publishers add ``publish:before-completion``: an owner dies
+installs hooks that SIGKILL the process there (:mod:`alpha_ckpt.testing.faults`, also from
+the environment). Publishers add ``publish:before-completion``: an owner dies
 holding the durable-completion acknowledgment, before passing it on or reporting the update
 committed.
 """
