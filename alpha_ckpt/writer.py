@@ -639,12 +639,6 @@ def _direct_writer() -> ThreadPoolExecutor:
     return pool
 
 
-def _done(value) -> Future:
-    f: Future = Future()
-    f.set_result(value)
-    return f
-
-
 def write_shards(store: Store, prefix: CapturePrefix, regions: Sequence[RegionDecl],
                  shards: Sequence[Sequence[tuple[Piece, memoryview, str]]],
                  pool: ThreadPoolExecutor | None = None, carry: ShardCarry | None = None,
