@@ -3,6 +3,11 @@
 A person at a terminal gets a one-line bar redrawn in place; a log collector
 (stderr is a pipe or a file) gets no bar, only one JSON line per command from
 :func:`emit`, so logs never fill with carriage returns.
+
+The JSON events are a contract for log collectors (docs/EVENTS.md): every line
+carries ``event``, ``version`` and ``time``, and each event named in
+:data:`EVENTS` always carries the fields listed there. A new field may be added
+within a version; removing or renaming one raises :data:`EVENT_VERSION`.
 """
 from __future__ import annotations
 
@@ -16,6 +21,26 @@ BAR_WIDTH = 20
 REDRAW_INTERVAL_S = 0.1  # at most ~10 redraws a second: a redraw per chunk would cost more than the work
 _clock = time.monotonic  # replaced in tests
 
+EVENT_VERSION = 1
+# Every event any command writes, with the fields it always carries (others may come with them).
+EVENTS: dict[str, frozenset[str]] = {
+    # alpha-ckpt commands: one event when the command ends; outcome is ok, refused (with code),
+    # usage-error or error (with error).
+    "verify": frozenset({"root", "outcome", "seconds"}),
+    "export": frozenset({"root", "format", "path", "outcome", "seconds"}),
+    "gc": frozenset({"dry_run", "outcome", "seconds"}),
+    # A script's Checkpointer under alpha-run: what restore(state) resumed from, once, from rank 0.
+    "restored": frozenset({"run", "step", "update", "root", "bytes_read"}),
+    "fresh_start": frozenset({"run", "step"}),
+    # The forecasting job, from owner 0.
+    "publish": frozenset({"run", "step", "root", "mode", "owners", "update", "generation", "bytes",
+                          "bytes_written", "seconds", "stall_s"}),
+    "checkpoint_skipped": frozenset({"update", "reason"}),
+    "checkpoint_interval": frozenset({"cost_s", "mtbf_s", "interval_s", "cost_source", "update_s", "every_updates",
+                                     "update"}),
+    "checkpoints_discarded": frozenset({"run", "step", "generations", "objects", "pinned"}),
+}
+
 
 def is_tty(stream: IO[str] | None) -> bool:
     isatty = getattr(stream, "isatty", None)
@@ -26,11 +51,18 @@ def is_tty(stream: IO[str] | None) -> bool:
 
 
 def emit(event: str, stream: IO[str] | None = None, **fields: Any) -> None:
-    """Write one JSON line ``{"event": event, "time": <unix seconds>, ...fields}`` and flush it."""
-    if "event" in fields or "time" in fields:
-        raise TypeError("'event' and 'time' are set by emit itself")
+    """Write one JSON line ``{"event": event, "version": EVENT_VERSION, "time": <unix seconds>, ...fields}``
+    and flush it. An event not in :data:`EVENTS`, or one missing a field it promises, is a bug: TypeError."""
+    if {"event", "version", "time"} & fields.keys():
+        raise TypeError("'event', 'version' and 'time' are set by emit itself")
+    promised = EVENTS.get(event)
+    if promised is None:
+        raise TypeError(f"unknown event {event!r}: add it to EVENTS and docs/EVENTS.md")
+    if not promised <= fields.keys():
+        raise TypeError(f"event {event!r} lacks {sorted(promised - fields.keys())}")
     stream = sys.stderr if stream is None else stream
-    line = json.dumps({"event": event, "time": time.time(), **fields}, sort_keys=True, allow_nan=False)
+    line = json.dumps({"event": event, "version": EVENT_VERSION, "time": time.time(), **fields}, sort_keys=True,
+                      allow_nan=False)
     stream.write(line + "\n")
     stream.flush()
 

@@ -5,14 +5,16 @@ import json
 import math
 import os
 import subprocess
+import re
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import alpha_ckpt
 from alpha_ckpt import cli, progress
-from alpha_ckpt.progress import Progress, emit
+from alpha_ckpt.progress import EVENT_VERSION, EVENTS, Progress, emit
 from alpha_ckpt.store import Store
 
 
@@ -68,14 +70,14 @@ def test_progress_draws_nothing_when_the_stream_is_not_a_tty(clock):
 
 def test_emit_writes_one_parseable_json_line():
     log = io.StringIO()
-    emit("verify", log, root="ab" * 32, bytes=5, note="two\nlines")
+    emit("verify", log, root="ab" * 32, outcome="ok", seconds=0.5, bytes=5, note="two\nlines")
     text = log.getvalue()
     assert text.endswith("\n") and text.count("\n") == 1
     event = json.loads(text)
     assert (event["event"], event["bytes"], event["note"]) == ("verify", 5, "two\nlines")
     assert isinstance(event["time"], float)
     with pytest.raises(ValueError):
-        emit("verify", io.StringIO(), seconds=math.nan)
+        emit("verify", io.StringIO(), root="ab" * 32, outcome="ok", seconds=math.nan)
 
 
 def _events(text: str) -> list[dict]:
@@ -167,3 +169,34 @@ def test_the_export_bar_counts_bytes_validated_then_bytes_written(store_dir, tmp
     assert cli.main(["export", "--store", str(store_dir), root, "--to", str(tmp_path / "x.safetensors")],
                     out=io.StringIO(), err=err) == 0
     assert "] 8.0 MiB / 8.0 MiB  " in err.getvalue().split("\r")[-1]  # 4 MiB read and validated, 4 MiB written
+
+
+def test_every_event_line_carries_the_contract_version():
+    log = io.StringIO()
+    emit("fresh_start", log, run="r", step="s")
+    event = json.loads(log.getvalue())
+    assert (event["event"], event["version"], event["run"]) == ("fresh_start", EVENT_VERSION, "r")
+
+
+def test_emit_refuses_an_unknown_event_or_one_missing_a_promised_field():
+    with pytest.raises(TypeError):
+        emit("no_such_event", io.StringIO())
+    with pytest.raises(TypeError):
+        emit("restored", io.StringIO(), run="r", step="s")  # no update, root, bytes_read
+    with pytest.raises(TypeError):
+        emit("fresh_start", io.StringIO(), run="r", step="s", version=2)
+
+
+def _documented_events() -> dict[str, set[str]]:
+    """docs/EVENTS.md's table: event -> the fields it always carries."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "EVENTS.md").read_text()
+    table = {}
+    for line in page.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`"):
+            table[cells[0].strip("`")] = set(re.findall(r"`([a-z_]+)`", cells[2]))
+    return table
+
+
+def test_the_events_page_lists_every_event_with_the_fields_it_promises():
+    assert _documented_events() == {name: set(fields) for name, fields in EVENTS.items()}
