@@ -242,8 +242,13 @@ def test_a_tree_checkpoint_with_one_damaged_leaf_shard_is_refused_by_every_owner
     before = store_hash(store)
     proc = alpha_run(store, *tree, "--updates", "3", "--resume-from", first["last_generation"], nproc=4)
     assert proc.returncode == 3 and "corrupt-shard" in proc.stderr and "rank 3:" in proc.stderr, proc.stderr[-2000:]
-    assert "committed update 3" not in proc.stderr
-    assert store_hash(store) == before
+    published = [e for e in _events(proc.stderr) if e["event"] == "publish"]
+    assert published == [] and store_hash(store) == before
+
+
+def _events(stderr: str) -> list[dict]:
+    """The JSON events (docs/EVENTS.md) among stderr's lines."""
+    return [json.loads(line) for line in stderr.splitlines() if line.startswith('{"')]
 
 
 def _bytes_read(stderr: str) -> dict[int, int]:
