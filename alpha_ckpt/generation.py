@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Sequence
 
 from .errors import Refusal, RefusalCode
-from .format import CapturePrefix, ChildRef, ManifestHead, ShardHead, ShardRef, decode_head, parse_manifest_header, \
-    parse_shard_header, split_head
+from .decoding import decode_head, parse_manifest_header, parse_shard_header, split_head
+from .format import CapturePrefix, ChildRef, ManifestHead, ShardHead, ShardRef
 from .manifest import check_root_manifest, check_shard_against_record
 from .planner import Hierarchy, SavedSlice, WantedSlice
 from .store import ObjectFile, RefRecord, Store

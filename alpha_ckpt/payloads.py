@@ -12,8 +12,8 @@ import blake3
 import zstandard
 
 from .errors import Refusal, RefusalCode
-from .format import BLOCK_BYTES, DTYPES, ManifestHead, RegionDecl, ShardHead, SliceRecord, decode_head, hash_blocks, \
-    padding_ranges, parse_manifest_header, parse_shard_header, split_head
+from .decoding import decode_head, padding_ranges, parse_manifest_header, parse_shard_header, split_head
+from .format import BLOCK_BYTES, DTYPES, ManifestHead, RegionDecl, ShardHead, SliceRecord, hash_blocks
 from .generation import Generation, read_head
 from .manifest import first_non_finite, word_value
 from .store import ObjectFile

@@ -22,7 +22,7 @@ ROOT = "alpha_ckpt"
 # Bottom to top, in the order the package is built: each module may import its own layer and below.
 LAYERS: dict[int, tuple[str, set[str]]] = {
     0: ("format and durable: bytes on disk, the one commit, the test hooks' call sites, and what needs nothing else",
-        {"errors", "format", "values", "durable", "hooks", "heap", "progress", "interval", "lifeline"}),
+        {"errors", "format", "decoding", "values", "durable", "hooks", "heap", "progress", "interval", "lifeline"}),
     1: ("store: objects, refs, tmp and leases of a store",
         {"store", "leases"}),
     2: ("plan, state, restore, writer: what a generation holds and how it is read and written",
