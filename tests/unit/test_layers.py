@@ -36,7 +36,7 @@ LAYERS: dict[int, tuple[str, set[str]]] = {
     5: ("collective: the Checkpointer of any torch.distributed group",
         {"collective", "collective.checkpointer", "collective.schedule", "collective.verdict"}),
     6: ("clients of the library: the one-process API, DCP, export, alpha-run's generic checks",
-        {"api", "dcp", "export", "usage"}),
+        {"api", "dcp", "dcp_reader", "dcp_common", "export", "usage"}),
     7: ("the built-in job and its learner",
         {"job", "job.owner", "job.usage", "learner", "learner.config", "learner.data", "learner.digest",
          "learner.model"}),
