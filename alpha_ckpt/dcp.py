@@ -8,7 +8,7 @@ entries and reshards); every byte goes through the alpha_ckpt store::
 
     meta = dcp.save(state_dict, storage_writer=StorageWriter("ckpt", run="gpt", update=step))
     root = meta.storage_meta.checkpoint_id        # the root digest, on every rank
-    dcp.load(state_dict, storage_reader=StorageReader("ckpt", run="gpt"))   # newest, or root=<digest>
+    dcp.load(state_dict, storage_reader=StorageReader("ckpt", run="gpt"))   # newest, or root=ROOT
 
 What a DCP checkpoint written this way is:
 

@@ -38,10 +38,10 @@ def box_words(chunk_shape: tuple[int, ...], offsets, lengths) -> tuple[int, int]
 
 
 class StorageReader(_DcpStorageReader):
-    """Reads a DCP checkpoint that :class:`~alpha_ckpt.dcp.StorageWriter` wrote: generation ``root`` (a digest), or
+    """Reads a DCP checkpoint that :class:`~alpha_ckpt.dcp.StorageWriter` wrote: generation ``root`` (its root digest), or
     the newest complete one of ``run``/``step`` (``root="latest"``; every rank must find the same).
 
-    ``dcp.load(..., checkpoint_id=digest)`` names the generation too. The reader runs no collective
+    ``dcp.load(..., checkpoint_id=root)`` names the generation too. The reader runs no collective
     of its own: each rank validates what it will read in ``prepare_local_plan``, and DCP's own plan
     exchange (over its ``process_group``) raises any rank's refusal on every rank before any rank
     reads. ``group`` is accepted for compatibility and not used.
@@ -50,7 +50,7 @@ class StorageReader(_DcpStorageReader):
     def __init__(self, store: str | os.PathLike | Store, root: str = "latest", *, run: str | None = None,
                  step: str = "train", group: Any = None):
         if root == "latest" and run is None:
-            raise ValueError("StorageReader(root='latest') needs run= (or pass root=<digest>)")
+            raise ValueError("StorageReader(root='latest') needs run= (or pass root=<root digest>)")
         self.run, self.step = (None if run is None else check_name(run, "run")), check_name(step, "step")
         self.wanted_root, self.group = root, group
         self._store_arg, self._store = store, store if isinstance(store, Store) else None
