@@ -38,8 +38,9 @@ def box_words(chunk_shape: tuple[int, ...], offsets, lengths) -> tuple[int, int]
 
 
 class StorageReader(_DcpStorageReader):
-    """Reads a DCP checkpoint that :class:`~alpha_ckpt.dcp.StorageWriter` wrote: generation ``root`` (its root digest), or
-    the newest complete one of ``run``/``step`` (``root="latest"``; every rank must find the same).
+    """Reads a DCP checkpoint that :class:`~alpha_ckpt.dcp.StorageWriter` wrote: generation ``root``
+    (its root digest), or the newest complete one of ``run``/``step`` (``root="latest"``; every rank
+    must find the same).
 
     ``dcp.load(..., checkpoint_id=root)`` names the generation too. The reader runs no collective
     of its own: each rank validates what it will read in ``prepare_local_plan``, and DCP's own plan
