@@ -6,15 +6,18 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
 
-from .errors import Refusal, RefusalCode
 from .decoding import decode_head, parse_manifest_header, parse_shard_header, split_head
+from .errors import Refusal, RefusalCode
 from .format import CapturePrefix, ChildRef, ManifestHead, ShardHead, ShardRef
 from .manifest import check_root_manifest, check_shard_against_record
 from .planner import Hierarchy, SavedSlice, WantedSlice
 from .store import ObjectFile, RefRecord, Store
 
-_HEAD_READ = 64 << 10
+_HEAD_READ = 64 << 10  # the first read of an object: its whole head, for all but the largest
+
+
 def read_head(obj: ObjectFile, what: str, size_is_known: bool) -> tuple[Any, int]:
+    """An object's decoded header and head length, checked against its name (and its size, when known)."""
     first = obj.read_at(0, min(obj.size, _HEAD_READ))
     head_len = split_head(first, obj.size, what, size_is_known=size_is_known)
     head = first if head_len <= len(first) else obj.read_at(0, head_len)

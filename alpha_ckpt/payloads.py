@@ -18,8 +18,6 @@ from .generation import Generation, read_head
 from .manifest import first_non_finite, word_value
 from .store import ObjectFile
 
-# ---------------------------------------------------------------- payload checks
-
 
 def _first_non_finite(rec: SliceRecord, raw: memoryview, start: int = 0, end: int | None = None) -> int | None:
     """Index (within the slice) of the first NaN/inf word in raw bytes [start, end), or None."""
