@@ -4,7 +4,7 @@ The one-process API (the launcher makes it collective)::
 
     state = {"model": model, "optim": optimizer, "sched": scheduler, "rng": alpha_ckpt.RNGState(), "step": step}
     root = alpha_ckpt.save(state, store="ckpt", run="nightly", step="fit", update=3, cursor=96, epoch=0)
-    counters = alpha_ckpt.load(state, store="ckpt", digest=root)   # in place, or Refusal
+    counters = alpha_ckpt.load(state, store="ckpt", root=root)   # in place, or Refusal
 
 A state holds tensors, NumPy arrays, Stateful objects (``state_dict()`` /
 ``load_state_dict()``), None, bool, int, float, str, bytes, and lists,

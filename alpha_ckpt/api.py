@@ -1,8 +1,13 @@
-"""The one-process API: save, save_async, load, verify, latest (re-exported by :mod:`alpha_ckpt`)."""
+"""The one-process API: save, save_async, load, verify, latest (re-exported by :mod:`alpha_ckpt`).
+
+A generation is named by its root digest, ``root`` everywhere (the Checkpointer, the DCP backend and
+the alpha-ckpt command say the same); ``digest=`` is its deprecated spelling, accepted for one release.
+"""
 from __future__ import annotations
 
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -21,6 +26,19 @@ def _store(store: Store | str | os.PathLike, create: bool) -> tuple[Store, bool]
     if isinstance(store, Store):
         return store, False
     return Store(store, create=create), True
+
+
+def _root(root: str | None, digest: str | None, call: str) -> str:
+    """The generation a call names: ``root=``, or the deprecated ``digest=`` spelling of it (one release)."""
+    if digest is not None:
+        if root is not None:
+            raise TypeError(f"{call}() takes root= or its old spelling digest=, not both")
+        warnings.warn(f"{call}(digest=...) is deprecated: pass root= (the generation's root digest)",
+                      DeprecationWarning, stacklevel=3)
+        return digest
+    if root is None:
+        raise TypeError(f"{call}() needs root= (the generation's root digest)")
+    return root
 
 
 def _prefix(run: str, step: str, update: int, cursor: int, epoch: int) -> CapturePrefix:
@@ -73,7 +91,8 @@ def save_async(state: Mapping[str, Any], *, store: Store, run: str, step: str, u
 
     Values and Stateful objects are captured during the call; tensors are
     copied (the snapshot). Returns a :class:`SaveHandle` (``.result()`` is the
-    :class:`Published` generation once it is durable, or raises its failure),
+    :class:`Published` generation once it is durable, its ``.root`` the root digest
+    :func:`save` would return, or raises its failure),
     or None when ``saver`` skips because a save is still in flight
     (``in_flight="skip"``). Pass one ``saver`` for every save of a run: it
     reuses its snapshot buffers and keeps one save in flight. With
@@ -95,8 +114,9 @@ def save_async(state: Mapping[str, Any], *, store: Store, run: str, step: str, u
     return saver.submit([t for _, t in captured.named], publish, defer_snapshot=defer_snapshot)
 
 
-def load(state: Mapping[str, Any], *, store: Store | str | os.PathLike, digest: str) -> Counters:
-    """Validate generation ``digest`` completely, then restore it into ``state``.
+def load(state: Mapping[str, Any], *, store: Store | str | os.PathLike, root: str | None = None,
+         digest: str | None = None) -> Counters:
+    """Validate generation ``root`` (its root digest) completely, then restore it into ``state``.
 
     Entries are matched by dotted name, in any order: tensors and arrays are
     filled in place, values are replaced by the saved ones (types kept), and
@@ -105,21 +125,25 @@ def load(state: Mapping[str, Any], *, store: Store | str | os.PathLike, digest: 
     created). Raises :class:`Refusal` (nothing touched, store unmodified) when
     anything is wrong, naming every entry that is missing, unexpected, or of
     another shape or dtype. Returns the counters (update, cursor, epoch) and
-    metadata.
+    metadata. ``digest=`` is the deprecated spelling of ``root=``.
     """
+    root = _root(root, digest, "load")
     s, owned = _store(store, create=False)
     try:
-        return load_state(state, store=s, root=digest)
+        return load_state(state, store=s, root=root)
     finally:
         if owned:
             s.close()
 
 
-def verify(store: Store | str | os.PathLike, digest: str) -> None:
-    """Validate every object of generation ``digest``; raise :class:`Refusal` if anything is wrong."""
+def verify(store: Store | str | os.PathLike, root: str | None = None, *, digest: str | None = None) -> None:
+    """Validate every object of generation ``root``; raise :class:`Refusal` if anything is wrong.
+
+    ``digest=`` is the deprecated spelling of ``root=``."""
+    root = _root(root, digest, "verify")
     s, owned = _store(store, create=False)
     try:
-        verify_generation(s, digest)
+        verify_generation(s, root)
     finally:
         if owned:
             s.close()

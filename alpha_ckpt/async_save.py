@@ -68,6 +68,9 @@ class SaveHandle:
         return self._future.done()
 
     def result(self, timeout: float | None = None) -> Any:
+        """What the publish returned, once it is durable (or its failure, raised): for
+        :func:`alpha_ckpt.save_async`, the :class:`~alpha_ckpt.writer.Published` generation, whose
+        ``.root`` is the root digest :func:`alpha_ckpt.save` would have returned."""
         return self._future.result(timeout)
 
 

@@ -1,14 +1,17 @@
 """alpha-ckpt: inspect, verify, export, pin and collect a store.
 
     alpha-ckpt list    --store DIR [--run R] [--step S] [--json]
-    alpha-ckpt inspect --store DIR DIGEST [--json]
-    alpha-ckpt verify  --store DIR DIGEST [--json]
-    alpha-ckpt export  --store DIR DIGEST --to PATH [--format safetensors|torch] [--json]
+    alpha-ckpt inspect --store DIR ROOT [--json]
+    alpha-ckpt verify  --store DIR ROOT [--json]
+    alpha-ckpt export  --store DIR ROOT --to PATH [--format safetensors|torch] [--json]
     alpha-ckpt latest  --store DIR --run R --step S [--json]
     alpha-ckpt gc      --store DIR [--keep K] [--grace SECONDS] [--completed-steps] [--dry-run] [--json]
-    alpha-ckpt pin     --store DIR DIGEST [--note TEXT] [--json]
-    alpha-ckpt unpin   --store DIR DIGEST [--json]
+    alpha-ckpt pin     --store DIR ROOT [--note TEXT] [--json]
+    alpha-ckpt unpin   --store DIR ROOT [--json]
     alpha-ckpt pins    --store DIR [--json]
+
+ROOT is a generation's root digest (64 hex), as ``alpha_ckpt.save`` returns it. The JSON
+outputs name it ``root``; they also carry it as ``digest``, its old name, for one release.
 
 Exit codes: 0 done (verify: valid), 3 refused (verify: the refusal code is
 printed), 2 usage error, 1 export could not write its file, or the store
@@ -46,7 +49,7 @@ from .store import RefRecord, Store
 EXIT_OK, EXIT_WRITE_FAILED, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
 
 
-def _digest_arg(value: str) -> str:
+def _root_arg(value: str) -> str:
     if not is_digest(value):
         raise argparse.ArgumentTypeError(f"{value!r} is not a full 64-hex root digest")
     return value
@@ -67,11 +70,11 @@ def _parser() -> argparse.ArgumentParser:
     for name, text in (("inspect", "manifest, regions and shards of a generation"),
                        ("verify", "validate every object of a generation (exit 3 when refused)")):
         p = sub.add_parser(name, parents=[common], help=text)
-        p.add_argument("digest", type=_digest_arg, help="root digest (64 hex)")
+        p.add_argument("root", type=_root_arg, metavar="ROOT", help="the generation's root digest (64 hex)")
     p = sub.add_parser("export", parents=[common], help="write a generation's full logical state to a new file (validated first)",
                        description="Validate every object read, then write each region at its full shape under its "
                                    "dotted name. The file is new: an existing PATH is refused, never overwritten.")
-    p.add_argument("digest", type=_digest_arg, help="root digest (64 hex)")
+    p.add_argument("root", type=_root_arg, metavar="ROOT", help="the generation's root digest (64 hex)")
     p.add_argument("--to", required=True, metavar="PATH", help="the file to create")
     p.add_argument("--format", choices=FORMATS,
                    help="safetensors (default), or torch: a torch.save pickle of a flat dict, for "
@@ -86,16 +89,16 @@ def _parser() -> argparse.ArgumentParser:
                         "(STORE/outputs/RUN/STEP/*.safetensors); pinned ones stay")
     p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
     p = sub.add_parser("pin", parents=[common], help="keep a published, valid generation whatever the retention")
-    p.add_argument("digest", type=_digest_arg, help="root digest (64 hex)")
+    p.add_argument("root", type=_root_arg, metavar="ROOT", help="the generation's root digest (64 hex)")
     p.add_argument("--note", default="", help=f"why it is kept (at most {MAX_NOTE_CHARS} characters)")
     p = sub.add_parser("unpin", parents=[common], help="remove a pin (gc may then remove the generation)")
-    p.add_argument("digest", type=_digest_arg, help="root digest (64 hex)")
+    p.add_argument("root", type=_root_arg, metavar="ROOT", help="the generation's root digest (64 hex)")
     sub.add_parser("pins", parents=[common], help="the pinned generations")
     return parser
 
 
 def _ref_json(r: RefRecord) -> dict:
-    return {"run": r.run, "step": r.step, "generation": r.generation, "digest": r.root, "update": r.prefix.update,
+    return {"run": r.run, "step": r.step, "generation": r.generation, "root": r.root, "digest": r.root, "update": r.prefix.update,
             "cursor": r.prefix.cursor, "epoch": r.prefix.epoch, "owners": r.owners, "bytes": r.bytes,
             "published_at": r.published_at}
 
@@ -135,11 +138,11 @@ def cmd_list(store: Store, args, out, err) -> int:
     if args.json:
         print(json.dumps({"generations": rows, "unreadable_refs": problems}), file=out)
         return EXIT_OK
-    print(f"{'run/step':<24} {'gen':>5} {'digest':<64} {'update':>7} {'cursor':>9} {'epoch':>5} {'owners':>6} {'bytes':>12}  time",
+    print(f"{'run/step':<24} {'gen':>5} {'root':<64} {'update':>7} {'cursor':>9} {'epoch':>5} {'owners':>6} {'bytes':>12}  time",
           file=out)
     for r in rows:
         when = datetime.datetime.fromtimestamp(r["published_at"], datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        print(f"{r['run'] + '/' + r['step']:<24} {r['generation']:>5} {r['digest']} {r['update']:>7} {r['cursor']:>9} "
+        print(f"{r['run'] + '/' + r['step']:<24} {r['generation']:>5} {r['root']} {r['update']:>7} {r['cursor']:>9} "
               f"{r['epoch']:>5} {r['owners']:>6} {r['bytes']:>12}  {when}", file=out)
     for p in problems:
         print(f"unreadable ref in {p['run']}/{p['step']}: [{p['code']}] {p['message']}", file=out)
@@ -147,7 +150,7 @@ def cmd_list(store: Store, args, out, err) -> int:
 
 
 def cmd_inspect(store: Store, args, out, err) -> int:
-    with open_generation(store, args.digest) as generation:
+    with open_generation(store, args.root) as generation:
         m = generation.manifest
 
         def shard_info(rec):
@@ -238,7 +241,7 @@ def _when(t: float) -> str:
 
 def cmd_pin(store: Store, args, out, err=None) -> int:
     try:
-        pin, new = pin_generation(store, args.digest, args.note)
+        pin, new = pin_generation(store, args.root, args.note)
     except ValueError as exc:
         raise StoreUsageError(str(exc)) from None
     if args.json:
@@ -250,11 +253,11 @@ def cmd_pin(store: Store, args, out, err=None) -> int:
 
 
 def cmd_unpin(store: Store, args, out, err=None) -> int:
-    removed = unpin_generation(store, args.digest)
+    removed = unpin_generation(store, args.root)
     if args.json:
-        print(json.dumps({"digest": args.digest, "unpinned": removed}), file=out)
+        print(json.dumps({"root": args.root, "digest": args.root, "unpinned": removed}), file=out)
     else:
-        print(f"unpinned {args.digest}" if removed else f"not pinned: {args.digest}", file=out)
+        print(f"unpinned {args.root}" if removed else f"not pinned: {args.root}", file=out)
     return EXIT_OK if removed else EXIT_REFUSED
 
 
@@ -276,17 +279,17 @@ def cmd_pins(store: Store, args, out, err=None) -> int:
 
 
 def cmd_verify(store: Store, args, out, err) -> int:
-    with _logged("verify", err, root=args.digest) as log:
+    with _logged("verify", err, root=args.root) as log:
         # verify_generation, opened here so the bar knows the total before hashing starts.
-        with open_generation(store, args.digest) as generation:
+        with open_generation(store, args.root) as generation:
             total = payload_bytes(generation)
             with Progress("verify", total, err) as bar:
                 check_payloads(generation, advance=bar.advance)
         log["bytes"] = total
     if args.json:
-        print(json.dumps({"digest": args.digest, "valid": True}), file=out)
+        print(json.dumps({"root": args.root, "digest": args.root, "valid": True}), file=out)
     else:
-        print(f"valid {args.digest}", file=out)
+        print(f"valid {args.root}", file=out)
     return EXIT_OK
 
 
@@ -294,9 +297,9 @@ def cmd_export(store: Store, args, out, err) -> int:
     fmt = format_for(args.to, args.format)
     path = os.path.abspath(args.to)
     try:
-        with _logged("export", err, root=args.digest, format=fmt, path=path) as log:
+        with _logged("export", err, root=args.root, format=fmt, path=path) as log:
             check_destination(path)  # a taken path is refused before anything is read
-            with open_generation(store, args.digest) as generation:
+            with open_generation(store, args.root) as generation:
                 with Progress("export", export_bytes(generation), err) as bar:
                     result = export_opened(generation, path, fmt, advance=bar.advance)
             log.update(bytes=result.bytes, validated_bytes=result.validated_bytes, regions=len(result.regions))
@@ -313,12 +316,12 @@ def cmd_export(store: Store, args, out, err) -> int:
 
 def cmd_latest(store: Store, args, out, err) -> int:
     record, skipped = latest_generation(store, args.run, args.step)
-    why = [{"digest": d, "code": r.code.value, "message": r.message} for d, r in skipped]
+    why = [{"root": d, "digest": d, "code": r.code.value, "message": r.message} for d, r in skipped]
     if args.json:
         print(json.dumps({"latest": _ref_json(record) if record else None, "skipped": why}), file=out)
     else:
         for s in why:
-            print(f"skipped {s['digest']}: [{s['code']}] {s['message']}", file=out)
+            print(f"skipped {s['root']}: [{s['code']}] {s['message']}", file=out)
         print(record.root if record else f"no complete generation of {args.run}/{args.step}", file=out)
     return EXIT_OK if record else EXIT_REFUSED
 
@@ -363,7 +366,8 @@ _NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 def _refused(refusal: Refusal, args, out) -> int:
     if args.json:
-        print(json.dumps({"digest": getattr(args, "digest", None), "valid": False, "code": refusal.code.value,
+        root = getattr(args, "root", None)
+        print(json.dumps({"root": root, "digest": root, "valid": False, "code": refusal.code.value,
                           "message": refusal.message}), file=out)
     else:
         print(f"refused {refusal.code.value}: {refusal.message}", file=out)

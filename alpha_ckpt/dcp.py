@@ -8,7 +8,7 @@ entries and reshards); every byte goes through the alpha_ckpt store::
 
     meta = dcp.save(state_dict, storage_writer=StorageWriter("ckpt", run="gpt", update=step))
     root = meta.storage_meta.checkpoint_id        # the root digest, on every rank
-    dcp.load(state_dict, storage_reader=StorageReader("ckpt", run="gpt"))   # newest, or root=<digest>
+    dcp.load(state_dict, storage_reader=StorageReader("ckpt", run="gpt"))   # newest, or root=ROOT
 
 What a DCP checkpoint written this way is:
 
@@ -36,33 +36,27 @@ range between the first and last word it needs (exactly its part for row-wise sh
 from __future__ import annotations
 
 import dataclasses
-import io
-import math
 import os
 import weakref
 from typing import Any
 
-import torch
-from torch.distributed.checkpoint import StorageReader as _DcpStorageReader
 from torch.distributed.checkpoint import StorageWriter as _DcpStorageWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, \
-    WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from .api import _prefix as counters
+from .dcp_common import CHAINS, Chain, chain_key, close_own_store
 from .dcp_metadata import (DCP_KEY, check_chunks, check_generation, check_metadata, chunk_key, decode_metadata,
                            encode_metadata)
+from .dcp_reader import StorageReader, box_words  # noqa: F401 (re-exported: imported from here)
 from .errors import Refusal, RefusalCode
 from .format import DTYPES, CapturePrefix, RegionDecl, ShardRef, canonical_json, check_name, digest_bytes
-from .manifest import check_root_manifest, dtype_name, matches_any, torch_dtype
-from .planner import Piece, WantedSlice
-from .restore import PreparedRestore, check_structure, latest_generation, open_generation
+from .manifest import check_root_manifest, dtype_name, matches_any
+from .planner import Piece
 from .state.capture import pattern_list
-from .state.placement import box_ranges
-from .values import decode_value, encode_value
+from .values import encode_value
 from .store import Store, check_fence
 from .writer import group_parts, word_bytes, write_manifest, write_shards
 
@@ -109,13 +103,6 @@ def _item_key(item) -> str:
     if item.type == WriteItemType.BYTE_IO:
         return item.index.fqn
     return chunk_key(item.index.fqn, item.tensor_data.chunk.offsets)
-
-
-def box_words(chunk_shape: tuple[int, ...], offsets, lengths) -> tuple[int, int]:
-    """Pure: the flat word range [lo, hi) of a row-major chunk that holds the box at ``offsets`` of
-    ``lengths`` (first to last word of the box; exactly the box when it is contiguous)."""
-    ranges = box_ranges(tuple(chunk_shape), tuple(int(o) for o in offsets), tuple(int(n) for n in lengths))
-    return (ranges[0][0], ranges[-1][1]) if ranges else (0, 0)
 
 
 # ---------------------------------------------------------------- the writer
@@ -227,11 +214,11 @@ class StorageWriter(_DcpStorageWriter):
     def _history(self, store: Store) -> tuple[int, int]:
         """(epoch, generation followed) of this save: what this process loaded or saved last, else epoch 0
         after the newest generation (a job that never loaded this run, as a Checkpointer that never restored)."""
-        key = _chain_key(store, self.run, self.step)
-        chain = _CHAINS.get(key)
+        key = chain_key(store, self.run, self.step)
+        chain = CHAINS.get(key)
         top = store.history(self.run, self.step, whole=False).top
         if chain is not None and top == 0:  # the store was emptied or made anew: no history left to fork
-            del _CHAINS[key]
+            del CHAINS[key]
             chain = None
         if chain is not None:
             if chain.stale:
@@ -244,10 +231,10 @@ class StorageWriter(_DcpStorageWriter):
             results = self._write(plan, planner)
         except BaseException:
             self._release()  # the coordinator's own failure; DCP calls no hook for another rank's
-            _close_own_store(self)
+            close_own_store(self)
             raise
         if not self.is_coordinator:  # its part is durable; finish() runs on the coordinator only
-            _close_own_store(self)
+            close_own_store(self)
         future: Future = Future()
         future.set_result(results)
         return future
@@ -323,11 +310,11 @@ class StorageWriter(_DcpStorageWriter):
                                         check=check)
             record = store.publish_ref(prefix, root, size, size + sum(s.size for s in shards.values()),
                                        owners=world, follows=follows)
-            _CHAINS[_chain_key(store, self.run, self.step)] = _Chain(epoch, record.generation)
+            CHAINS[chain_key(store, self.run, self.step)] = Chain(epoch, record.generation)
             self.root = record.root
         finally:
             self._release()
-            _close_own_store(self)
+            close_own_store(self)
         # dcp.save returns this Metadata on every rank: it names the generation it became.
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
@@ -340,23 +327,6 @@ class StorageWriter(_DcpStorageWriter):
 
 
 _RANK_REPORT = "\x00alpha_ckpt.rank"  # the write result that carries a rank's shards and replica digests
-
-
-@dataclasses.dataclass(frozen=True)
-class _Chain:
-    """The history this process continues in a run/step: the epoch it saves in, the generation it follows,
-    and why it may not save at all (it loaded a generation a newer continuation has superseded)."""
-    epoch: int
-    follows: int
-    stale: str | None = None
-
-
-_CHAINS: dict[tuple, _Chain] = {}  # (store directory's device and inode, run, step): this process's history
-
-
-def _chain_key(store: Store, run: str, step: str) -> tuple:
-    st = os.stat(store.root)  # a store's identity, however its path is spelled
-    return (st.st_dev, st.st_ino, run, step)
 
 
 def plan_entries(plans: list[SavePlan]) -> dict[str, tuple[tuple[int, ...], list]]:
@@ -389,15 +359,6 @@ def check_replicas(replicas: dict[str, dict[int, str]], what: str) -> None:
                           "state that differs per rank under per-rank names")
 
 
-def _close_own_store(storage) -> None:
-    """Close the store a writer or reader opened from a path, at the end of its save or load (a next
-    one opens it again): its directory descriptors are not held from one checkpoint to the next. A
-    Store the caller passed stays open: it is the caller's."""
-    if storage._store is not None and not isinstance(storage._store_arg, Store):
-        storage._store.close()
-        storage._store = None
-
-
 def _region_decls(regions: list[dict]) -> tuple[RegionDecl, ...]:
     return tuple(RegionDecl(r["ordinal"], r["name"], r["dtype"], tuple(r["shape"]), bool(r.get("nonfinite")))
                  for r in regions)
@@ -410,236 +371,3 @@ def _value_of(planner: SavePlanner, item) -> Any:
         raise ValueError(f"DCP entry {item.index.fqn!r} is not a tensor and planner {type(planner).__name__} has no "
                          "lookup_object(): alpha_ckpt stores values as typed JSON and never pickles them")
     return encode_value(lookup(item.index), item.index.fqn)
-
-
-# ---------------------------------------------------------------- the reader
-
-
-class StorageReader(_DcpStorageReader):
-    """Reads a DCP checkpoint that :class:`StorageWriter` wrote: generation ``root`` (a digest), or
-    the newest complete one of ``run``/``step`` (``root="latest"``; every rank must find the same).
-
-    ``dcp.load(..., checkpoint_id=digest)`` names the generation too. The reader runs no collective
-    of its own: each rank validates what it will read in ``prepare_local_plan``, and DCP's own plan
-    exchange (over its ``process_group``) raises any rank's refusal on every rank before any rank
-    reads. ``group`` is accepted for compatibility and not used.
-    """
-
-    def __init__(self, store: str | os.PathLike | Store, root: str = "latest", *, run: str | None = None,
-                 step: str = "train", group: Any = None):
-        if root == "latest" and run is None:
-            raise ValueError("StorageReader(root='latest') needs run= (or pass root=<digest>)")
-        self.run, self.step = (None if run is None else check_name(run, "run")), check_name(step, "step")
-        self.wanted_root, self.group = root, group
-        self._store_arg, self._store = store, store if isinstance(store, Store) else None
-        self.root: str | None = None  # the generation read_metadata chose; ``prefix`` its run/step/update/cursor/epoch
-        self.prefix: CapturePrefix | None = None
-        self.regions: tuple[RegionDecl, ...] = ()
-        self.bytes_read = 0  # stored bytes of the chunks the last read_data validated
-        self._validated: _Validated | None = None  # prepare_local_plan's, for read_data
-        self._failure: Exception | None = None  # read_metadata's, raised by set_up_storage_reader
-        self._loaded: tuple | None = None  # (chain key, history) a save continues once this load succeeded
-
-    # DCP's call order: reset, read_metadata, set_up_storage_reader, prepare_local_plan,
-    # (coordinator) prepare_global_plan, read_data.
-    def reset(self, checkpoint_id=None) -> None:
-        if checkpoint_id is not None:
-            self.wanted_root = str(checkpoint_id)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
-        return False
-
-    def _open_store(self) -> Store:
-        if self._store is None:
-            self._store = Store(self._store_arg, create=False)
-        return self._store
-
-    def _choose_root(self) -> str:
-        if self.wanted_root != "latest":
-            return Store.check_digest(self.wanted_root)
-        # Each rank chooses (heads only: each validates the payload bytes it reads, in read_data); the
-        # coordinator checks in prepare_global_plan that every rank chose the same. No collective here:
-        # DCP does not say which process group (if any: no_dist=True) it loads over.
-        record, _ = latest_generation(self._open_store(), self.run, self.step, check=check_structure)
-        if record is None:
-            raise Refusal(RefusalCode.MISSING_SHARD, f"{self.run}/{self.step} has no complete generation")
-        return record.root
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        # DCP turns any exception raised here into an AssertionError ("metadata is None") and loses the
-        # Refusal: it is raised from set_up_storage_reader instead, which DCP reports as it is.
-        self._failure = None
-        try:
-            return self._read_metadata()
-        except Exception as exc:  # noqa: BLE001 - raised again, whole, by set_up_storage_reader
-            self._failure = exc
-            return Metadata(state_dict_metadata={})
-
-    def _read_metadata(self) -> Metadata:
-        self.root = self._choose_root()
-        store = self._open_store()
-        with open_generation(store, self.root, wanted=[]) as generation:  # checks the DCP Metadata too
-            manifest = generation.manifest
-        if not isinstance(manifest.metadata, dict) or DCP_KEY not in manifest.metadata:
-            raise Refusal(RefusalCode.FORMAT, f"generation {self.root[:16]}... was not written by DCP (no "
-                          f"{DCP_KEY!r} metadata): restore it with alpha_ckpt.Checkpointer or alpha_ckpt.load")
-        self.regions, self.prefix = manifest.regions, manifest.prefix
-        # The history a save of this process continues once the load succeeds (as a Checkpointer's restore):
-        # the next epoch, after the newest generation; none if a newer continuation superseded this one.
-        p = manifest.prefix
-        history = store.history(p.run, p.step, whole=False)
-        newest, stale = history.newest, None
-        if newest is not None and newest.prefix.epoch > p.epoch:
-            stale = (f"this process loaded generation {self.root[:16]}... of epoch {p.epoch}, but {p.run}/{p.step} "
-                     f"generation {newest.generation} (update {newest.prefix.update}) is of epoch "
-                     f"{newest.prefix.epoch}, a newer continuation that owns it")
-        follows = history.top  # an unreadable newest ref's number stays taken
-        self._loaded = (_chain_key(store, p.run, p.step), _Chain(p.epoch + 1, follows, stale))
-        return check_generation(manifest, f"generation {self.root[:16]}... DCP metadata")
-
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if self._failure is not None:
-            failure, self._failure = self._failure, None
-            raise failure
-        self.storage_data = metadata.storage_data
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        """Validate every chunk this rank will read (nothing copied yet). DCP gathers the local plans over
-        its own process group before any rank reads: a refusal here is raised on every rank with no
-        destination touched, and the backend needs no collective of its own."""
-        self._release_validated()
-        self._validated = self._validate(plan)
-        return dataclasses.replace(plan, storage_data={"root": self.root})
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        roots = {p.storage_data.get("root") for p in plans if isinstance(p.storage_data, dict)}
-        if len(roots) > 1:  # "latest" moved between two ranks' choices: retryable, nothing was read
-            raise RuntimeError(f"the ranks chose different newest generations of {self.run}/{self.step} (one was "
-                               "published as the load started): load again")
-        return plans
-
-    def _validate(self, plan: LoadPlan) -> "_Validated":
-        wanted, boxes, values = [], [], []
-        generation = None
-        try:
-            for item in plan.items:
-                data = self.storage_data.get(item.storage_index)
-                if not isinstance(data, dict):
-                    raise Refusal(RefusalCode.COVERAGE, f"generation {self.root[:16]}... holds no {item.storage_index.fqn!r} "
-                                  f"at {list(item.storage_index.offset or [])}")
-                if item.type == LoadItemType.BYTE_IO:
-                    values.append((item, decode_value(data["value"], f"DCP entry {item.dest_index.fqn!r}")))
-                    continue
-                region = self.regions[data["region"]]
-                lo, hi = box_words(region.shape, item.storage_offsets, item.lengths)
-                wanted.append(WantedSlice(region.ordinal, lo, hi, len(wanted)))
-                boxes.append((item, region, lo))
-            generation = open_generation(self._open_store(), self.root, wanted=wanted)
-            prepared = PreparedRestore(generation, wanted)
-        except BaseException as exc:
-            if generation is not None:
-                generation.close()
-            _close_own_store(self)
-            if isinstance(exc, (KeyError, TypeError, IndexError)):
-                raise Refusal(RefusalCode.FORMAT, f"generation {self.root[:16]}... DCP storage data is malformed "
-                              f"({type(exc).__name__}: {exc})") from None
-            raise
-        # Another rank's refusal reaches this one as DCP's exception, with no call to read_data: what
-        # this rank validated is then let go with the reader (or at its next load).
-        release = weakref.finalize(self, _release_prepared, prepared, generation)
-        return _Validated(_plan_key(plan), wanted, boxes, values, prepared, release)
-
-    def _release_validated(self) -> None:
-        if self._validated is not None:
-            self._validated.release()
-            self._validated = None
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Copy what prepare_local_plan validated (every rank validated its part before any rank got here)."""
-        try:
-            validated, self._validated = self._validated, None
-            if validated is None or validated.key != _plan_key(plan):
-                # A planner that changed this rank's plan after it was validated: validated here, by this
-                # rank alone (another rank may already be copying).
-                if validated is not None:
-                    validated.release()
-                validated = self._validate(plan)
-            try:
-                self._copy(validated, planner)
-            finally:
-                validated.release()
-        finally:
-            _close_own_store(self)  # read_data is a load's last call on every rank
-        key, chain = self._loaded
-        _CHAINS[key] = chain
-        future: Future = Future()
-        future.set_result(None)
-        return future
-
-    def _copy(self, validated: "_Validated", planner: LoadPlanner) -> None:
-        wanted, boxes, prepared = validated.wanted, validated.boxes, validated.prepared
-        # A box that is one word range, bound for a contiguous CPU destination of its dtype (row
-        # blocks, FSDP2's shards), is copied straight into it; any other goes through a buffer.
-        targets, buffers = [], []
-        for w, (item, region, _) in zip(wanted, boxes):
-            dest = planner.resolve_tensor(item).detach()
-            direct = (dest.device.type == "cpu" and dest.is_contiguous() and dest.numel() == w.hi - w.lo
-                      and dest.dtype == torch_dtype(region.dtype))
-            buf = dest.reshape(-1).view(torch.uint8) if direct else \
-                torch.empty((w.hi - w.lo) * DTYPES[region.dtype][0], dtype=torch.uint8)
-            targets.append((dest, direct))
-            buffers.append(buf)
-        self.bytes_read = prepared.bytes_read
-        prepared.copy_into(buffers)
-        for buf, (dest, direct), (item, region, lo) in zip(buffers, targets, boxes):
-            if not direct:
-                words = buf.view(torch_dtype(region.dtype))
-                strides = [math.prod(region.shape[d + 1:]) for d in range(len(region.shape))]
-                start = sum(o * s for o, s in zip(item.storage_offsets, strides)) - lo
-                source = words.as_strided(tuple(item.lengths), strides, start) if words.numel() else \
-                    torch.empty(tuple(item.lengths), dtype=words.dtype)
-                dest.copy_(source)
-            planner.commit_tensor(item, dest)
-        for item, value in validated.values:
-            _load_value(planner, item, value)
-
-
-@dataclasses.dataclass
-class _Validated:
-    """What one rank's prepare_local_plan validated for its read_data: the slices, held, and how to copy them."""
-    key: list
-    wanted: list
-    boxes: list
-    values: list
-    prepared: PreparedRestore
-    release: Any  # a finalizer: releases the validated slices and closes their shards, once
-
-
-def _release_prepared(prepared: PreparedRestore, generation) -> None:
-    try:
-        prepared.release()
-    finally:
-        generation.close()
-
-
-def _plan_key(plan: LoadPlan) -> list:
-    return [(i.type, i.storage_index, tuple(i.storage_offsets), tuple(i.dest_offsets), tuple(i.lengths))
-            for i in plan.items]
-
-
-def _load_value(planner: LoadPlanner, item, value: Any) -> None:
-    """Hand a non-tensor value to the planner without torch.load: DCP's default planner gets it set
-    directly (what its load_bytes does after unpickling); another planner gets an in-memory
-    torch.save of the decoded value (never bytes read from disk)."""
-    if type(planner).load_bytes is DefaultLoadPlanner.load_bytes:
-        if planner.flatten_state_dict:
-            from torch.distributed.checkpoint._traverse import set_element  # DCP's own helper
-            set_element(planner.original_state_dict, planner.mappings[item.dest_index.fqn], value)
-        else:
-            planner.state_dict[item.dest_index.fqn] = value
-        return
-    buf = io.BytesIO()
-    torch.save(value, buf)
-    buf.seek(0)
-    planner.load_bytes(item, buf)

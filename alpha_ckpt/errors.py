@@ -16,13 +16,14 @@ class RefusalCode(str, enum.Enum):
     MISSING_SHARD = "missing-shard"
     CORRUPT_SHARD = "corrupt-shard"
     NON_FINITE = "non-finite"
-    FOREIGN_LEARNER = "foreign-learner"
+    FOREIGN_LEARNER = "foreign-learner"  # another learner's (identity) or another run's generation
     CONTRACT_MISMATCH = "contract-mismatch"
     STALE_EPOCH = "stale-epoch"
     RESET_CURSOR = "reset-cursor"
     DEVICE_MISMATCH = "device-mismatch"
     PLACEMENT_BOUND = "placement-bound"
     FENCED = "fenced"  # another job (same epoch) owns this run/step's history, or a fresh start over history
+    HISTORY_CONFLICT = "history-conflict"  # a branch into a run/step that already has generations
 
     def __str__(self) -> str:  # so f"{code}" prints "corrupt-shard"
         return self.value

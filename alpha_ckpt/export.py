@@ -55,7 +55,7 @@ class ExportResult:
     regions: tuple[RegionDecl, ...]
 
     def to_json(self) -> dict:
-        return {"digest": self.root, "path": self.path, "format": self.format, "bytes": self.bytes,
+        return {"root": self.root, "digest": self.root, "path": self.path, "format": self.format, "bytes": self.bytes,
                 "validated_bytes": self.validated_bytes,
                 "regions": [{"name": r.name, "dtype": r.dtype, "shape": list(r.shape)} for r in self.regions]}
 

@@ -15,8 +15,9 @@ import numpy as np
 import torch
 
 from .errors import Refusal, RefusalCode
+from .decoding import decode_head, parse_manifest_header
 from .format import (DTYPES, MAX_INT, CapturePrefix, ManifestHead, RegionDecl, ShardHead, ShardRef, canonical_json,
-                     decode_head, digest_bytes, parse_manifest_header)
+                     digest_bytes)
 from .values import decode_value, encode_value
 
 # torch.frombuffer warns on every read-only buffer (mapped files, caller memory); we never write through them.

@@ -15,26 +15,30 @@ import mmap
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-import blake3
 import numpy as np
-import torch
 import zstandard
 
 from . import durable
 from .format import (
     BLOCK_BYTES, DTYPES, STAR, CapturePrefix, ChildRef, ManifestHead, Publisher, RegionDecl, ShardRef, SliceRecord, aligned, block_count,
-    block_digests, blocked, check_json_value, check_name, digest_bytes, digest_of_blocks, encode_head, hash_blocks,
+    block_digests, blocked, check_json_value, check_name, digest_bytes, encode_head,
     manifest_header, schema_digest_of, shard_header,
 )
-from .errors import Refusal, RefusalCode
 from .heap import cyclic_gc_paused
-from .manifest import check_root_manifest, decode_manifest, first_non_finite, word_value
+from .manifest import check_root_manifest, decode_manifest
 from .state.capture import CapturedState, capture_state, pattern_list
 from .planner import Piece, pack_shards
+from .hashing import (  # noqa: F401 (re-exported: imported from here)
+    HASH_BATCH_BYTES, INLINE_HASH_BYTES, HashBatch, Ready, hash_stored, hash_part, hash_small, refuse_non_finite,
+)
+from .packing import (  # noqa: F401 (re-exported: imported from here)
+    ZSTD_LEVEL, DEFAULT_DISK_BYTES_PER_S, ShardCarry, check_compression, choose_codec, cut_part, group_parts,
+    word_bytes, word_view, zstd_pays,
+)
 from .restore import validate_object_file
 from .store import RefRecord, Store, check_fence
 
@@ -43,51 +47,10 @@ from .store import RefRecord, Store, check_fence
 # store runs; at most this size, a large save is several files that Store.write_threads write at once.
 DEFAULT_MAX_SHARD_BYTES = 128 << 20
 _PLACEHOLDER = "0" * 64
-_ZSTD_LEVEL = 1
-_SAMPLE_BYTES = 1 << 20
-_SAMPLE_TIMINGS = 3
 
 
 DEDUP_MIN_BYTES = 1 << 20  # a region at least this large gets a shard of its own, so it can be carried
 MAX_PIECE_BYTES = DEFAULT_MAX_SHARD_BYTES  # a larger part is cut into shards of at most this many bytes
-
-
-class ShardCarry:
-    """What this writer wrote before, so that an unchanged region is not written again.
-
-    For each single-piece shard it wrote: the piece's raw BLAKE3, the shard's
-    record and the capture that wrote it. A later save of the same run/step
-    hashes the piece; when the bytes are unchanged and the object is still in
-    the store, the new manifest names the old shard, marked as carried. Only
-    what this process wrote is trusted (nothing is read back from disk).
-    """
-
-    def __init__(self) -> None:
-        self._entries: dict[tuple, tuple[str, ShardRef, CapturePrefix]] = {}
-        self.bytes_carried = 0
-
-    @staticmethod
-    def key(prefix: CapturePrefix, schema: str, piece: Piece, codec: str) -> tuple:
-        return (prefix.run, prefix.step, schema, piece.ordinal, piece.lo, piece.hi, codec)
-
-    def knows(self, key: tuple) -> bool:
-        return key in self._entries
-
-    def find(self, key: tuple, prefix: CapturePrefix, raw_digest: str, store: Store) -> ShardRef | None:
-        entry = self._entries.get(key)
-        if entry is None or entry[0] != raw_digest:
-            return None
-        _, record, written = entry
-        if (written.update, written.cursor, written.epoch) == (prefix.update, prefix.cursor, prefix.epoch):
-            return record if record.carried is None else None
-        # Renewing the object's mtime keeps gc's grace period over it until this publish has its ref.
-        if not store.has_object(record.digest) or not store.renew_object(record.digest):
-            return None
-        self.bytes_carried += record.size
-        return ShardRef(record.digest, record.size, record.slices, (written.update, written.cursor, written.epoch))
-
-    def remember(self, key: tuple, raw_digest: str, record: ShardRef, prefix: CapturePrefix) -> None:
-        self._entries[key] = (raw_digest, record, prefix)
 
 
 def isolate_large_pieces(shards: Sequence[Sequence[tuple]], min_bytes: int = DEDUP_MIN_BYTES) -> list[list[tuple]]:
@@ -106,113 +69,11 @@ def isolate_large_pieces(shards: Sequence[Sequence[tuple]], min_bytes: int = DED
     return out
 
 
-def group_parts(parts: Sequence[tuple], max_bytes: int) -> list[list[tuple]]:
-    """Consecutive parts grouped into shards of at most ``max_bytes`` raw bytes (a larger part alone):
-    few durable commits, and heads that stay small (block digests are about 1/1024 of a payload)."""
-    shards: list[list[tuple]] = []
-    filled = 0
-    for part in parts:
-        if not shards or (filled + len(part[1]) > max_bytes and shards[-1]):
-            shards.append([])
-            filled = 0
-        shards[-1].append(part)
-        filled += len(part[1])
-    return shards
-
-
-def cut_part(part: tuple, limit: int) -> list[tuple]:
-    """(piece, raw bytes, codec) as consecutive parts of at most ``limit`` bytes (a multiple of every
-    word size: the cuts fall on word and 64 KiB block boundaries)."""
-    piece, raw, codec = part
-    words = limit // piece.itemsize
-    cuts = []
-    for lo in range(piece.lo, piece.hi, words):
-        hi = min(lo + words, piece.hi)
-        cuts.append((Piece(piece.ordinal, lo, hi, piece.itemsize),
-                     raw[(lo - piece.lo) * piece.itemsize:(hi - piece.lo) * piece.itemsize], codec))
-    return cuts or [part]
-
-
 @dataclass(frozen=True)
 class Published:
     root: str
     ref: RefRecord
     shards: tuple[ShardRef, ...]
-
-
-def word_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """The region's words as a flat uint8 CPU tensor, without copying when possible."""
-    t = tensor.detach()
-    if t.numel() == 0:  # NumPy's empty arrays have zero strides, which view() refuses
-        return torch.empty(0, dtype=torch.uint8)
-    if t.device.type != "cpu":
-        t = t.to("cpu")
-    if not t.is_contiguous():
-        t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8)
-
-
-def _u8_view(t: torch.Tensor) -> memoryview:
-    return memoryview(t.numpy()) if t.numel() else memoryview(b"")
-
-
-def word_view(tensor: torch.Tensor) -> memoryview:
-    """The region's words as flat bytes (:func:`word_bytes` as a memoryview), without a torch op where
-    NumPy can see the tensor as it is: a state of many small tensors pays this once per tensor."""
-    if tensor.device.type == "cpu" and not tensor.requires_grad:
-        try:
-            return memoryview(tensor.numpy()).cast("B") if tensor.numel() else memoryview(b"")
-        except (TypeError, RuntimeError):  # bfloat16, strided, conjugate: through torch
-            pass
-    return _u8_view(word_bytes(tensor))
-
-
-DEFAULT_DISK_BYTES_PER_S = 1e9  # until the store has measured its own writes
-
-
-def choose_codec(data: memoryview, requested: str, disk_bytes_per_s: float = DEFAULT_DISK_BYTES_PER_S) -> str:
-    """'raw', 'zstd', or 'auto': zstd only where it makes the write faster, judged from a 1 MiB sample.
-
-    Compressing n bytes at rate c and writing r*n at disk rate d beats writing
-    n raw when n/c + r*n/d < n/d, i.e. c > d / (1 - r). On a local disk zstd
-    level 1 on float data (c ~0.7 GB/s, r ~0.8-0.9) never pays; zeros or
-    repetitive data (c of several GB/s, r near 0) do, and so does most data
-    on a slow network file system.
-    """
-    if requested in ("raw", "zstd"):
-        return requested
-    if requested != "auto":
-        raise ValueError(f"unknown compression {requested!r} (raw, zstd or auto)")
-    sample = data[:_SAMPLE_BYTES]
-    if len(sample) < 4096:
-        return "raw"
-    compressor = zstandard.ZstdCompressor(level=_ZSTD_LEVEL)
-    seconds = float("inf")
-    for _ in range(_SAMPLE_TIMINGS):  # the fastest of a few: a preempted run says nothing about the codec
-        started = time.perf_counter()
-        compressed = len(compressor.compress(sample))
-        seconds = min(seconds, max(time.perf_counter() - started, 1e-9))
-    return "zstd" if zstd_pays(compressed / len(sample), len(sample) / seconds, disk_bytes_per_s) else "raw"
-
-
-def zstd_pays(ratio: float, compress_bytes_per_s: float, disk_bytes_per_s: float) -> bool:
-    """Whether compressing then writing ``ratio`` of the bytes beats writing them raw."""
-    return ratio < 1.0 and compress_bytes_per_s > disk_bytes_per_s / (1.0 - ratio)
-
-
-_CODEC_CHOICES = ("raw", "zstd", "auto")
-
-
-def _check_compression(compression: str | Mapping[str, str], names: set[str]) -> None:
-    """Refuse a bad compression request before anything is written."""
-    choices = [compression] if isinstance(compression, str) else list(compression.values())
-    bad = [c for c in choices if c not in _CODEC_CHOICES]
-    if bad:
-        raise ValueError(f"unknown compression {bad[0]!r} (choose from {', '.join(_CODEC_CHOICES)})")
-    if not isinstance(compression, str):
-        unknown = sorted(set(compression) - names)
-        if unknown:
-            raise ValueError(f"compression names regions the state does not have: {unknown}")
 
 
 _WRITEBACK_MIN_BYTES = 8 << 20
@@ -359,118 +220,6 @@ def write_direct(fd: int, total: int, segments: Sequence[tuple[int, memoryview]]
     return True
 
 
-def _hash(view) -> str:
-    return blake3.blake3(view).hexdigest()
-
-
-_FINITE_CHUNK = 8 << 20  # hashed and checked together while the chunk is in cache
-
-
-def _hash_and_check(view: memoryview, dtype: str, known: tuple[str, str | None] | None,
-                    ) -> tuple[str, str | None, int | None]:
-    """A raw part's (digest, block digests) as :func:`block_digests` defines them (``known`` when
-    already computed) and its first NaN/inf word, in one pass over the bytes."""
-    if not DTYPES[dtype][1]:
-        return (*(known or block_digests(view)), None)
-    blocks: list[str] | None = None if known else []
-    bad = None
-    for start in range(0, len(view), _FINITE_CHUNK):
-        chunk = view[start:start + _FINITE_CHUNK]
-        if blocks is not None:
-            blocks += hash_blocks(chunk)
-        if bad is None:
-            index = first_non_finite(chunk, dtype)
-            bad = None if index is None else start // DTYPES[dtype][0] + index
-            if bad is not None and blocks is None:
-                break
-    if known:
-        return (*known, bad)
-    if not blocked(len(view)):
-        return block_digests(view)[0], None, bad
-    listed = "".join(blocks)
-    return digest_of_blocks(listed), listed, bad
-
-
-def _hash_part(raw: memoryview, dtype: str, known: tuple[str, str | None] | None, check: bool,
-               ) -> tuple[str, str | None, int | None]:
-    """One raw part's (digest, block digests, first NaN/inf word or None; None unchecked)."""
-    if check:
-        return _hash_and_check(raw, dtype, known)
-    return (*(known or block_digests(raw)), None)
-
-
-# Parts of at most one block are hashed and checked on the writing thread as they are met: their
-# cost is Python's per part, which threads would only contend for (the GIL), not share.
-_INLINE_HASH_BYTES = BLOCK_BYTES
-
-
-def _hash_small(raw: memoryview, dtype: str, known: tuple[str, str | None] | None, check: bool,
-                ) -> tuple[str, None, int | None]:
-    """An unblocked part's (digest, None, first NaN/inf word or None), as :func:`_hash_part` gives it."""
-    digest = known[0] if known else blake3.blake3(raw).hexdigest()
-    return digest, None, first_non_finite(raw, dtype) if check else None
-
-
-class _Ready:
-    """A result already computed, read as a future's (without a future's lock)."""
-    __slots__ = ("value",)
-
-    def __init__(self, value):
-        self.value = value
-
-    def result(self):
-        return self.value
-
-
-_HASH_BATCH_BYTES = 1 << 20  # parts smaller than this are hashed in batches of about this many bytes
-_HASH_BATCH_PARTS = 4096
-
-
-class _Batch:
-    """Small parts hashed by one task; :meth:`add` gives a part's slot, whose ``result()`` is what
-    a future of the part's own would give."""
-
-    def __init__(self):
-        self.jobs: list[tuple] = []
-        self.bytes = 0
-        self.future: Future | None = None
-        self.results: list | None = None
-
-    def add(self, job: tuple) -> "_Slot":
-        self.jobs.append(job)
-        self.bytes += len(job[0])
-        return _Slot(self, len(self.jobs) - 1)
-
-    def full(self) -> bool:
-        return self.bytes >= _HASH_BATCH_BYTES or len(self.jobs) >= _HASH_BATCH_PARTS
-
-    def submit(self, pool: ThreadPoolExecutor) -> None:
-        jobs = self.jobs
-        self.future = pool.submit(lambda: [_hash_part(*job) for job in jobs])
-
-    def result(self, index: int):
-        if self.results is None:
-            self.results = self.future.result()
-        return self.results[index]
-
-
-class _Slot:
-    __slots__ = ("batch", "index")
-
-    def __init__(self, batch: _Batch, index: int):
-        self.batch, self.index = batch, index
-
-    def result(self):
-        return self.batch.result(self.index)
-
-
-def _refuse_non_finite(region: RegionDecl, piece: Piece, raw: memoryview, index: int) -> Refusal:
-    value = word_value(raw, region.dtype, index)
-    return Refusal(RefusalCode.NON_FINITE, f"region {region.name!r} word {piece.lo + index} is {value}: a restore "
-                   "would refuse it, so it is not published (declare regions that may hold NaN/inf with "
-                   "allow_nonfinite)")
-
-
 @dataclass
 class ShardWrite:
     """One shard ready to be written: ``write(fd)`` writes it and returns its name; ``size`` bytes
@@ -518,7 +267,7 @@ def prepare_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regio
             region = regions[piece.ordinal]
             codec = choose_codec(raw, requested, disk)
             stored = raw if codec == "raw" else memoryview(
-                zstandard.ZstdCompressor(level=_ZSTD_LEVEL, write_content_size=True).compress(raw))
+                zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True).compress(raw))
             offset = aligned(offset)
             records.append(SliceRecord(
                 ordinal=piece.ordinal, dtype=region.dtype, shape=region.shape, lo=piece.lo, hi=piece.hi, offset=offset,
@@ -537,21 +286,21 @@ def prepare_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regio
         records, payloads, head_len, end = layout()
         shard.size = end
         futures = []
-        batch = _Batch()  # small raw parts, hashed together: one task per batch, not one per tensor
+        batch = HashBatch()  # small raw parts, hashed together: one task per batch, not one per tensor
         for record, stored, (piece, raw, _), digest in zip(records, payloads, parts, known):
             check = check_finite and not regions[piece.ordinal].nonfinite
             if not check and digest is not None:
-                raw_f = _Ready((*digest, None))
-            elif len(raw) <= _INLINE_HASH_BYTES:
-                raw_f = _Ready(_hash_small(raw, record.dtype, digest, check))
-            elif len(raw) < _HASH_BATCH_BYTES:
+                raw_f = Ready((*digest, None))
+            elif len(raw) <= INLINE_HASH_BYTES:
+                raw_f = Ready(hash_small(raw, record.dtype, digest, check))
+            elif len(raw) < HASH_BATCH_BYTES:
                 raw_f = batch.add((raw, record.dtype, digest, check))
                 if batch.full():
                     batch.submit(pool)
-                    batch = _Batch()
+                    batch = HashBatch()
             else:
-                raw_f = pool.submit(_hash_part, raw, record.dtype, digest, check)
-            futures.append((raw_f, pool.submit(_hash, stored) if record.codec == "zstd" else None))
+                raw_f = pool.submit(hash_part, raw, record.dtype, digest, check)
+            futures.append((raw_f, pool.submit(hash_stored, stored) if record.codec == "zstd" else None))
         if batch.jobs:
             batch.submit(pool)
 
@@ -564,7 +313,7 @@ def prepare_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regio
             for record, (raw_f, stored_f), (piece, raw, _) in zip(records, futures, parts):
                 raw_digest, blocks, bad = raw_f.result()
                 if bad is not None:
-                    raise _refuse_non_finite(regions[piece.ordinal], piece, raw, bad)
+                    raise refuse_non_finite(regions[piece.ordinal], piece, raw, bad)
                 final.append(SliceRecord(**{**record.__dict__, "blake3": raw_digest, "blocks": blocks,
                                             "stored_blake3": stored_f.result() if stored_f else None}))
             encoded = encode_head(shard_header(prefix, schema_digest, final))
@@ -765,7 +514,7 @@ def save_state(state: Mapping[str, Any] | CapturedState, *, store: Store, prefix
         check_fence(history, prefix, None)  # a save the history refuses writes nothing (publish checks again)
     captured = state if isinstance(state, CapturedState) else capture_state(state)
     regions = captured.regions(pattern_list(allow_nonfinite, "allow_nonfinite"))
-    _check_compression(compression, {r.name for r in regions})
+    check_compression(compression, {r.name for r in regions})
     data = {r.ordinal: word_view(t) for r, (_, t) in zip(regions, captured.named)}
     pieces = [Piece(r.ordinal, 0, r.words, DTYPES[r.dtype][0]) for r in regions]
     shards = []

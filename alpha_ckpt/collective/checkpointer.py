@@ -605,7 +605,7 @@ class Checkpointer:
         refs = history.listing()
         if self._branch:
             if refs:
-                raise Refusal(RefusalCode.FOREIGN_LEARNER, f"cannot branch into {self.run}/{self.step}: that run "
+                raise Refusal(RefusalCode.HISTORY_CONFLICT, f"cannot branch into {self.run}/{self.step}: that run "
                               "already has generations")
             self.follows = 0
             return [{"root": self.store.check_digest(root)}]

@@ -22,11 +22,12 @@ ROOT = "alpha_ckpt"
 # Bottom to top, in the order the package is built: each module may import its own layer and below.
 LAYERS: dict[int, tuple[str, set[str]]] = {
     0: ("format and durable: bytes on disk, the one commit, the test hooks' call sites, and what needs nothing else",
-        {"errors", "format", "values", "durable", "hooks", "heap", "progress", "interval", "lifeline"}),
+        {"errors", "format", "decoding", "values", "durable", "hooks", "heap", "progress", "interval", "lifeline"}),
     1: ("store: objects, refs, tmp and leases of a store",
         {"store", "leases"}),
     2: ("plan, state, restore, writer: what a generation holds and how it is read and written",
-        {"manifest", "planner", "destinations", "device", "dcp_metadata", "restore", "writer", "async_save",
+        {"manifest", "planner", "destinations", "device", "dcp_metadata", "restore", "generation", "payloads", "writer",
+         "packing", "hashing", "async_save",
          "state", "state.capture", "state.load", "state.loaders", "state.placement", "state.rng", "state.rules"}),
     3: ("store maintenance over whole generations: completeness, pins, gc",
         {"complete", "pins", "gc"}),
@@ -35,7 +36,7 @@ LAYERS: dict[int, tuple[str, set[str]]] = {
     5: ("collective: the Checkpointer of any torch.distributed group",
         {"collective", "collective.checkpointer", "collective.schedule", "collective.verdict"}),
     6: ("clients of the library: the one-process API, DCP, export, alpha-run's generic checks",
-        {"api", "dcp", "export", "usage"}),
+        {"api", "dcp", "dcp_reader", "dcp_common", "export", "usage"}),
     7: ("the built-in job and its learner",
         {"job", "job.owner", "job.usage", "learner", "learner.config", "learner.data", "learner.digest",
          "learner.model"}),

@@ -249,6 +249,26 @@ def test_an_identity_with_tuples_int_keys_and_floats_resumes_and_a_list_in_place
     assert run_ranks(1, _identity, store, other, True, tmp=tmp_path)[0]["refusal"] == "foreign-learner"
 
 
+def _save_or_restore(rank, world, store, run, root, branch):
+    ckpt = Checkpointer(store, run=run)
+    try:
+        if root is None:
+            return ckpt.save({"w": torch.full((2,), float(len(run)))}, update=1)
+        return ckpt.restore({"w": torch.zeros(2)}, root=root, branch=branch).update
+    finally:
+        ckpt.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_branch_into_a_run_with_history_is_a_history_conflict_and_another_runs_root_is_foreign(tmp_path):
+    store = str(tmp_path / "store")
+    (source,) = run_ranks(1, _save_or_restore, store, "a", None, False, tmp=tmp_path)
+    run_ranks(1, _save_or_restore, store, "bb", None, False, tmp=tmp_path)
+    assert run_ranks(1, _save_or_restore, store, "bb", source, True, tmp=tmp_path)[0]["refusal"] == "history-conflict"
+    assert run_ranks(1, _save_or_restore, store, "bb", source, False, tmp=tmp_path)[0]["refusal"] == "foreign-learner"
+    assert run_ranks(1, _save_or_restore, store, "ccc", source, True, tmp=tmp_path) == [1]  # an empty run may branch
+
+
 def test_an_identity_recorded_as_plain_json_still_matches():
     from alpha_ckpt.manifest import identity_matches
     assert identity_matches({"model": "gpt-tiny", "lr": 0.003}, {"model": "gpt-tiny", "lr": 3e-3})
@@ -298,5 +318,5 @@ def test_metadata_that_would_read_back_as_another_value_is_a_usage_error_before_
         Checkpointer(str(tmp_path / "store"), run="r", metadata={"betas": (0.9, 0.95)})
     root = alpha_ckpt.save({"w": torch.ones(2)}, store=tmp_path / "store", run="r", step="train", update=1,
                            cursor=0, epoch=0, metadata={"betas": [0.9, 0.95]})
-    assert alpha_ckpt.load({"w": torch.zeros(2)}, store=tmp_path / "store", digest=root).metadata == \
+    assert alpha_ckpt.load({"w": torch.zeros(2)}, store=tmp_path / "store", root=root).metadata == \
         {"betas": [0.9, 0.95]}

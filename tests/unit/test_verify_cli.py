@@ -115,7 +115,7 @@ def test_list_and_inspect_json_describe_the_generation(saved):
     out = io.StringIO()
     assert cli.main(["list", "--store", str(store_dir), "--run", "nightly", "--step", "fit", "--json"], out=out) == 0
     (gen,) = json.loads(out.getvalue())["generations"]
-    assert (gen["digest"], gen["update"], gen["cursor"], gen["epoch"], gen["owners"]) == (root, 3, 96, 0, 1)
+    assert (gen["root"], gen["update"], gen["cursor"], gen["epoch"], gen["owners"]) == (root, 3, 96, 0, 1)
     assert gen["bytes"] == sum(os.path.getsize(p) for p in _objects(store_dir).values())
     out = io.StringIO()
     assert cli.main(["inspect", "--store", str(store_dir), root, "--json"], out=out) == 0
@@ -126,6 +126,26 @@ def test_list_and_inspect_json_describe_the_generation(saved):
         for s in shard["slices"]:
             words[s["region"]] = words.get(s["region"], 0) + s["hi"] - s["lo"]
     assert words == {r["name"]: r["words"] for r in info["regions"]}
+
+
+def test_json_outputs_name_the_generation_root_and_keep_the_old_digest_key_for_one_release(saved, tmp_path):
+    store_dir, root, _ = saved
+    rc, text = _verify(store_dir, root, "--json")
+    assert rc == 0 and json.loads(text) == {"root": root, "digest": root, "valid": True}
+    out = io.StringIO()
+    assert cli.main(["list", "--store", str(store_dir), "--json"], out=out) == 0
+    (gen,) = json.loads(out.getvalue())["generations"]
+    assert gen["root"] == gen["digest"] == root
+    out = io.StringIO()
+    assert cli.main(["export", "--store", str(store_dir), root, "--to", str(tmp_path / "x.safetensors"), "--json"],
+                    out=out) == 0
+    exported = json.loads(out.getvalue())
+    assert exported["root"] == exported["digest"] == root
+    shard = next(d for d in _objects(store_dir) if d != root)
+    os.unlink(_objects(store_dir)[shard])
+    rc, text = _verify(store_dir, root, "--json")
+    result = json.loads(text)
+    assert rc == 3 and result["root"] == result["digest"] == root and result["code"] == "missing-shard"
 
 
 def test_usage_errors_exit_2(saved):
@@ -162,8 +182,9 @@ def test_latest_skips_a_damaged_newer_generation_and_names_it(store_dir):
     out = io.StringIO()
     assert cli.main(["latest", "--store", str(store_dir), "--run", "r", "--step", "fit", "--json"], out=out) == 0
     result = json.loads(out.getvalue())
-    assert result["latest"]["digest"] == good and result["latest"]["update"] == 1
-    assert result["skipped"] == [{"digest": bad, "code": "corrupt-shard", "message": result["skipped"][0]["message"]}]
+    assert result["latest"]["root"] == good and result["latest"]["update"] == 1
+    assert result["skipped"] == [{"root": bad, "digest": bad, "code": "corrupt-shard",
+                                  "message": result["skipped"][0]["message"]}]
     assert cli.main(["latest", "--store", str(store_dir), "--run", "none", "--step", "fit"], out=io.StringIO()) == 3
 
 

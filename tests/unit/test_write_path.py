@@ -72,22 +72,22 @@ def test_a_save_larger_than_one_shard_file_is_several_files_and_restores_bit_for
             generation.close()
     assert len(sizes) == 2 and max(sizes) <= writer.DEFAULT_MAX_SHARD_BYTES + (1 << 20)  # payload cut, plus heads
     dest = {"embedding": torch.zeros(words)}
-    alpha_ckpt.load(dest, store=tmp_path, digest=root)
+    alpha_ckpt.load(dest, store=tmp_path, root=root)
     assert torch.equal(dest["embedding"], source["embedding"])
 
 
 def test_the_collector_is_paused_inside_save_and_load_and_runs_again_after(tmp_path, monkeypatch):
     seen = []
-    real_hash = writer._hash_small
+    real_hash = writer.hash_small
 
     def spy(*args):
         seen.append(gc.isenabled())
         return real_hash(*args)
-    monkeypatch.setattr(writer, "_hash_small", spy)
+    monkeypatch.setattr(writer, "hash_small", spy)
     assert gc.isenabled()
     root = alpha_ckpt.save({"w": torch.randn(8)}, store=tmp_path, run="r", step="s", update=1, cursor=1, epoch=0)
     assert seen == [False] and gc.isenabled()
-    alpha_ckpt.load({"w": torch.zeros(8)}, store=tmp_path, digest=root)
+    alpha_ckpt.load({"w": torch.zeros(8)}, store=tmp_path, root=root)
     assert gc.isenabled()
 
 
