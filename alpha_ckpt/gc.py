@@ -36,7 +36,7 @@ What stays:
   object is removed at all (temp files and leases still are).
 
 Safe beside a publish, even with ``grace=0``: a publish writes its objects
-before its ref, under a pending-publish lease (:mod:`alpha_ckpt.leases`).
+before its ref, under a pending-publish lease (:mod:`alpha_ckpt.store.leases`).
 gc reads the leases before the pins and refs, and spares every object and
 temp file modified after ``protect_before``: the oldest live lease's start,
 this gc's own start, and ``now - grace``, whichever is earliest, less a
@@ -77,7 +77,7 @@ from typing import Iterable, Mapping
 from . import durable
 from .errors import Refusal, StoreUsageError
 from .format import is_digest
-from .leases import CLOCK_SLACK_S, PENDING_DIR, STALE_AFTER_S, lease_is_stale, read_leases, writer_alive
+from .store.leases import CLOCK_SLACK_S, PENDING_DIR, STALE_AFTER_S, lease_is_stale, read_leases, writer_alive
 from .complete import VERIFIED_DIR, remembered_check_complete, remembered_roots
 from .pins import pinned_roots
 from .restore import latest_order, open_generation

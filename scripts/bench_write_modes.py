@@ -59,7 +59,7 @@ def measure(base: str, size_mib: int, reps: int, auto_saves: int) -> dict:
     out["median_GBps"] = {m: nbytes / s / 1e9 for m, s in out["median_s"].items()}
     out["direct_over_buffered_throughput"] = out["median_s"]["buffered"] / out["median_s"]["direct"]
     os.environ["ALPHA_CKPT_WRITE_MODE"] = "auto"
-    store_module._write_stats.clear()
+    store_module.store._write_stats.clear()
     d = tempfile.mkdtemp(dir=base, prefix="wm-auto-")
     try:
         s = Store(d)

@@ -73,7 +73,7 @@ def test_a_file_system_that_refuses_o_direct_is_written_buffered(tmp_path, monke
         return real(fd, cmd, arg)
 
     monkeypatch.setattr(writer.fcntl, "fcntl", refusing)
-    monkeypatch.setattr("alpha_ckpt.store._write_stats", {})
+    monkeypatch.setattr("alpha_ckpt.store.store._write_stats", {})
     store, root = _save(tmp_path, "refused", monkeypatch, "auto")
     stats = store.write_stats()
     assert stats["direct_refused"] and stats["next"] == "buffered"
@@ -83,7 +83,7 @@ def test_a_file_system_that_refuses_o_direct_is_written_buffered(tmp_path, monke
 
 
 def test_auto_alternates_then_keeps_the_faster_mode(tmp_path, monkeypatch):
-    monkeypatch.setattr("alpha_ckpt.store._write_stats", {})
+    monkeypatch.setattr("alpha_ckpt.store.store._write_stats", {})
     store = Store(tmp_path)
     assert store.write_mode == "auto"
     picks = []
@@ -100,7 +100,7 @@ def test_auto_alternates_then_keeps_the_faster_mode(tmp_path, monkeypatch):
 
 def test_auto_measures_the_mode_it_does_not_use_again_after_eight_writes(tmp_path, monkeypatch):
     # Two unlucky early measurements of buffered writes must not keep them out for good.
-    monkeypatch.setattr("alpha_ckpt.store._write_stats", {})
+    monkeypatch.setattr("alpha_ckpt.store.store._write_stats", {})
     store = Store(tmp_path)
     rates = {"direct": 1.0, "buffered": 0.5}
     picks = []
@@ -122,7 +122,7 @@ def test_a_store_writes_buffered_unless_told_otherwise_even_where_o_direct_measu
     # A buffered save leaves its objects in the page cache for the restore that follows it on the same
     # node; O_DIRECT is only taken by ALPHA_CKPT_WRITE_MODE=auto or =direct.
     monkeypatch.delenv("ALPHA_CKPT_WRITE_MODE")
-    monkeypatch.setattr("alpha_ckpt.store._write_stats", {})
+    monkeypatch.setattr("alpha_ckpt.store.store._write_stats", {})
     store = Store(tmp_path / "store")
     for _ in range(2):
         store.record_write("direct", 1 << 30, 0.1)
@@ -237,7 +237,7 @@ def test_a_new_process_probes_each_mode_on_single_shards_then_commits_the_rest_a
                                                                                             small_blocks):
     # The first large writes alternate between the modes one shard at a time (two samples of each),
     # so one save measures both; its remaining shards go in one batch, in the mode measured faster.
-    monkeypatch.setattr("alpha_ckpt.store._write_stats", {})
+    monkeypatch.setattr("alpha_ckpt.store.store._write_stats", {})
     g = torch.Generator().manual_seed(5)
     state = {f"t{i}": torch.randn(300_000, generator=g) for i in range(8)}  # 1.2 MB each: one shard each
     store = Store(tmp_path / "store")
@@ -257,7 +257,7 @@ def test_a_new_process_probes_each_mode_on_single_shards_then_commits_the_rest_a
 def test_auto_learns_each_count_of_concurrent_writers_on_its_own(tmp_path, monkeypatch):
     # Alone, direct is the faster mode here; with four writers at once, buffered is. Samples of one
     # count must not decide the other's mode.
-    monkeypatch.setattr("alpha_ckpt.store._write_stats", {})
+    monkeypatch.setattr("alpha_ckpt.store.store._write_stats", {})
     store = Store(tmp_path)
     rates = {1: {"direct": 2.0, "buffered": 1.0}, 4: {"direct": 0.3, "buffered": 0.9}}
     for writers in (1, 4, 1, 4, 1, 4, 1, 4):
@@ -272,7 +272,7 @@ def test_auto_learns_each_count_of_concurrent_writers_on_its_own(tmp_path, monke
 
 
 def test_a_refusal_of_o_direct_holds_for_every_count_of_writers(tmp_path, monkeypatch):
-    monkeypatch.setattr("alpha_ckpt.store._write_stats", {})
+    monkeypatch.setattr("alpha_ckpt.store.store._write_stats", {})
     store = Store(tmp_path)
     store.record_write("direct", 1 << 20, 0.1, refused=True, writers=3)
     assert all(store.write_mode_for_next_object(n) == "buffered" for n in (1, 2, 3, 8))
@@ -336,7 +336,7 @@ def _save_with_agreed_mode(store, monkeypatch, agreed, shards):
     ({"direct": [1.0], "buffered": [1.0, 1.0]}, ["direct", "buffered"]),
 ])
 def test_an_agreed_mode_holds_except_for_probes(tmp_path, monkeypatch, small_blocks, seeded, expected):
-    monkeypatch.setattr("alpha_ckpt.store._write_stats", {})
+    monkeypatch.setattr("alpha_ckpt.store.store._write_stats", {})
     store = Store(tmp_path / "store")
     for mode, seconds in seeded.items():
         for s in seconds:
@@ -351,7 +351,7 @@ def test_auto_takes_o_direct_only_when_it_is_clearly_faster(tmp_path, monkeypatc
     # device: a small gain in the save does not buy that. Buffered writes here: 1.0 GB/s.
     from alpha_ckpt.store import DIRECT_MARGIN
     assert DIRECT_MARGIN > 1.0
-    monkeypatch.setattr("alpha_ckpt.store._write_stats", {})
+    monkeypatch.setattr("alpha_ckpt.store.store._write_stats", {})
     store = Store(tmp_path)
     direct_gbps = DIRECT_MARGIN * direct_over_margin  # faster than buffered either way
     for _ in range(2):

@@ -25,9 +25,9 @@ import stat
 from dataclasses import dataclass
 from typing import Callable
 
-from .durable import file_kind
-from .errors import Refusal, RefusalCode
-from .format import canonical_json, check_name, parse_canonical_json
+from ..durable import file_kind
+from ..errors import Refusal, RefusalCode
+from ..format import canonical_json, check_name, parse_canonical_json
 
 PENDING_DIR = "pending"
 STALE_AFTER_S = 6 * 3600.0
