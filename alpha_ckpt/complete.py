@@ -33,8 +33,9 @@ from .errors import Refusal
 from .format import canonical_json, digest_bytes, is_digest, parse_canonical_json
 from .restore import check_payloads, open_generation
 from .store import RefRecord, Store, write_all
+from .store.layout import TMP, VERIFIED
 
-VERIFIED_DIR = "verified"
+VERIFIED_DIR = VERIFIED
 MAX_RECORD_BYTES = 64 << 20
 _FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
@@ -52,8 +53,7 @@ def _identity(store: Store, digest: str) -> list[int] | None:
 def _verified_dir(store: Store) -> int | None:
     """The records' directory, never through a symlink; None where there is none (or something else)."""
     try:
-        return os.open(os.path.join(store.root, VERIFIED_DIR),
-                       os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        return store.layout.open_dir(VERIFIED_DIR)
     except OSError:
         return None
 
@@ -101,9 +101,9 @@ def _remember(store: Store, root: str, identities: dict[str, list[int]]) -> None
     body = canonical_json({"kind": "verified", "root": root, "verified_at": time.time(), "objects": identities})
     data = body + b"\n" + digest_bytes(body).encode("ascii") + b"\n"
     try:
-        root_fd = os.open(store.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        root_fd = store.layout.open_root()
         try:
-            tmp_fd = os.open("tmp", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root_fd)
+            tmp_fd = os.open(TMP, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root_fd)
             try:
                 dir_fd = durable.make_dir_durable(root_fd, VERIFIED_DIR)
             except BaseException:

@@ -77,11 +77,12 @@ from typing import Iterable, Mapping
 from . import durable
 from .errors import Refusal, StoreUsageError
 from .format import is_digest
-from .store.leases import CLOCK_SLACK_S, PENDING_DIR, STALE_AFTER_S, lease_is_stale, read_leases, writer_alive
-from .complete import VERIFIED_DIR, remembered_check_complete, remembered_roots
+from .store.leases import CLOCK_SLACK_S, STALE_AFTER_S, lease_is_stale, read_leases, writer_alive
+from .complete import remembered_check_complete, remembered_roots
 from .pins import pinned_roots
 from .restore import latest_order, open_generation
-from .store import QUARANTINE_DIR, REF_DIGITS, RefRecord, Store, UnreadableRef
+from .store import QUARANTINE_DIR, RefRecord, Store, UnreadableRef
+from .store.layout import REF_DIGITS, TMP, ref_name
 
 DEFAULT_GRACE_S = 3600.0
 ASIDE_PREFIX = "aside-"  # tmp/aside-<digest>-<pid>-<random>: an object being removed, set aside first
@@ -148,7 +149,7 @@ def _reach(store: Store, root: str, record: RefRecord | None) -> tuple[set[str],
 
 def _output_time(store: Store, run: str, step: str) -> float | None:
     """When the newest declared output of run/step was published, or None where there is none."""
-    directory = os.path.join(store.root, "outputs", run, step)
+    directory = store.layout.outputs_dir(run, step)
     try:
         if not stat.S_ISDIR(os.stat(directory, follow_symlinks=False).st_mode):
             return None
@@ -185,7 +186,7 @@ def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRA
     # Leases first: a publish that takes one after this point writes only objects younger than now.
     starts = [now - max(grace, CLOCK_SLACK_S)]
     busy: set[tuple[str, str]] = set()
-    for name, lease, mtime in read_leases(store.root, plan.skip):
+    for name, lease, mtime in read_leases(store.layout, plan.skip):
         if lease is not None:
             if lease_is_stale(lease, now, grace):
                 plan.leases.append(name)
@@ -285,7 +286,7 @@ def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRA
     if not plan.unreadable and not plan.held_by_refs:
         plan.objects = [d for d in candidates
                         if d not in reachable and _mtime(store.object_path(d)) < plan.protect_before]
-    tmp_dir = os.path.join(store.root, "tmp")
+    tmp_dir = store.layout.tmp_dir()
     if os.path.isdir(tmp_dir) and not dropped_objects_only:
         plan.tmp = sorted(n for n in _regular_files(tmp_dir, "tmp", plan)
                           if not n.startswith(ASIDE_PREFIX) and _mtime(os.path.join(tmp_dir, n)) < plan.protect_before
@@ -307,7 +308,7 @@ def _plan_unreadable_refs(store: Store, history, plan: GcPlan) -> None:
                    if entry.damaged else "it may be readable later")
             plan.unreadable_refs.append(f"{entry.name}: {entry.refusal}; left in place: {why}")
     try:
-        dir_fd = _open_dir(os.path.join(store.root, "refs", history.run, history.step))
+        dir_fd = _open_dir(store.layout.refs_dir(history.run, history.step))
     except OSError:
         return
     try:
@@ -338,7 +339,7 @@ def _regular_files(directory: str, shown_as: str, plan: GcPlan) -> list[str]:
 def _quarantined_before(store: Store, before: float, plan: GcPlan) -> list[str]:
     """Entries a save set aside in quarantine/ before ``before`` (by the time in their names)."""
     try:
-        fd = _open_dir(os.path.join(store.root, QUARANTINE_DIR))
+        fd = _open_dir(store.layout.quarantine_dir())
     except FileNotFoundError:
         return []
     except OSError as exc:
@@ -383,7 +384,7 @@ def _remove_quarantined(store: Store, names: list[str]) -> None:
     """Remove what a save set aside, whatever it is (a directory with its content; a symlink, not its target)."""
     if not names:
         return
-    fd = _open_dir(os.path.join(store.root, QUARANTINE_DIR))
+    fd = _open_dir(store.layout.quarantine_dir())
     try:
         for name in names:
             try:
@@ -441,7 +442,7 @@ def _remove_objects(store: Store, digests: list[str], protect_before: float, tmp
             fan = digest[:2]
             if fan not in fans:
                 try:
-                    fans[fan] = _open_dir(os.path.join(store.root, "objects", fan))
+                    fans[fan] = _open_dir(store.layout.fan_dir(fan))
                 except (FileNotFoundError, NotADirectoryError):
                     continue
                 except OSError as exc:
@@ -473,7 +474,7 @@ def _remove_objects(store: Store, digests: list[str], protect_before: float, tmp
 
 def _refs_dir_fd(store: Store, run: str, step: str) -> int | None:
     try:
-        return _open_dir(os.path.join(store.root, "refs", run, step))
+        return _open_dir(store.layout.refs_dir(run, step))
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as exc:
@@ -519,9 +520,9 @@ def _remove_refs(store: Store, refs: list[RefRecord]) -> set[str]:
                 fds[key] = _refs_dir_fd(store, r.run, r.step)
             if fds[key] is None:
                 continue
-            name = f"{ASIDE_PREFIX}{r.generation:0{REF_DIGITS}d}-{os.getpid()}-{secrets.token_hex(4)}"
+            name = f"{ASIDE_PREFIX}{ref_name(r.generation)}-{os.getpid()}-{secrets.token_hex(4)}"
             try:
-                durable.rename_noreplace(fds[key], f"{r.generation:0{REF_DIGITS}d}", fds[key], name)
+                durable.rename_noreplace(fds[key], ref_name(r.generation), fds[key], name)
             except FileNotFoundError:
                 continue
             aside.append((r, fds[key], name))
@@ -530,7 +531,7 @@ def _remove_refs(store: Store, refs: list[RefRecord]) -> set[str]:
         for r, dir_fd, name in aside:
             if r.root in pins:
                 spared.add(r.root)
-                _put_back_ref(dir_fd, name, f"{r.generation:0{REF_DIGITS}d}")
+                _put_back_ref(dir_fd, name, ref_name(r.generation))
             else:
                 try:
                     os.unlink(name, dir_fd=dir_fd)
@@ -550,12 +551,12 @@ def apply_gc(store: Store, plan: GcPlan) -> None:
     """Set-aside objects and refs back, then refs (a generation disappears whole) unless pinned by now,
     unreadable refs into quarantine/, objects (none a generation pinned since planning reaches), temp
     files, stale leases."""
-    root_fd = os.open(store.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the user's path: may be a symlink
+    root_fd = store.layout.open_root()
     try:
-        tmp_fd = durable.make_dir_durable(root_fd, "tmp")
+        tmp_fd = durable.make_dir_durable(root_fd, TMP)
     finally:
         os.close(root_fd)
-    objects_fd = _open_dir(os.path.join(store.root, "objects"))
+    objects_fd = _open_dir(store.layout.objects_dir())
     try:
         _put_back_set_aside(store, tmp_fd, objects_fd, plan)
         _put_back_refs(store, plan)
@@ -579,10 +580,10 @@ def apply_gc(store: Store, plan: GcPlan) -> None:
     finally:
         os.close(objects_fd)
         os.close(tmp_fd)
-    _remove(os.path.join(store.root, "tmp"), plan.tmp)
+    _remove(store.layout.tmp_dir(), plan.tmp)
     if plan.records:
-        _remove(os.path.join(store.root, VERIFIED_DIR), plan.records)
-    _remove(os.path.join(store.root, PENDING_DIR), plan.leases)
+        _remove(store.layout.verified_dir(), plan.records)
+    _remove(store.layout.pending_dir(), plan.leases)
     _remove_quarantined(store, plan.quarantine)
 
 

@@ -29,9 +29,10 @@ from .durable import entry_exists, file_kind
 from .errors import Refusal, RefusalCode
 from .format import canonical_json, check_name, is_digest, parse_canonical_json
 from .restore import open_generation, verify_generation
-from .store import REF_DIGITS, Store, write_all
+from .store import Store, write_all
+from .store.layout import PINS, REFS, TMP, ref_name
 
-PINS_DIR = "pins"
+PINS_DIR = PINS
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 MAX_PIN_BYTES = 8192
 MAX_NOTE_CHARS = 1000
@@ -79,7 +80,7 @@ def _not_a_directory(exc: OSError) -> Exception:
 def _open_pins_dir(store: Store) -> int | None:
     """The pins directory (never through a symlink), or None where there is none."""
     try:
-        return os.open(os.path.join(store.root, PINS_DIR), _DIR_FLAGS)
+        return store.layout.open_dir(PINS_DIR)
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -152,7 +153,7 @@ def list_pins(store: Store, on_hostile: Callable[[str, str], None] | None = None
 
 def _pins_dir(store: Store) -> tuple[int, int]:
     """(store root fd, pins dir fd), the pins directory made durable if new."""
-    root_fd = os.open(store.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    root_fd = store.layout.open_root()
     try:
         return root_fd, durable.make_dir_durable(root_fd, PINS_DIR)
     except OSError as exc:
@@ -189,7 +190,7 @@ def pin_generation(store: Store, root: str, note: str = "") -> tuple[Pin, bool]:
     body = pin.to_bytes()
     root_fd, pins_fd = _pins_dir(store)
     try:
-        tmp_fd = os.open("tmp", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root_fd)
+        tmp_fd = os.open(TMP, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root_fd)
         try:
             if isinstance(existing, Refusal):
                 _refuse_unless_pin_file(pins_fd, root, "pinned")
@@ -233,10 +234,10 @@ def _keep_ref(store: Store, record) -> None:
     pins again, and puts back what is pinned by then. A pin that finds its ref
     aside puts it back itself (gc then finds it gone and leaves it); one whose
     ref gc removed already is refused (the caller withdraws the pin)."""
-    name = f"{record.generation:0{REF_DIGITS}d}"
+    name = ref_name(record.generation)
     where = f"{record.run}/{record.step}"
     try:
-        dir_fd = os.open(os.path.join(store.root, "refs", record.run, record.step), _DIR_FLAGS)
+        dir_fd = store.layout.open_dir(REFS, record.run, record.step)
     except FileNotFoundError:
         dir_fd = None
     except OSError as exc:

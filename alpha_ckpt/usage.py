@@ -18,6 +18,7 @@ from .errors import DurableWriteError, Refusal, StoreUsageError, UsageError  # n
 from .format import is_digest
 from .interval import check_schedule_args
 from .store import Store
+from .store.layout import TMP
 
 EXIT_USAGE = 2
 # Longer waits are no job's intent, and the derived waits (a tree's parent waits one
@@ -61,8 +62,7 @@ def check_store_writable(path: str) -> None:
     """
     try:
         with Store(path) as store:  # creates the store's directories, as the owners would
-            tmp_fd = os.open(os.path.join(store.root, "tmp"),
-                             os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            tmp_fd = store.layout.open_dir(TMP)
             try:
                 name = f"{os.getpid()}-{secrets.token_hex(8)}.tmp"
                 fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444,

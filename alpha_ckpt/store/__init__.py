@@ -15,6 +15,7 @@ runtime bindings: a copied or moved store works unchanged.
 from __future__ import annotations
 
 from ._posix import write_all
+from .layout import StoreLayout
 from .leases import PENDING_DIR
 from .objects import FAN_NAME_RE, ObjectFile, Validate
 from .pending import PublishLease
@@ -28,5 +29,5 @@ __all__ = [
     "DEFAULT_WRITE_MODE", "DEFAULT_WRITE_THREADS", "DIRECT_MARGIN", "EXPLORE_EVERY", "FAN_NAME_RE",
     "MAX_PUBLISHED_AT", "MAX_REF_BYTES", "PENDING_DIR", "QUARANTINE_DIR", "REF_DIGITS", "REF_NAME_RE",
     "WRITE_MODES", "WRITE_MODE_ENV", "WRITE_THREADS_ENV", "History", "ObjectFile", "PublishLease", "RefRecord",
-    "Store", "UnreadableRef", "Validate", "check_fence", "decode_ref", "encode_ref", "write_all",
+    "Store", "StoreLayout", "UnreadableRef", "Validate", "check_fence", "decode_ref", "encode_ref", "write_all",
 ]

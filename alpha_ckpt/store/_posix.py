@@ -7,8 +7,9 @@ import stat
 from .. import durable
 from ..errors import Refusal, RefusalCode
 from ..format import check_name
+from .layout import DIR_FLAGS
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_DIR_FLAGS = DIR_FLAGS
 
 
 def _check_plain_dir(dir_fd: int, name: str) -> None:

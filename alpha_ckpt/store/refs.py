@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from ..errors import Refusal, RefusalCode
 from ..format import CapturePrefix, canonical_json, digest_bytes, is_digest, parse_canonical_json
+from .layout import REF_DIGITS, ref_name
 
-REF_DIGITS = 10
 REF_NAME_RE = re.compile(r"\A[0-9]{%d}\Z" % REF_DIGITS)
 MAX_PUBLISHED_AT = 1e11  # seconds since the epoch: year 5138
 MAX_REF_BYTES = 4096
@@ -48,7 +48,7 @@ class UnreadableRef:
 
     @property
     def name(self) -> str:
-        return f"{self.run}/{self.step}/{self.generation:0{REF_DIGITS}d}"
+        return f"{self.run}/{self.step}/{ref_name(self.generation)}"
 
 
 @dataclass(frozen=True)

@@ -13,22 +13,24 @@ from .. import durable
 from ..errors import DurableWriteError, PublishConflict, Refusal, RefusalCode, StoreUsageError
 from ..format import CapturePrefix, check_name, is_digest
 from ._posix import _DIR_FLAGS, _check_plain_dir, _entry_kind, _file_key, _log, _plain_subdirs, write_all
-from .leases import PENDING_DIR
+from . import layout as L
+from .layout import StoreLayout, fan_of, ref_name
 from .objects import FAN_NAME_RE, ObjectFile, Validate
 from .pending import PublishLease, _LeaseBook
-from .refs import (MAX_REF_BYTES, REF_DIGITS, REF_NAME_RE, History, RefRecord, UnreadableRef, check_fence,
+from .refs import (MAX_REF_BYTES, REF_NAME_RE, History, RefRecord, UnreadableRef, check_fence,
                    decode_ref, encode_ref)
 from .write_mode import (DEFAULT_WRITE_MODE, DEFAULT_WRITE_THREADS, DIRECT_MARGIN, EXPLORE_EVERY, WRITE_MODE_ENV,
                          WRITE_MODES, WRITE_THREADS_ENV, _write_stats)
 
-QUARANTINE_DIR = "quarantine"
+QUARANTINE_DIR = L.QUARANTINE
 
 
 class Store:
     """A store rooted at ``root`` (created if missing)."""
 
     def __init__(self, root: str | os.PathLike, *, create: bool = True):
-        self.root = os.fspath(root)
+        self.layout = StoreLayout(root)
+        self.root = self.layout.root
         self.objects_opened = 0  # objects opened for reading: tests prove a restore reads only its path
         self.bytes_written = 0   # bytes of objects this handle created (a deduplicated object adds none)
         self.write_mode = os.environ.get(WRITE_MODE_ENV, DEFAULT_WRITE_MODE)
@@ -46,11 +48,11 @@ class Store:
         except FileNotFoundError:
             raise StoreUsageError(f"store {self.root!r} does not exist") from None
         if create:
-            durable.make_dirs_durable(self._root_fd, ("objects", "refs", "tmp", "outputs", PENDING_DIR))
-            for name in ("refs", "outputs", PENDING_DIR):  # objects/ and tmp/ are opened just below
+            durable.make_dirs_durable(self._root_fd, L.CREATED)
+            for name in (L.REFS, L.OUTPUTS, L.PENDING):  # objects/ and tmp/ are opened just below
                 _check_plain_dir(self._root_fd, name)
-        self._objects_fd = self._open_dir(self._root_fd, "objects")
-        self._tmp_fd = self._open_dir(self._root_fd, "tmp") if create or self._exists("tmp") else -1
+        self._objects_fd = self._open_dir(self._root_fd, L.OBJECTS)
+        self._tmp_fd = self._open_dir(self._root_fd, L.TMP) if create or self._exists(L.TMP) else -1
         self._fan_fds: dict[str, int] = {}
         self._fan_lock = threading.Lock()
         self._fans_to_sync = False
@@ -100,7 +102,7 @@ class Store:
     # ------------------------------------------------------------ objects
 
     def _fan_dir(self, digest: str, create: bool) -> int:
-        fan = digest[:2]
+        fan = fan_of(digest)
         with self._fan_lock:
             fd = self._fan_fds.get(fan)
             if fd is None:
@@ -222,7 +224,7 @@ class Store:
     def has_object(self, digest: str) -> bool:
         self.check_digest(digest)
         try:
-            st = os.stat(f"{digest[:2]}/{digest}", dir_fd=self._objects_fd, follow_symlinks=False)
+            st = os.stat(f"{fan_of(digest)}/{digest}", dir_fd=self._objects_fd, follow_symlinks=False)
         except FileNotFoundError:
             return False
         return stat.S_ISREG(st.st_mode)
@@ -383,7 +385,7 @@ class Store:
     def _renew(self, digest: str) -> bool:
         """Touch a reused object (False if it is gone): gc spares objects younger than its grace period."""
         try:
-            os.utime(f"{digest[:2]}/{digest}", dir_fd=self._objects_fd, follow_symlinks=False)
+            os.utime(f"{fan_of(digest)}/{digest}", dir_fd=self._objects_fd, follow_symlinks=False)
             return True
         except FileNotFoundError:
             return False
@@ -415,7 +417,7 @@ class Store:
 
     def object_path(self, digest: str) -> str:
         self.check_digest(digest)
-        return os.path.join(self.root, "objects", digest[:2], digest)
+        return self.layout.object_path(digest)
 
     def iter_objects(self, on_hostile: Callable[[str, str], None] | None = None) -> Iterator[str]:
         """Every object's name, in order: regular files named by their digest in their fan directory.
@@ -472,11 +474,11 @@ class Store:
         check_name(run, "run")
         check_name(step, "step")
         try:
-            refs = os.open("refs", _DIR_FLAGS, dir_fd=self._root_fd)
+            refs = os.open(L.REFS, _DIR_FLAGS, dir_fd=self._root_fd)
         except FileNotFoundError:
             return None
         except OSError as exc:
-            raise self._not_a_directory("refs", exc)
+            raise self._not_a_directory(L.REFS, exc)
         try:
             if create:
                 run_fd = durable.make_dir_durable(refs, run)
@@ -563,7 +565,7 @@ class Store:
 
     def _put_ref(self, dir_fd: int, record: RefRecord) -> None:
         body = encode_ref(record)
-        name = f"{record.generation:0{REF_DIGITS}d}"
+        name = ref_name(record.generation)
         # The last line of defence: never write a ref that this store's readers would refuse (it
         # would stand as the newest generation and refuse every later publish and restore).
         decode_ref(body, f"ref {record.run}/{record.step}/{name} (not written)")
@@ -611,7 +613,7 @@ class Store:
     def _read_ref(self, dir_fd: int, run: str, step: str, generation: int) -> RefRecord | Refusal:
         entry = self._read_ref_entry(dir_fd, run, step, generation)
         if entry is None:
-            return Refusal(RefusalCode.FORMAT, f"ref {run}/{step}/{generation:0{REF_DIGITS}d}: cannot open (gone)")
+            return Refusal(RefusalCode.FORMAT, f"ref {run}/{step}/{ref_name(generation)}: cannot open (gone)")
         return entry if isinstance(entry, RefRecord) else entry.refusal
 
     def _read_ref_entry(self, dir_fd: int, run: str, step: str, generation: int) -> RefRecord | UnreadableRef | None:
@@ -619,7 +621,7 @@ class Store:
 
         The entry's type is read first (lstat), so a FIFO is never opened, a
         symlink never followed, a directory never read."""
-        name = f"{generation:0{REF_DIGITS}d}"
+        name = ref_name(generation)
         what = f"ref {run}/{step}/{name}"
 
         def unreadable(code: RefusalCode, why: str, damaged: bool = True) -> UnreadableRef:
@@ -678,8 +680,8 @@ class Store:
             if not (isinstance(entry, UnreadableRef) and entry.damaged and numbers and numbers[-1] > generation):
                 return None
             # Run and step names are long enough to overflow a name: the log line says where it came from.
-            aside = f"ref-{generation:0{REF_DIGITS}d}-{int(time.time())}-{secrets.token_hex(4)}"
-            if not self._move_to_quarantine(dir_fd, f"{generation:0{REF_DIGITS}d}", aside, entry.name):
+            aside = f"ref-{ref_name(generation)}-{int(time.time())}-{secrets.token_hex(4)}"
+            if not self._move_to_quarantine(dir_fd, ref_name(generation), aside, entry.name):
                 return None
         finally:
             os.close(dir_fd)
@@ -699,11 +701,11 @@ class Store:
         """Every (run, step) with a refs directory; symlinks and odd names are skipped."""
         out = []
         try:
-            refs = os.open("refs", _DIR_FLAGS, dir_fd=self._root_fd)
+            refs = os.open(L.REFS, _DIR_FLAGS, dir_fd=self._root_fd)
         except FileNotFoundError:
             return out
         except OSError as exc:
-            raise self._not_a_directory("refs", exc)
+            raise self._not_a_directory(L.REFS, exc)
         try:
             for run in sorted(_plain_subdirs(refs)):
                 run_fd = os.open(run, _DIR_FLAGS, dir_fd=refs)
