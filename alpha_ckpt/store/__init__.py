@@ -22,12 +22,11 @@ from .pending import PublishLease
 from .refs import (MAX_PUBLISHED_AT, MAX_REF_BYTES, REF_DIGITS, REF_NAME_RE, History, RefRecord, UnreadableRef,
                    check_fence, decode_ref, encode_ref)
 from .store import QUARANTINE_DIR, Store
-from .write_mode import (DEFAULT_WRITE_MODE, DEFAULT_WRITE_THREADS, DIRECT_MARGIN, EXPLORE_EVERY, WRITE_MODE_ENV,
-                         WRITE_MODES, WRITE_THREADS_ENV)
+from .write_mode import DEFAULT_WRITE_MODE, DEFAULT_WRITE_THREADS, DIRECT_MARGIN, EXPLORE_EVERY, WRITE_MODES, WriteModes
 
 __all__ = [
     "DEFAULT_WRITE_MODE", "DEFAULT_WRITE_THREADS", "DIRECT_MARGIN", "EXPLORE_EVERY", "FAN_NAME_RE",
     "MAX_PUBLISHED_AT", "MAX_REF_BYTES", "PENDING_DIR", "QUARANTINE_DIR", "REF_DIGITS", "REF_NAME_RE",
-    "WRITE_MODES", "WRITE_MODE_ENV", "WRITE_THREADS_ENV", "History", "ObjectFile", "PublishLease", "RefRecord",
+    "WRITE_MODES", "WriteModes", "History", "ObjectFile", "PublishLease", "RefRecord",
     "Store", "StoreLayout", "UnreadableRef", "Validate", "check_fence", "decode_ref", "encode_ref", "write_all",
 ]

@@ -19,27 +19,28 @@ from .objects import FAN_NAME_RE, ObjectFile, Validate
 from .pending import PublishLease, _LeaseBook
 from .refs import (MAX_REF_BYTES, REF_NAME_RE, History, RefRecord, UnreadableRef, check_fence,
                    decode_ref, encode_ref)
-from .write_mode import (DEFAULT_WRITE_MODE, DEFAULT_WRITE_THREADS, DIRECT_MARGIN, EXPLORE_EVERY, WRITE_MODE_ENV,
-                         WRITE_MODES, WRITE_THREADS_ENV, _write_stats)
+from .write_mode import DEFAULT_WRITE_MODE, DEFAULT_WRITE_THREADS, WriteModes, check_write_threads
 
 QUARANTINE_DIR = L.QUARANTINE
 
 
 class Store:
-    """A store rooted at ``root`` (created if missing)."""
+    """A store rooted at ``root`` (created if missing).
 
-    def __init__(self, root: str | os.PathLike, *, create: bool = True):
+    ``write_mode``: how large objects are written, "buffered" (the default), "direct" (O_DIRECT) or
+    "auto" (by measurement), or a :class:`WriteModes` learner to share with other stores on the same
+    file system; the store's learner is :attr:`write_modes`. ``write_threads``: how many files of one
+    batch (a save's shards) are written at once.
+    """
+
+    def __init__(self, root: str | os.PathLike, *, create: bool = True,
+                 write_mode: str | WriteModes = DEFAULT_WRITE_MODE, write_threads: int = DEFAULT_WRITE_THREADS):
         self.layout = StoreLayout(root)
         self.root = self.layout.root
         self.objects_opened = 0  # objects opened for reading: tests prove a restore reads only its path
         self.bytes_written = 0   # bytes of objects this handle created (a deduplicated object adds none)
-        self.write_mode = os.environ.get(WRITE_MODE_ENV, DEFAULT_WRITE_MODE)
-        if self.write_mode not in WRITE_MODES:
-            raise StoreUsageError(f"{WRITE_MODE_ENV}={self.write_mode!r}: choose from {', '.join(WRITE_MODES)}")
-        threads = os.environ.get(WRITE_THREADS_ENV, str(DEFAULT_WRITE_THREADS))
-        self.write_threads = int(threads) if threads.isascii() and threads.isdigit() else 0
-        if self.write_threads < 1:  # the objects of one put_objects batch (a save's shards) written at once
-            raise StoreUsageError(f"{WRITE_THREADS_ENV}={threads!r}: a positive number of files written at once")
+        self.write_modes = write_mode if isinstance(write_mode, WriteModes) else WriteModes(write_mode)
+        self.write_threads = check_write_threads(write_threads)
         if create:
             os.makedirs(self.root, exist_ok=True)
         try:
@@ -129,97 +130,6 @@ class Store:
                 except OSError as exc:
                     raise DurableWriteError("dir-fsync", exc.errno or errno.EIO, f"objects/: {exc}") from exc
                 self._fans_to_sync = False
-
-    def write_mode_for_next_object(self, writers: int = 1) -> str:
-        """'direct' or 'buffered' for the next large object: chosen by measurement, per file system
-        and number of concurrent writers.
-
-        Under "auto" the first large writes alternate between the two modes;
-        after two of each, the one with the higher median throughput (write,
-        hash and fsync of real objects) is used, O_DIRECT only where it is
-        :data:`DIRECT_MARGIN` times faster, and measuring goes on for
-        both: after :data:`EXPLORE_EVERY` writes in one mode the next is made in
-        the other, so two unlucky early measurements cannot lock in the slower
-        mode, and a change of the disk's behaviour is followed. A file system
-        that refuses O_DIRECT is written buffered.
-
-        ``writers`` is how many processes write to the store at once in the
-        caller's save (the ranks of a collective save, 1 for one process). Each
-        count is measured on its own: one writer's throughput alone and with
-        three others beside it are not comparable samples, and the faster mode
-        alone need not be the faster one under contention.
-        """
-        return self.next_write_mode(writers)[0]
-
-    def next_write_mode(self, writers: int = 1, agreed: str | None = None) -> tuple[str, bool]:
-        """(mode, probe): the next large write's mode, as :meth:`write_mode_for_next_object` chooses it,
-        and whether that write is a probe of a mode (the first alternating ones, or the one after
-        :data:`EXPLORE_EVERY` in the other mode), which a writer keeps small. ``agreed`` (a collective
-        save's :meth:`save_write_mode`) replaces this store's own choice, not a probe, a forced mode or
-        a refusal of O_DIRECT."""
-        if self.write_mode != "auto":
-            return self.write_mode, False
-        if self.direct_refused():
-            return "buffered", False
-        stats = self._write_stats(writers)
-        seen = {m: len(v) for m, v in stats["gbps"].items()}
-        if min(seen.values()) < 2:
-            return ("direct" if seen["direct"] <= seen["buffered"] else "buffered"), True
-        recent = stats["modes"][-EXPLORE_EVERY:]
-        if len(recent) == EXPLORE_EVERY and len(set(recent)) == 1:
-            return ("buffered" if recent[0] == "direct" else "direct"), True
-        if agreed is not None:
-            return agreed, False
-        medians = {m: sorted(v[-5:])[len(v[-5:]) // 2] for m, v in stats["gbps"].items()}
-        return ("direct" if medians["direct"] >= DIRECT_MARGIN * medians["buffered"] else "buffered"), False
-
-    def save_write_mode(self, writers: int) -> str:
-        """The mode for every rank of a collective save to use, as this (the coordinator's) store would
-        choose it now; buffered while it probes (it has no choice yet): each rank still makes its own
-        probes first, in the same order on every rank, and writes the rest of the save buffered. So a
-        save is in one mode beyond its probes, a save whose ranks all write in one mode gives the
-        coordinator a measurement of that mode under the save's whole contention, and a restore
-        after a buffered save finds every rank's shards in the page cache."""
-        mode, probe = self.next_write_mode(writers)
-        return "buffered" if probe else mode
-
-    def record_write(self, mode: str, nbytes: int, seconds: float, refused: bool = False, writers: int = 1) -> None:
-        """Learn from one batch of large writes: ``nbytes`` in ``seconds`` in ``mode`` with ``writers``
-        writing at once; ``refused``: the file system refused O_DIRECT (it is written buffered from now on)."""
-        if refused:
-            self._fs_write_stats()["direct_refused"] = True
-        elif seconds > 0:
-            stats = self._write_stats(writers)
-            stats["gbps"][mode].append(nbytes / seconds / 1e9)
-            stats["modes"].append(mode)
-
-    def measured_write_bytes_per_s(self, writers: int = 1) -> float | None:
-        """The median measured throughput of one writer's large object writes on this file system, with
-        ``writers`` writing at once (None before any)."""
-        rates = sorted(r for v in self._write_stats(writers)["gbps"].values() for r in v[-5:])
-        return rates[len(rates) // 2] * 1e9 if rates else None
-
-    def write_stats(self, writers: int = 1) -> dict:
-        """What the write-mode choice with ``writers`` writing at once is based on (throughputs in GB/s
-        per mode, newest last)."""
-        stats = self._write_stats(writers)
-        return {"direct_refused": self.direct_refused(),
-                "gbps": {m: list(v) for m, v in stats["gbps"].items()},
-                "modes": list(stats["modes"]), "next": self.write_mode_for_next_object(writers)}
-
-    def direct_refused(self) -> bool:
-        """Whether this file system refused O_DIRECT (its large objects are then written buffered)."""
-        return self._fs_write_stats()["direct_refused"]
-
-    def _fs_write_stats(self) -> dict:
-        dev = os.fstat(self._tmp_fd).st_dev
-        return _write_stats.setdefault(dev, {"direct_refused": False, "by_writers": {}})
-
-    def _write_stats(self, writers: int) -> dict:
-        if isinstance(writers, bool) or not isinstance(writers, int) or writers < 1:
-            raise StoreUsageError(f"writers is a positive int, not {writers!r}")
-        return self._fs_write_stats()["by_writers"].setdefault(
-            writers, {"gbps": {"direct": [], "buffered": []}, "modes": []})
 
     def has_object(self, digest: str) -> bool:
         self.check_digest(digest)
