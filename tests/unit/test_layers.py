@@ -24,7 +24,7 @@ LAYERS: dict[int, tuple[str, set[str]]] = {
     0: ("format and durable: bytes on disk, the one commit, the test hooks' call sites, and what needs nothing else",
         {"errors", "format", "values", "durable", "hooks", "heap", "progress", "interval", "lifeline"}),
     1: ("store: objects, refs, tmp and leases of a store",
-        {"store", "store._posix", "store.layout", "store.leases", "store.objects", "store.pending", "store.refs", "store.store",
+        {"store", "store._posix", "store.backend", "store.layout", "store.leases", "store.objects", "store.pending", "store.posix", "store.refs", "store.store",
          "store.write_mode"}),
     2: ("plan, state, restore, writer: what a generation holds and how it is read and written",
         {"manifest", "planner", "destinations", "device", "dcp_metadata", "restore", "writer", "async_save",
