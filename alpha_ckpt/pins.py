@@ -152,7 +152,7 @@ def list_pins(store: Store, on_hostile: Callable[[str, str], None] | None = None
 
 
 def _pins_dir(store: Store) -> tuple[int, int]:
-    """(store root fd, pins dir fd), the pins directory made durable if new."""
+    """(the root's fd, the pins directory's fd), the pins directory made durable if new."""
     root_fd = store.layout.open_root()
     try:
         return root_fd, durable.make_dir_durable(root_fd, PINS_DIR)
