@@ -190,12 +190,14 @@ class Store:
                 return newest  # this very state is already the newest generation (a retried save): nothing to add
             check_fence(history, prefix, follows)
             generation = history.top + 1
-            record = RefRecord(prefix.run, prefix.step, generation, root, root_size, prefix, time.time(), total_bytes, owners)
+            record = RefRecord(prefix.run, prefix.step, generation, root, root_size, prefix, time.time(), total_bytes,
+                               owners)
             if not refs.cas_head(history.top, self._ref_body(record)):
                 winner = self._read_ref(refs, prefix.run, prefix.step, generation)
                 if isinstance(winner, RefRecord):  # it may fence this publish: say so precisely
                     check_fence(History(prefix.run, prefix.step, (winner,), generation), prefix, follows)
-                raise PublishConflict(f"generation {generation} of {prefix.run}/{prefix.step} was published by another publisher")
+                raise PublishConflict(f"generation {generation} of {prefix.run}/{prefix.step} was published by "
+                                      "another publisher")
             for bad in history.unreadable_above:
                 _log(f"alpha_ckpt: store {self.root}: ref {bad.name} cannot be read and was passed over: "
                      f"{bad.refusal}; generation {generation} follows "

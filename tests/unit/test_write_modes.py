@@ -283,8 +283,8 @@ def _collective_saves_write_in_the_coordinators_mode(rank, world, store_dir, pub
     Checkpointer(store, run="r", step="s", publisher=publisher).save(
         {"w": w}, update=1, cursor=1)
     after_checkpointer = store.write_modes.stats(world)["modes"][4:]
-    dcp.save({"w": w}, storage_writer=alpha_dcp.StorageWriter(Store(os.path.join(store_dir, "dcp"), write_mode=store.write_modes), run="r",
-                                                                update=1))
+    shared = Store(os.path.join(store_dir, "dcp"), write_mode=store.write_modes)
+    dcp.save({"w": w}, storage_writer=alpha_dcp.StorageWriter(shared, run="r", update=1))
     dist.barrier()
     return {"checkpointer": after_checkpointer, "dcp": store.write_modes.stats(world)["modes"][5:],
             "alone": store.write_modes.stats(1)["modes"]}
