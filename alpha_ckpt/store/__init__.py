@@ -9,6 +9,7 @@
     objects.py     an object opened for reading (ObjectFile)
     write_mode.py  how large objects are written (WriteModes, the learner a Store owns)
     leases.py, pending.py   pending-publish leases (what lets gc run beside a publish)
+    sweep.py       gc's file operations: set objects and refs aside, put them back, remove
     store.py       the Store, over a backend
 
 Every write goes through :func:`alpha_ckpt.durable.durable_commit`. Every read
