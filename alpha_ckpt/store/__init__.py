@@ -10,6 +10,7 @@
     write_mode.py  how large objects are written (WriteModes, the learner a Store owns)
     leases.py, pending.py   pending-publish leases (what lets gc run beside a publish)
     sweep.py       gc's file operations: set objects and refs aside, put them back, remove
+    pinfiles.py    the pins directory's files (what a pin means: alpha_ckpt.pins)
     store.py       the Store, over a backend
 
 Every write goes through :func:`alpha_ckpt.durable.durable_commit`. Every read

@@ -19,6 +19,7 @@ import stat
 from typing import Callable
 
 from .. import durable
+from ..errors import Refusal, RefusalCode
 from ..format import is_digest
 from . import layout as L
 from .layout import REF_DIGITS, fan_of, ref_name
@@ -376,3 +377,31 @@ class RefsAside:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def rescue_ref(store: Store, run: str, step: str, generation: int) -> bool:
+    """Put ref ``generation`` back where a gc set it aside (see :class:`RefsAside`): True once it is in place
+    (it was, or is now), False where it is gone for good. A refs directory that is a symlink or not a
+    directory is refused."""
+    name = ref_name(generation)
+    try:
+        dir_fd = store.layout.open_dir(L.REFS, run, step)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise Refusal(RefusalCode.FORMAT, f"{L.REFS}/{run}/{step} is a symlink or not a directory") from exc
+    try:
+        if durable.entry_exists(dir_fd, name):
+            return True
+        for aside in sorted(n for n in os.listdir(dir_fd) if n.startswith(f"{ASIDE_PREFIX}{name}-")):
+            try:
+                durable.rename_noreplace(dir_fd, aside, dir_fd, name)
+                os.fsync(dir_fd)
+                return True
+            except FileExistsError:  # put back meanwhile
+                return True
+            except FileNotFoundError:  # put back or removed meanwhile
+                continue
+        return durable.entry_exists(dir_fd, name)  # a gc may have put it back after the first look
+    finally:
+        os.close(dir_fd)
