@@ -135,4 +135,7 @@ class StorageBackend(Protocol):
     def runs(self) -> list[tuple[str, str]]:
         """Every (run, step) that has refs."""
 
+    def probe_write(self) -> None:
+        """Write and remove something where writes start (OSError if the storage refuses writes)."""
+
     def close(self) -> None: ...

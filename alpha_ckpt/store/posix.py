@@ -86,6 +86,19 @@ class PosixBackend:
         self._fan_fds.clear()
         self.root_fd = self._objects_fd = self._tmp_fd = self._quarantine_fd = -1
 
+    def probe_write(self) -> None:
+        """Create and remove a file in tmp/, where every write starts (OSError if that fails). A real
+        write, not a look at permission bits; named like a live writer's temporary file (PID-RANDOM.tmp),
+        so a gc meanwhile leaves it."""
+        name = f"{os.getpid()}-{secrets.token_hex(8)}.tmp"
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444,
+                     dir_fd=self._tmp_fd)
+        try:
+            os.write(fd, b"probe")
+        finally:
+            os.close(fd)
+            os.unlink(name, dir_fd=self._tmp_fd)
+
     # ------------------------------------------------------------ objects
 
     def _fan_dir(self, digest: str, create: bool) -> int:

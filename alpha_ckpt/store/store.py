@@ -63,6 +63,10 @@ class Store:
         if hasattr(self, "_leases"):  # not when __init__ failed before opening everything
             self.close()
 
+    def probe_write(self) -> None:
+        """Write and remove a file where every publish starts (OSError if the store cannot be written)."""
+        self.backend.probe_write()
+
     # ------------------------------------------------------------ objects
 
     def has_object(self, digest: str) -> bool:

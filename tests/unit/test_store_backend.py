@@ -128,6 +128,9 @@ class MemoryBackend:
     def runs(self) -> list[tuple[str, str]]:
         return sorted(k for k, v in self.refs.items() if v)
 
+    def probe_write(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
