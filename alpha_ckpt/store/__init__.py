@@ -11,6 +11,7 @@
     leases.py, pending.py   pending-publish leases (what lets gc run beside a publish)
     sweep.py       gc's file operations: set objects and refs aside, put them back, remove
     pinfiles.py    the pins directory's files (what a pin means: alpha_ckpt.pins)
+    records.py     the verified directory's files (what a record means: alpha_ckpt.complete)
     store.py       the Store, over a backend
 
 Every write goes through :func:`alpha_ckpt.durable.durable_commit`. Every read

@@ -25,7 +25,7 @@ LAYERS: dict[int, tuple[str, set[str]]] = {
         {"errors", "format", "values", "durable", "hooks", "heap", "progress", "interval", "lifeline"}),
     1: ("store: the layout, the storage backend, objects, refs, write modes and leases of a store",
         {"store", "store._posix", "store.backend", "store.layout", "store.leases", "store.objects", "store.pending",
-         "store.pinfiles", "store.posix", "store.refs", "store.store", "store.sweep",
+         "store.pinfiles", "store.posix", "store.records", "store.refs", "store.store", "store.sweep",
          "store.write_mode"}),
     2: ("plan, state, restore, writer: what a generation holds and how it is read and written",
         {"manifest", "planner", "destinations", "device", "dcp_metadata", "restore", "writer", "async_save",
