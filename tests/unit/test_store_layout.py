@@ -92,3 +92,22 @@ def test_the_layout_names_where_a_store_keeps_each_thing(tmp_path):
         assert {layout.tmp_dir(), layout.pending_dir(), layout.quarantine_dir(), layout.pins_dir(),
                 layout.verified_dir(), layout.outputs_dir("r", "s")} == {
             os.path.join(store.root, n) for n in ("tmp", "pending", "quarantine", "pins", "verified", "outputs/r/s")}
+
+
+# Modules outside the store package that still open a store's directories themselves, each with why.
+OPENS_STORE_DIRECTORIES = {
+    "alpha_ckpt/job/owner.py": "the job writes its declared outputs under STORE/outputs/ itself",
+}
+
+
+def test_no_module_outside_the_store_package_opens_a_stores_directories():
+    found = set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if STORE_PACKAGE in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in ("open_root", "open_dir") \
+                    and isinstance(node.value, ast.Attribute) and node.value.attr == "layout":
+                found.add(path.relative_to(PACKAGE.parent).as_posix())
+    assert found == set(OPENS_STORE_DIRECTORIES), \
+        "only the store package opens a store's directories (ask the Store or its backend)"
