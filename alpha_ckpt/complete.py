@@ -24,60 +24,28 @@ longer keeps.
 """
 from __future__ import annotations
 
-import os
-import stat
 import time
 
-from . import durable
 from .errors import Refusal
 from .format import canonical_json, digest_bytes, is_digest, parse_canonical_json
 from .restore import check_payloads, open_generation
-from .store import RefRecord, Store, write_all
+from .store import RefRecord, Store
+from .store.layout import VERIFIED
+from .store.records import object_identity, read_record_file, record_names, write_record_file
 
-VERIFIED_DIR = "verified"
+VERIFIED_DIR = VERIFIED
 MAX_RECORD_BYTES = 64 << 20
-_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 
 def _identity(store: Store, digest: str) -> list[int] | None:
-    try:
-        st = os.stat(store.object_path(digest), follow_symlinks=False)
-    except OSError:
-        return None
-    if not stat.S_ISREG(st.st_mode):
-        return None
-    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-
-
-def _verified_dir(store: Store) -> int | None:
-    """The records' directory, never through a symlink; None where there is none (or something else)."""
-    try:
-        return os.open(os.path.join(store.root, VERIFIED_DIR),
-                       os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
+    return object_identity(store, digest)
 
 
 def _read_record(store: Store, root: str) -> dict | None:
     """The record gc wrote for ``root``, or None (absent, hostile or damaged: validate again)."""
-    dir_fd = _verified_dir(store)
-    if dir_fd is None:
+    data = read_record_file(store, root, MAX_RECORD_BYTES)
+    if data is None:
         return None
-    try:
-        fd = os.open(root, _FLAGS, dir_fd=dir_fd)
-    except OSError:
-        return None
-    finally:
-        os.close(dir_fd)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_RECORD_BYTES:
-            return None
-        data = os.pread(fd, st.st_size, 0)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
     lines = data.split(b"\n")
     if len(lines) != 3 or lines[2] != b"" or digest_bytes(lines[0]).encode("ascii") != lines[1]:
         return None
@@ -100,29 +68,7 @@ def _remember(store: Store, root: str, identities: dict[str, list[int]]) -> None
     """Write the record (best effort: a record that cannot be written only costs a later validation)."""
     body = canonical_json({"kind": "verified", "root": root, "verified_at": time.time(), "objects": identities})
     data = body + b"\n" + digest_bytes(body).encode("ascii") + b"\n"
-    try:
-        root_fd = os.open(store.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            tmp_fd = os.open("tmp", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root_fd)
-            try:
-                dir_fd = durable.make_dir_durable(root_fd, VERIFIED_DIR)
-            except BaseException:
-                os.close(tmp_fd)
-                raise
-        finally:
-            os.close(root_fd)
-        try:
-            try:
-                os.unlink(root, dir_fd=dir_fd)  # an outdated record: replaced, never trusted again
-            except FileNotFoundError:
-                pass
-            durable.durable_commit(tmp_dir=tmp_fd, dest_dir=dir_fd, write=lambda fd: write_all(fd, data),
-                                   name=root, kind="verified")
-        finally:
-            os.close(tmp_fd)
-            os.close(dir_fd)
-    except (OSError, FileExistsError):
-        pass
+    write_record_file(store, root, data)
 
 
 def remembered_check_complete(store: Store, record: RefRecord) -> tuple[Refusal | None, bool]:
@@ -148,10 +94,4 @@ def remembered_check_complete(store: Store, record: RefRecord) -> tuple[Refusal 
 
 def remembered_roots(store: Store) -> list[str]:
     """The roots gc holds a record for (plain digest names only; no directory, or a hostile one: none)."""
-    dir_fd = _verified_dir(store)
-    if dir_fd is None:
-        return []
-    try:
-        return sorted(n for n in os.listdir(dir_fd) if is_digest(n))
-    finally:
-        os.close(dir_fd)
+    return record_names(store)

@@ -205,7 +205,7 @@ class StorageWriter(_DcpStorageWriter):
         # writers: how many ranks write at once, so that each rank's store learns its write modes for that count
         # and one write mode for every rank's large shards beyond its own probes (buffered while the coordinator probes)
         common = {"regions": regions, "epoch": epoch, "writers": len(plans),
-                  "write_mode": store.save_write_mode(len(plans))}
+                  "write_mode": store.write_modes.for_save(len(plans))}
         self._planned = (_region_decls(regions), epoch, follows)
         return [SavePlan(p.items, storage_data={**common, "ordinals": mine, "replicas": [
                     k for k in (p.storage_data or {}).get("holds", ()) if holders[k] > 1]},

@@ -36,7 +36,7 @@ What stays:
   object is removed at all (temp files and leases still are).
 
 Safe beside a publish, even with ``grace=0``: a publish writes its objects
-before its ref, under a pending-publish lease (:mod:`alpha_ckpt.leases`).
+before its ref, under a pending-publish lease (:mod:`alpha_ckpt.store.leases`).
 gc reads the leases before the pins and refs, and spares every object and
 temp file modified after ``protect_before``: the oldest live lease's start,
 this gc's own start, and ``now - grace``, whichever is earliest, less a
@@ -63,35 +63,19 @@ with unlink and then fsyncs its directory.
 """
 from __future__ import annotations
 
-import errno
-import math
-import os
-import re
-import secrets
-import shutil
-import stat
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from . import durable
 from .errors import Refusal, StoreUsageError
-from .format import is_digest
-from .leases import CLOCK_SLACK_S, PENDING_DIR, STALE_AFTER_S, lease_is_stale, read_leases, writer_alive
-from .complete import VERIFIED_DIR, remembered_check_complete, remembered_roots
+from .store.leases import CLOCK_SLACK_S, STALE_AFTER_S, lease_is_stale, read_leases, writer_alive
+from .complete import remembered_check_complete, remembered_roots
 from .pins import pinned_roots
 from .restore import latest_order, open_generation
-from .store import QUARANTINE_DIR, REF_DIGITS, RefRecord, Store, UnreadableRef
+from .store import RefRecord, Store, UnreadableRef
+from .store import sweep
 
 DEFAULT_GRACE_S = 3600.0
-ASIDE_PREFIX = "aside-"  # tmp/aside-<digest>-<pid>-<random>: an object being removed, set aside first
-# refs/RUN/STEP/aside-<generation>-<pid>-<random>: a ref being removed, set aside in its own directory first
-REF_ASIDE_RE = re.compile(r"\Aaside-([0-9]{%d})-[0-9]+-[0-9a-f]{8}\Z" % REF_DIGITS)
-OUTPUT_SUFFIX = ".safetensors"
-# <digest>-<unix time>-<random> (an object's entry), ref-<generation>-<unix time>-<random> (a ref)
-QUARANTINED_RE = re.compile(r"\A(?:[0-9a-f]{64}|ref-[0-9]{%d})-([0-9]{1,12})-[0-9a-f]{8}\Z" % REF_DIGITS)
-
-
 @dataclass
 class GcPlan:
     refs: list[RefRecord] = field(default_factory=list)      # generations beyond retention or of completed steps
@@ -128,13 +112,6 @@ class GcPlan:
         self.skipped.append(f"{path}: {why}; left as it is")
 
 
-def _mtime(path: str) -> float:
-    try:
-        return os.stat(path, follow_symlinks=False).st_mtime
-    except FileNotFoundError:
-        return math.inf  # gone: nothing to remove
-
-
 def _reach(store: Store, root: str, record: RefRecord | None) -> tuple[set[str], bool] | Refusal:
     """The objects a generation reaches, and whether every one of them is present; a refusal if unreadable."""
     try:
@@ -144,27 +121,6 @@ def _reach(store: Store, root: str, record: RefRecord | None) -> tuple[set[str],
     except Refusal as refusal:
         return refusal
     return manifests | shards, all(store.has_object(d) for d in shards)
-
-
-def _output_time(store: Store, run: str, step: str) -> float | None:
-    """When the newest declared output of run/step was published, or None where there is none."""
-    directory = os.path.join(store.root, "outputs", run, step)
-    try:
-        if not stat.S_ISDIR(os.stat(directory, follow_symlinks=False).st_mode):
-            return None
-        names = os.listdir(directory)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    times = []
-    for name in names:
-        if name.endswith(OUTPUT_SUFFIX):
-            try:
-                st = os.stat(os.path.join(directory, name), follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if stat.S_ISREG(st.st_mode):
-                times.append(st.st_mtime)
-    return max(times, default=None)
 
 
 def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRACE_S, now: float | None = None,
@@ -185,7 +141,7 @@ def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRA
     # Leases first: a publish that takes one after this point writes only objects younger than now.
     starts = [now - max(grace, CLOCK_SLACK_S)]
     busy: set[tuple[str, str]] = set()
-    for name, lease, mtime in read_leases(store.root, plan.skip):
+    for name, lease, mtime in read_leases(store.layout, plan.skip):
         if lease is not None:
             if lease_is_stale(lease, now, grace):
                 plan.leases.append(name)
@@ -236,7 +192,7 @@ def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRA
         considered = completed_steps is True or (completed_steps and (run, step) in completed_steps)
         if considered and (run, step) not in busy:
             finished = (completed_steps[(run, step)] if isinstance(completed_steps, Mapping)
-                        else _output_time(store, run, step))
+                        else sweep.output_time(store, run, step))
             if finished is not None:
                 done = [r for r in records if r.published_at <= finished and r.root not in pins]
                 if done:
@@ -284,14 +240,10 @@ def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRA
         candidates = sorted(dropped_reach)
     if not plan.unreadable and not plan.held_by_refs:
         plan.objects = [d for d in candidates
-                        if d not in reachable and _mtime(store.object_path(d)) < plan.protect_before]
-    tmp_dir = os.path.join(store.root, "tmp")
-    if os.path.isdir(tmp_dir) and not dropped_objects_only:
-        plan.tmp = sorted(n for n in _regular_files(tmp_dir, "tmp", plan)
-                          if not n.startswith(ASIDE_PREFIX) and _mtime(os.path.join(tmp_dir, n)) < plan.protect_before
-                          and not writer_alive(n))
+                        if d not in reachable and sweep.object_mtime(store, d) < plan.protect_before]
     if not dropped_objects_only:
-        plan.quarantine = _quarantined_before(store, now - grace, plan)
+        plan.tmp = sweep.old_tmp_files(store, plan.protect_before, plan.skip)
+        plan.quarantine = sweep.quarantined_before(store, now - grace, plan.skip)
     return plan
 
 
@@ -306,200 +258,7 @@ def _plan_unreadable_refs(store: Store, history, plan: GcPlan) -> None:
             why = ("its number is the newest taken, and stays taken until a newer generation is published"
                    if entry.damaged else "it may be readable later")
             plan.unreadable_refs.append(f"{entry.name}: {entry.refusal}; left in place: {why}")
-    try:
-        dir_fd = _open_dir(os.path.join(store.root, "refs", history.run, history.step))
-    except OSError:
-        return
-    try:
-        plan.refs_aside += [(history.run, history.step, n) for n in sorted(os.listdir(dir_fd)) if REF_ASIDE_RE.match(n)]
-    finally:
-        os.close(dir_fd)
-
-
-def _regular_files(directory: str, shown_as: str, plan: GcPlan) -> list[str]:
-    """The regular files of ``directory``; every other entry is skipped (and listed in ``plan.skipped``)."""
-    fd = _open_dir(directory)
-    try:
-        out = []
-        for name in os.listdir(fd):
-            try:
-                mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
-            except FileNotFoundError:
-                continue
-            if stat.S_ISREG(mode):
-                out.append(name)
-            else:
-                plan.skip(f"{shown_as}/{name}", f"a {durable.file_kind(mode)}, not a temporary file")
-        return out
-    finally:
-        os.close(fd)
-
-
-def _quarantined_before(store: Store, before: float, plan: GcPlan) -> list[str]:
-    """Entries a save set aside in quarantine/ before ``before`` (by the time in their names)."""
-    try:
-        fd = _open_dir(os.path.join(store.root, QUARANTINE_DIR))
-    except FileNotFoundError:
-        return []
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            plan.skip(QUARANTINE_DIR, "a symlink or not a directory, so not swept")
-            return []
-        raise
-    try:
-        names = sorted(os.listdir(fd))
-    finally:
-        os.close(fd)
-    out = []
-    for name in names:
-        match = QUARANTINED_RE.match(name)
-        if match is None:
-            plan.skip(f"{QUARANTINE_DIR}/{name}", "not a name a save gives to what it sets aside")
-        elif int(match.group(1)) < before:
-            out.append(name)
-    return out
-
-
-def _open_dir(path: str) -> int:
-    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-
-
-def _remove(directory: str, names: list[str]) -> None:
-    if not names:
-        return
-    fd = _open_dir(directory)
-    try:
-        for name in names:
-            try:
-                os.unlink(name, dir_fd=fd)
-            except (FileNotFoundError, IsADirectoryError):  # gone, or replaced by a directory since planning
-                pass
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _remove_quarantined(store: Store, names: list[str]) -> None:
-    """Remove what a save set aside, whatever it is (a directory with its content; a symlink, not its target)."""
-    if not names:
-        return
-    fd = _open_dir(os.path.join(store.root, QUARANTINE_DIR))
-    try:
-        for name in names:
-            try:
-                if stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
-                    shutil.rmtree(name, dir_fd=fd)  # walks by descriptors: never leaves the directory
-                else:
-                    os.unlink(name, dir_fd=fd)
-            except FileNotFoundError:
-                pass
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _put_back(tmp_fd: int, aside: str, fan_fd: int, digest: str) -> None:
-    try:
-        durable.rename_noreplace(tmp_fd, aside, fan_fd, digest)
-    except FileExistsError:  # written again meanwhile: the same bytes under the same name
-        os.unlink(aside, dir_fd=tmp_fd)
-    except FileNotFoundError:
-        pass  # another gc put it back first
-
-
-def _put_back_set_aside(store: Store, tmp_fd: int, objects_fd: int, plan: GcPlan) -> None:
-    """Objects a killed gc had set aside go back first: one may have been renewed by a publish."""
-    for name in sorted(os.listdir(tmp_fd)):
-        digest = name[len(ASIDE_PREFIX):len(ASIDE_PREFIX) + 64]
-        if name.startswith(ASIDE_PREFIX) and is_digest(digest):
-            try:
-                mode = os.stat(name, dir_fd=tmp_fd, follow_symlinks=False).st_mode
-            except FileNotFoundError:
-                continue
-            if not stat.S_ISREG(mode):  # gc sets aside only object files
-                plan.skip(f"tmp/{name}", f"a {durable.file_kind(mode)}, not an object set aside")
-                continue
-            try:
-                fan_fd = durable.make_dir_durable(objects_fd, digest[:2])
-            except OSError as exc:
-                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
-                    raise
-                plan.skip(f"objects/{digest[:2]}", "not a plain directory, so an object set aside cannot go back")
-                continue
-            try:
-                _put_back(tmp_fd, name, fan_fd, digest)
-                os.fsync(fan_fd)
-            finally:
-                os.close(fan_fd)
-
-
-def _remove_objects(store: Store, digests: list[str], protect_before: float, tmp_fd: int, objects_fd: int) -> None:
-    """Set each object aside, read its time again, and remove it only if nothing renewed it since planning."""
-    fans: dict[str, int] = {}
-    try:
-        for digest in digests:
-            fan = digest[:2]
-            if fan not in fans:
-                try:
-                    fans[fan] = _open_dir(os.path.join(store.root, "objects", fan))
-                except (FileNotFoundError, NotADirectoryError):
-                    continue
-                except OSError as exc:
-                    if exc.errno != errno.ELOOP:  # replaced by a symlink since planning: not followed
-                        raise
-                    continue
-            aside = f"{ASIDE_PREFIX}{digest}-{os.getpid()}-{secrets.token_hex(4)}"
-            try:
-                durable.rename_noreplace(fans[fan], digest, tmp_fd, aside)
-            except FileNotFoundError:
-                continue
-            try:
-                renewed = os.stat(aside, dir_fd=tmp_fd, follow_symlinks=False).st_mtime >= protect_before
-            except FileNotFoundError:
-                continue  # another gc put it back
-            if renewed:
-                _put_back(tmp_fd, aside, fans[fan], digest)
-            else:
-                try:
-                    os.unlink(aside, dir_fd=tmp_fd)
-                except FileNotFoundError:
-                    pass
-        for fd in fans.values():
-            os.fsync(fd)
-    finally:
-        for fd in fans.values():
-            os.close(fd)
-
-
-def _refs_dir_fd(store: Store, run: str, step: str) -> int | None:
-    try:
-        return _open_dir(os.path.join(store.root, "refs", run, step))
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except OSError as exc:
-        if exc.errno != errno.ELOOP:  # replaced by a symlink since planning: not followed
-            raise
-        return None
-
-
-def _put_back_ref(dir_fd: int, aside: str, name: str) -> None:
-    try:
-        durable.rename_noreplace(dir_fd, aside, dir_fd, name)
-    except (FileExistsError, FileNotFoundError):  # put back already (a pin, another gc); a taken name: left aside
-        pass
-
-
-def _put_back_refs(store: Store, plan: GcPlan) -> None:
-    """Refs a killed gc had set aside go back first: a pin may have been taken meanwhile."""
-    for run, step, name in plan.refs_aside:
-        dir_fd = _refs_dir_fd(store, run, step)
-        if dir_fd is None:
-            continue
-        try:
-            _put_back_ref(dir_fd, name, REF_ASIDE_RE.match(name).group(1))
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+    plan.refs_aside += sweep.refs_aside(store, history.run, history.step)
 
 
 def _remove_refs(store: Store, refs: list[RefRecord]) -> set[str]:
@@ -510,55 +269,17 @@ def _remove_refs(store: Store, refs: list[RefRecord]) -> set[str]:
     :func:`alpha_ckpt.pins.pin_generation`), the pins are read again, and a ref
     whose root is pinned by then is put back; only the rest are unlinked.
     """
-    fds: dict[tuple[str, str], int | None] = {}
-    aside: list[tuple[RefRecord, int, str]] = []
-    try:
-        for r in refs:
-            key = (r.run, r.step)
-            if key not in fds:
-                fds[key] = _refs_dir_fd(store, r.run, r.step)
-            if fds[key] is None:
-                continue
-            name = f"{ASIDE_PREFIX}{r.generation:0{REF_DIGITS}d}-{os.getpid()}-{secrets.token_hex(4)}"
-            try:
-                durable.rename_noreplace(fds[key], f"{r.generation:0{REF_DIGITS}d}", fds[key], name)
-            except FileNotFoundError:
-                continue
-            aside.append((r, fds[key], name))
-        pins = pinned_roots(store) if aside else set()
-        spared = set()
-        for r, dir_fd, name in aside:
-            if r.root in pins:
-                spared.add(r.root)
-                _put_back_ref(dir_fd, name, f"{r.generation:0{REF_DIGITS}d}")
-            else:
-                try:
-                    os.unlink(name, dir_fd=dir_fd)
-                except FileNotFoundError:  # a pin put it back meanwhile
-                    spared.add(r.root)
-        for fd in fds.values():
-            if fd is not None:
-                os.fsync(fd)
-        return spared
-    finally:
-        for fd in fds.values():
-            if fd is not None:
-                os.close(fd)
+    with sweep.RefsAside(store, refs) as aside:
+        return aside.finish(pinned_roots(store) if aside.entries else set())
 
 
 def apply_gc(store: Store, plan: GcPlan) -> None:
     """Set-aside objects and refs back, then refs (a generation disappears whole) unless pinned by now,
     unreadable refs into quarantine/, objects (none a generation pinned since planning reaches), temp
     files, stale leases."""
-    root_fd = os.open(store.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the user's path: may be a symlink
-    try:
-        tmp_fd = durable.make_dir_durable(root_fd, "tmp")
-    finally:
-        os.close(root_fd)
-    objects_fd = _open_dir(os.path.join(store.root, "objects"))
-    try:
-        _put_back_set_aside(store, tmp_fd, objects_fd, plan)
-        _put_back_refs(store, plan)
+    with sweep.ObjectSweep(store) as objects_sweep:
+        objects_sweep.put_back_set_aside(plan.skip)
+        sweep.put_back_refs(store, plan.refs_aside)
         spared = _remove_refs(store, plan.refs)
         for entry in plan.damaged_refs:
             store.set_aside_ref(entry.run, entry.step, entry.generation)
@@ -574,16 +295,11 @@ def apply_gc(store: Store, plan: GcPlan) -> None:
                     keep |= reached[0]
             objects = [d for d in objects if d not in keep]
         if objects:
-            _remove_objects(store, objects, plan.protect_before, tmp_fd, objects_fd)
-            os.fsync(tmp_fd)
-    finally:
-        os.close(objects_fd)
-        os.close(tmp_fd)
-    _remove(os.path.join(store.root, "tmp"), plan.tmp)
-    if plan.records:
-        _remove(os.path.join(store.root, VERIFIED_DIR), plan.records)
-    _remove(os.path.join(store.root, PENDING_DIR), plan.leases)
-    _remove_quarantined(store, plan.quarantine)
+            objects_sweep.remove_objects(objects, plan.protect_before)
+    sweep.remove_tmp_files(store, plan.tmp)
+    sweep.remove_verified_records(store, plan.records)
+    sweep.remove_leases(store, plan.leases)
+    sweep.remove_quarantined(store, plan.quarantine)
 
 
 def retain_newest(store: Store, run: str, step: str, keep: int) -> GcPlan:

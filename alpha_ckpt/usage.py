@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import secrets
 
 from .errors import DurableWriteError, Refusal, StoreUsageError, UsageError  # noqa: F401 (UsageError: its home was here)
 from .format import is_digest
@@ -61,19 +59,7 @@ def check_store_writable(path: str) -> None:
     """
     try:
         with Store(path) as store:  # creates the store's directories, as the owners would
-            tmp_fd = os.open(os.path.join(store.root, "tmp"),
-                             os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            try:
-                name = f"{os.getpid()}-{secrets.token_hex(8)}.tmp"
-                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444,
-                             dir_fd=tmp_fd)
-                try:
-                    os.write(fd, b"probe")
-                finally:
-                    os.close(fd)
-                    os.unlink(name, dir_fd=tmp_fd)
-            finally:
-                os.close(tmp_fd)
+            store.probe_write()
     except OSError as exc:
         raise UsageError(f"store {path} is not writable: {exc.strerror or exc}") from None
     except (DurableWriteError, StoreUsageError, Refusal) as exc:

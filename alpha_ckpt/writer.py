@@ -262,7 +262,7 @@ def prepare_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regio
         records: list[SliceRecord] = []
         payloads: list[memoryview] = []
         offset = 0
-        disk = store.measured_write_bytes_per_s(writers) or DEFAULT_DISK_BYTES_PER_S
+        disk = store.write_modes.measured_bytes_per_s(writers) or DEFAULT_DISK_BYTES_PER_S
         for piece, raw, requested in parts:
             region = regions[piece.ordinal]
             codec = choose_codec(raw, requested, disk)
@@ -348,17 +348,17 @@ def commit_shards(store: Store, shards: Sequence[ShardWrite], writers: int = 1,
                   agreed_mode: str | None = None) -> list[ShardRef]:
     """Durably write prepared shards, in batches of :data:`COMMIT_BATCH` (one batched commit each).
 
-    Each batch's write mode is the store's choice (:meth:`Store.next_write_mode`), and its
+    Each batch's write mode is the store's choice (:meth:`WriteModes.next`), and its
     throughput (its large shards' bytes over its time) is what the store learns the modes
     from, for ``writers`` processes writing at once. While the store probes a mode, a batch ends
     at its first large shard: the first save of a process measures both modes on a few shards,
-    not on whole saves. ``agreed_mode`` (:meth:`Store.save_write_mode` of the save's coordinator)
+    not on whole saves. ``agreed_mode`` (:meth:`WriteModes.for_save` of the save's coordinator)
     is used for every batch this store would not probe with, so that a save's ranks write alike.
     """
     out: list[ShardRef] = []
     at = 0
     while at < len(shards):
-        mode, probe = store.next_write_mode(writers, agreed_mode)
+        mode, probe = store.write_modes.next(writers, agreed_mode)
         take = COMMIT_BATCH
         if probe:  # up to the next large shard (small ones are written buffered whatever the mode)
             take = next((i + 1 for i, s in enumerate(shards[at:at + COMMIT_BATCH]) if s.large), COMMIT_BATCH)
@@ -372,7 +372,7 @@ def commit_shards(store: Store, shards: Sequence[ShardWrite], writers: int = 1,
         large = [s for s, (_, written) in zip(batch, results) if s.large and written]
         if large:
             refused = any(s.refused_direct for s in large)
-            store.record_write("buffered" if refused else mode, sum(s.size for s in large), seconds, refused, writers)
+            store.write_modes.record("buffered" if refused else mode, sum(s.size for s in large), seconds, refused, writers)
         out += [ShardRef(digest, s.size, s.parts) for s, (digest, _) in zip(batch, results)]
     return out
 
@@ -401,7 +401,7 @@ def write_shards(store: Store, prefix: CapturePrefix, regions: Sequence[RegionDe
     receives every part's raw (digest, block digests) under its (ordinal, lo, hi),
     as hashed while it was written (a caller that needs them hashes nothing again).
     ``writers`` is how many processes write this save at once (the ranks of a collective save): the
-    store learns its write modes per count (:meth:`Store.next_write_mode`); ``agreed_mode`` as
+    store learns its write modes per count (:meth:`WriteModes.next`); ``agreed_mode`` as
     :func:`commit_shards`.
     """
     schema = schema_digest_of(regions)

@@ -52,6 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_store import evicted, free_port, prefault, row_sharded_matrices  # noqa: E402 - the benchmark's own
 
 import alpha_ckpt  # noqa: E402
+from alpha_ckpt.store import Store  # noqa: E402
 
 METHODS = ("ckpt", "ckpt-bf", "dcp")
 COLS, MATRICES = 1024, 16
@@ -91,9 +92,9 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, top: str, out: mul
             directory = os.path.join(top, f"{method}-{rnd}")
             ckpt = None
             if method.startswith("ckpt"):
-                ckpt = alpha_ckpt.Checkpointer(directory, run="ab", step="fit", publisher="star")
-                if method == "ckpt-bf":
-                    ckpt.store.write_mode = "buffered"
+                # ckpt-bf: buffered whatever the store's default is
+                store = Store(directory, write_mode="buffered") if method == "ckpt-bf" else directory
+                ckpt = alpha_ckpt.Checkpointer(store, run="ab", step="fit", publisher="star")
                 ckpt.restore({"model": src}, root=None)  # a fresh start, untimed
                 save_s = timed(lambda: ckpt.save({"model": src}, update=rnd + 1))
             else:
@@ -137,9 +138,9 @@ def resume_rank(rank: int, args: argparse.Namespace, port: int, top: str, rnd: i
         prefault(int(args.prefault * own_bytes))
         if phase == "save":
             if method.startswith("ckpt"):
-                ckpt = alpha_ckpt.Checkpointer(directory, run="ab", step="fit", publisher="star")
-                if method == "ckpt-bf":
-                    ckpt.store.write_mode = "buffered"
+                # ckpt-bf: buffered whatever the store's default is
+                store = Store(directory, write_mode="buffered") if method == "ckpt-bf" else directory
+                ckpt = alpha_ckpt.Checkpointer(store, run="ab", step="fit", publisher="star")
                 ckpt.restore({"model": src}, root=None)  # a fresh start, untimed
                 times[method] = timed(lambda: ckpt.save({"model": src}, update=rnd + 1))
                 ckpt.close()

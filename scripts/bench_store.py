@@ -184,8 +184,8 @@ places swapped which of them loaded slowly):
   ckpt-tree  as ckpt-star with ``publisher="tree"`` and ``fanout=--fanout``: every
              rank writes its own shards and group manifest, the same replica share.
   ckpt-star-bf  only when named in ``--ckpt-methods``: as ckpt-star with the
-             store's writes buffered whatever ``ALPHA_CKPT_WRITE_MODE`` says
-             (``store.write_mode = "buffered"``, the store's default), as DCP's
+             store's writes buffered whatever ``--write-mode`` says
+             (``Store(DIR, write_mode="buffered")``, the store's default), as DCP's
              writer writes; compared with DCP as ours are.
   dcp        ``dcp.save(state, checkpoint_id=DIR, process_group=...)``, default
              FileSystemWriter; ``dcp.load`` in place. The replicated tensors under
@@ -256,7 +256,7 @@ docs/BENCHMARKS.md, "The first touch of page-cache memory").
 methods (dcp and one of ours at least), in the same balanced order: what the
 other methods of a round leave behind is part of what each one measures. It
 also adds ckpt-star-bf, the star writing buffered: beside ckpt-star in a run
-with ``ALPHA_CKPT_WRITE_MODE=auto`` or ``direct`` it shows what the writing
+with ``--write-mode auto`` or ``direct`` it shows what the writing
 mode costs the save and the next restore.
 
 Section "many-tensors"

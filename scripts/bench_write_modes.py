@@ -4,7 +4,7 @@
 For each directory given (each on the file system to measure), one float32
 state of ``--size-mib`` MiB in 16 tensors is saved with ``alpha_ckpt.save``
 (hashing everything, fsync of every file and directory) with
-``ALPHA_CKPT_WRITE_MODE=buffered`` and ``=direct`` alternately, ``--reps``
+``write_mode="buffered"`` and ``"direct"`` alternately, ``--reps``
 times each, in fresh stores that are removed (and ``sync``-ed) after each
 save. Then a store under "auto" saves ``--auto-saves`` states of 256 MiB and
 reports the throughputs it measured and the mode it settled on. A file
@@ -26,15 +26,13 @@ import time
 import torch
 
 import alpha_ckpt
-from alpha_ckpt import store as store_module
 from alpha_ckpt.store import Store
 
 
 def save_once(base: str, state: dict, mode: str) -> float:
-    os.environ["ALPHA_CKPT_WRITE_MODE"] = mode
     d = tempfile.mkdtemp(dir=base, prefix="wm-")
     try:
-        s = Store(d)
+        s = Store(d, write_mode=mode)
         t0 = time.perf_counter()
         alpha_ckpt.save(state, store=s, run="bench", step="fit", update=1, cursor=0, epoch=0)
         seconds = time.perf_counter() - t0
@@ -58,17 +56,15 @@ def measure(base: str, size_mib: int, reps: int, auto_saves: int) -> dict:
            "min_s": {m: min(v) for m, v in times.items()}, "max_s": {m: max(v) for m, v in times.items()}}
     out["median_GBps"] = {m: nbytes / s / 1e9 for m, s in out["median_s"].items()}
     out["direct_over_buffered_throughput"] = out["median_s"]["buffered"] / out["median_s"]["direct"]
-    os.environ["ALPHA_CKPT_WRITE_MODE"] = "auto"
-    store_module._write_stats.clear()
     d = tempfile.mkdtemp(dir=base, prefix="wm-auto-")
     try:
-        s = Store(d)
+        s = Store(d, write_mode="auto")  # a fresh learner: nothing measured yet
         piece = {f"t{i}": torch.randn(4 << 20, generator=g) for i in range(4)}  # 64 MiB tensors: 4 large shards
         for u in range(auto_saves):
             alpha_ckpt.save(piece, store=s, run="bench", step="auto", update=u, cursor=0, epoch=0)
             for t in piece.values():
                 t.add_(1.0)
-        out["auto"] = s.write_stats()
+        out["auto"] = s.write_modes.stats()
         s.close()
     finally:
         shutil.rmtree(d)

@@ -18,7 +18,7 @@ method saving into a fresh directory that is removed after the round. Methods:
   dcp-alpha[-sN][-shM][-wK]  ``dcp.save`` with ``alpha_ckpt.dcp.StorageWriter``; ``-sN``:
                         slices of N MiB (default: the backend's), ``-shM``: shards of
                         at most M MiB (default: the backend's), ``-wK``: K files written
-                        at once (``ALPHA_CKPT_WRITE_THREADS`` for that save; default the store's)
+                        at once (the store's ``write_threads`` for that save; default the store's)
   ckpt                  ``alpha_ckpt.Checkpointer.save`` (synchronous, star; built, and its
                         fresh store opened, before the timer, as the benchmark does)
   dcp, dcp-t2           ``dcp.save`` with DCP's ``FileSystemWriter`` (one thread, two)
@@ -54,7 +54,6 @@ import sys
 import tempfile
 import threading
 import time
-from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -67,7 +66,7 @@ from bench_store import MiB, balanced_orders, free_port, paired_ratio_interval, 
 
 import alpha_ckpt  # noqa: E402
 import alpha_ckpt.dcp as alpha_dcp  # noqa: E402
-from alpha_ckpt.store import WRITE_THREADS_ENV  # noqa: E402
+from alpha_ckpt.store import Store  # noqa: E402
 
 COLS = 1024
 TENSORS = 16
@@ -202,14 +201,15 @@ def save(method: str, state: dict, directory: str, rnd: int, ckpt) -> str | None
     slice_bytes = int(m["slice"]) * MiB if m["slice"] else alpha_dcp.SLICE_BYTES
     default_shard_bytes = alpha_dcp.SHARD_BYTES
     alpha_dcp.SHARD_BYTES = int(m["shard"]) * MiB if m["shard"] else default_shard_bytes  # read by write_data
-    # -wK: read when the writer opens its store, inside the save; the environment is put back after
-    threads = {WRITE_THREADS_ENV: m["threads"]} if m["threads"] else {}
+    # -wK: a store opened with that many files written at once, handed to the writer
+    store = Store(directory, write_threads=int(m["threads"])) if m["threads"] else None
     try:
-        with mock.patch.dict(os.environ, threads):
-            writer = alpha_dcp.StorageWriter(directory, run="probe", step="fit", update=rnd + 1,
-                                             slice_bytes=slice_bytes)
-            return dcp.save(state, storage_writer=writer).storage_meta.checkpoint_id
+        writer = alpha_dcp.StorageWriter(directory if store is None else store, run="probe", step="fit",
+                                         update=rnd + 1, slice_bytes=slice_bytes)
+        return dcp.save(state, storage_writer=writer).storage_meta.checkpoint_id
     finally:
+        if store is not None:
+            store.close()
         alpha_dcp.SHARD_BYTES = default_shard_bytes
 
 

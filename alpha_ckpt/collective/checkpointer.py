@@ -379,7 +379,7 @@ class Checkpointer:
                           "devices": [d["device"] for d in descriptors],
                           "layout": saved_layout(descriptors, regions),
                           # every rank writes this save's large shards alike, beyond its own probes
-                          "write_mode": self.store.save_write_mode(self.world)}
+                          "write_mode": self.store.write_modes.for_save(self.world)}
             except _Failed as failure:
                 layout = {"ok": False, **failure.args[0]}
             except Refusal as refusal:

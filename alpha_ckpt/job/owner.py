@@ -40,6 +40,7 @@ from ..state.placement import Partitioned
 from ..gc import discard_completed_step
 from ..restore import open_generation
 from ..store import Store, write_all
+from ..store.layout import OUTPUTS, TMP
 from ..usage import OneLineArgumentParser, UsageError, check_store_writable
 from .usage import check_job_args
 from .. import hooks
@@ -331,12 +332,12 @@ class Owner:
                                      {"run": self.config.run, "step": self.config.step,
                                       "update": str(self.state.update)})
         name = output_name(data)
-        root_fd = os.open(self.store.root, os.O_RDONLY | os.O_DIRECTORY)
+        root_fd = self.store.layout.open_root()
         try:
-            out_fd = durable.make_dir_durable(root_fd, "outputs")
+            out_fd = durable.make_dir_durable(root_fd, OUTPUTS)
             run_fd = durable.make_dir_durable(out_fd, self.config.run)
             step_fd = durable.make_dir_durable(run_fd, self.config.step)
-            tmp_fd = os.open("tmp", os.O_RDONLY | os.O_DIRECTORY, dir_fd=root_fd)
+            tmp_fd = os.open(TMP, os.O_RDONLY | os.O_DIRECTORY, dir_fd=root_fd)
             try:
                 if not durable.entry_exists(step_fd, name):
                     durable.durable_commit(tmp_dir=tmp_fd, dest_dir=step_fd, write=lambda fd: write_all(fd, data),
@@ -349,7 +350,7 @@ class Owner:
         finally:
             os.close(root_fd)
         # Absolute: the line is read by whoever ran the job, maybe from another directory.
-        return os.path.abspath(os.path.join(self.store.root, "outputs", self.config.run, self.config.step, name))
+        return os.path.abspath(self.store.layout.output_path(self.config.run, self.config.step, name))
 
 
 def canonical_safetensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:

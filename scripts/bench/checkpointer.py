@@ -8,7 +8,7 @@ import os
 from typing import Sequence
 
 from .common import (INTERVAL_MIN_ROUNDS, MiB, balanced_orders, median, noise_verdict, paired_ratio_interval,
-                     print_ratios, targets_met)
+                     print_ratios, targets_met, store_writes)
 from .ranks import free_port, launch_ranks
 
 # The collective ``alpha_ckpt.Checkpointer`` against DCP with a process group, on
@@ -24,7 +24,7 @@ BASELINES = ("dcp", "dcp-t2", "raw")  # what ours are compared with (raw: the di
 OURS_STORE_METHODS = ("ckpt-star", "ckpt-tree", "ckpt-star-bf", "dcp-alpha")  # the methods writing alpha_ckpt stores
 # The sharded section adds DCP with alpha_ckpt's storage (alpha_ckpt.dcp) as "dcp-alpha".
 SHARDED_METHODS = ("ckpt-star", "ckpt-tree", "dcp-alpha", "dcp", "dcp-t2", "raw")
-# Only by --ckpt-methods: the star with the store's writes buffered whatever ALPHA_CKPT_WRITE_MODE says,
+# Only by --ckpt-methods: the star with the store's writes buffered whatever --write-mode says,
 # as DCP's FileSystemWriter writes, so a run under "auto" or "direct" compares how the writing mode moves
 # cost between a save and the next restore.
 BUFFERED_STAR = "ckpt-star-bf"
@@ -69,7 +69,7 @@ def run_checkpointer(args: argparse.Namespace, top: str, sharded: bool = False) 
     config = {"world": world, "counts": counts, "port": free_port(), "dir": workdir, "size_mib": args.size_mib,
               "tensors": args.tensors, "seed": args.seed, "reps": args.reps, "warmup": args.warmup,
               "prefault": args.prefault, "cold": args.cold, "fanout": args.fanout, "sharded": sharded,
-              "methods": chosen_methods(args.ckpt_methods, sharded)}
+              "methods": chosen_methods(args.ckpt_methods, sharded), **store_writes()}
     print()
     print(f"== section {name}: alpha_ckpt.Checkpointer{' and alpha_ckpt.dcp' if sharded else ''} against DCP, "
           f"{', '.join(map(str, counts))} rank(s), gloo on 127.0.0.1; per rep, for each rank count, every method in "

@@ -19,10 +19,10 @@ from torch.distributed.checkpoint import FileSystemWriter
 import alpha_ckpt
 import alpha_ckpt.dcp as alpha_dcp
 from alpha_ckpt.planner import shares
-from alpha_ckpt.store import Store
 
 from .checkpointer import BUFFERED_STAR, CKPT_RESULT, OURS_STORE_METHODS, SHARDED_COLS, section_methods
-from .common import MiB, balanced_orders, evicted, peak_growth_mib, prefault, process_cpu_s, reset_peak_rss
+from .common import (MiB, balanced_orders, evicted, open_store, peak_growth_mib, prefault, process_cpu_s,
+                     reset_peak_rss, write_modes)
 from .methods import RawDisk
 
 
@@ -155,8 +155,8 @@ def checkpointer_process(config: dict) -> None:
     cpu_sys = {str(n): {m: {"save": [], "load": []} for m in methods} for n in counts}  # system alone, per rank
     bytes_read = {str(n): {} for n in counts}
     disk_bytes = {str(n): {} for n in counts}
-    write_modes = {str(n): {m: [] for m in methods if m in OURS_STORE_METHODS} for n in counts}
-    modes_seen = {n: 0 for n in counts}  # this process's store writes (measured per file system and count of ranks)
+    chosen_modes = {str(n): {m: [] for m in methods if m in OURS_STORE_METHODS} for n in counts}
+    modes_seen: dict = {}  # (count of ranks, learner's mode) -> this process's store writes seen
     handles: dict[str, dict[str, str | None]] = {str(n): {} for n in counts}
     verified = 0
     top = config["dir"]
@@ -194,11 +194,9 @@ def checkpointer_process(config: dict) -> None:
     def checkpointer(n: int, method: str, directory: str):
         """This rank's Checkpointer of ``method`` on the store ``directory`` (untimed; collective)."""
         publisher = "star" if method == BUFFERED_STAR else method[len("ckpt-"):]
-        ckpt = alpha_ckpt.Checkpointer(directory, run="bench", step="fit", group=groups[n], publisher=publisher,
+        store = open_store(directory, mode="buffered" if method == BUFFERED_STAR else None)
+        return alpha_ckpt.Checkpointer(store, run="bench", step="fit", group=groups[n], publisher=publisher,
                                        fanout=config["fanout"])
-        if method == BUFFERED_STAR:
-            ckpt.store.write_mode = "buffered"
-        return ckpt
 
     def timed_phase(n: int, run: Callable[[], object]) -> tuple[object, float, tuple[list[float], list[float]],
                                                                  list[float]]:
@@ -229,7 +227,8 @@ def checkpointer_process(config: dict) -> None:
         elif method == "dcp-t2":
             dcp.save(theirs(n, "src"), process_group=group, storage_writer=FileSystemWriter(directory, thread_count=2))
         elif method == "dcp-alpha":
-            writer = alpha_dcp.StorageWriter(directory, run="bench", step="fit", update=rnd + 1, group=group)
+            writer = alpha_dcp.StorageWriter(open_store(directory), run="bench", step="fit", update=rnd + 1,
+                                             group=group)
             return dcp.save(theirs(n, "src"), process_group=group, storage_writer=writer).storage_meta.checkpoint_id
         else:
             return raws[n].save(None, directory, rnd, name=f"raw-{rank}.bin")
@@ -271,12 +270,13 @@ def checkpointer_process(config: dict) -> None:
                              f"rank 0 {save_rss[0]:6.0f} (others max {max(save_rss[1:], default=0.0):5.0f})")
                     if rank == 0 and method in OURS_STORE_METHODS:
                         # The write mode(s) the store chose for this save's large shards ("auto": by measurement).
-                        with Store(directory) as store:
-                            modes = store.write_stats(n)["modes"]  # the saves of n ranks at once
-                        line += f"  write mode {'+'.join(modes[modes_seen[n]:]) or '-'}"
+                        learner = write_modes("buffered" if method == BUFFERED_STAR else None)
+                        modes = learner.stats(n)["modes"]  # the saves of n ranks at once
+                        seen = modes_seen.get((n, learner.mode), 0)
+                        line += f"  write mode {'+'.join(modes[seen:]) or '-'}"
                         if timed:
-                            write_modes[str(n)][method].append(modes[modes_seen[n]:])
-                        modes_seen[n] = len(modes)
+                            chosen_modes[str(n)][method].append(modes[seen:])
+                        modes_seen[(n, learner.mode)] = len(modes)
                     if rank == 0:
                         disk_bytes[str(n)][method] = tree_bytes(directory)
                         handles[str(n)][method] = handle if isinstance(handle, str) and method != "raw" else None
@@ -335,7 +335,7 @@ def checkpointer_process(config: dict) -> None:
                replicated_bytes, "counts": counts, "times": times, "rss": rss, "cpu": cpu, "cpu_sys": cpu_sys,
                "bytes_read": bytes_read,
                "disk_bytes": disk_bytes, "verified_restores": verified, "fanout": config["fanout"], "sharded": sharded,
-               "methods": list(methods), "handles": handles, "write_modes": write_modes}
+               "methods": list(methods), "handles": handles, "write_modes": chosen_modes}
         path = os.path.join(top, CKPT_RESULT)
         with open(path + ".tmp", "w") as f:
             json.dump(out, f)

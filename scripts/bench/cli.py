@@ -18,10 +18,12 @@ import traceback
 import torch
 
 import alpha_ckpt
+from alpha_ckpt.store import DEFAULT_WRITE_MODE, DEFAULT_WRITE_THREADS, WRITE_MODES
 
 from .checkpointer import run_checkpointer
 from .checkpointer_rank import checkpointer_process
-from .common import MiB, REPO_ROOT, code_under_test, default_base_dir, make_state, memory_touch_rates, poison
+from .common import (MiB, REPO_ROOT, code_under_test, default_base_dir, make_state, memory_touch_rates, poison,
+                     set_store_writes)
 from .many_tensors import MANY_METHODS, run_many_tensors
 from .owners import owner_process, run_owners
 from .stall import run_stall
@@ -187,11 +189,20 @@ def main(argv: list[str] | None = None, doc: str | None = None) -> dict | None:
     p.add_argument("--owners-timeout", type=float, default=3600.0,
                    help="owners and checkpointer sections: give up when the rank processes take longer (seconds, "
                         "default 3600)")
+    p.add_argument("--write-mode", choices=WRITE_MODES, default=DEFAULT_WRITE_MODE,
+                   help=f"how our stores write large objects (the Store's write_mode; default {DEFAULT_WRITE_MODE})")
+    p.add_argument("--write-threads", type=int, default=DEFAULT_WRITE_THREADS,
+                   help=f"files of one batch our stores write at once (default {DEFAULT_WRITE_THREADS})")
     p.add_argument("--owner-process", help=argparse.SUPPRESS)  # internal: run one rank of owners or checkpointer
     args = p.parse_args(argv)
     if args.owner_process:
-        owner_processes(json.loads(args.owner_process))
+        config = json.loads(args.owner_process)
+        set_store_writes(config["write_mode"], config["write_threads"])
+        owner_processes(config)
         return None
+    if args.write_threads < 1:
+        p.error("--write-threads must be positive")
+    set_store_writes(args.write_mode, args.write_threads)
     if args.reps < 1 or args.size_mib < 1 or args.tensors < 1 or args.warmup < 0 or args.prefault < 0:
         p.error("--reps, --size-mib and --tensors must be positive, --warmup and --prefault non-negative")
     if min(args.owners) < 1 or min(args.ckpt_ranks) < 1 or min(args.many_counts) < 1 or args.fanout < 1 \

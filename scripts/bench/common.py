@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 import alpha_ckpt
+from alpha_ckpt.store import DEFAULT_WRITE_MODE, DEFAULT_WRITE_THREADS, Store, WriteModes
 
 MiB = 1 << 20
 RAW_BUFFER_BYTES = 16 * MiB
@@ -27,6 +28,34 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 # DCP without a process group says, once per call, that it assumes one process.
 warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process.*")
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled, unavailable or uninitialized.*")
+
+
+# How the stores this process opens write (--write-mode, --write-threads). One learner per mode and
+# process, so that under "auto" the rounds' fresh stores learn from each other as one job's saves do.
+_writes: dict = {"mode": DEFAULT_WRITE_MODE, "threads": DEFAULT_WRITE_THREADS, "learners": {}}
+
+
+def set_store_writes(mode: str, threads: int) -> None:
+    _writes.update(mode=mode, threads=threads, learners={})
+
+
+def store_writes() -> dict:
+    """The settings, for a rank process's config."""
+    return {"write_mode": _writes["mode"], "write_threads": _writes["threads"]}
+
+
+def write_modes(mode: str | None = None) -> WriteModes:
+    """This process's learner of ``mode`` (default: --write-mode)."""
+    mode = mode or _writes["mode"]
+    learner = _writes["learners"].get(mode)
+    if learner is None:
+        learner = _writes["learners"][mode] = WriteModes(mode)
+    return learner
+
+
+def open_store(path: str, create: bool = True, mode: str | None = None) -> Store:
+    """A store at ``path`` writing as --write-mode and --write-threads say (``mode``: another mode)."""
+    return Store(path, create=create, write_mode=write_modes(mode), write_threads=_writes["threads"])
 
 
 def fsync_dir(path: str) -> None:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import alpha_ckpt
 
-from .common import check_equal, evicted, median, print_ratios, targets_met
+from .common import check_equal, evicted, median, open_store, print_ratios, targets_met
 from .methods import dcp_restore, dcp_save, ours_restore, ours_save, torch_save
 
 # One process, states of many small tensors (an MoE model's experts with their per-parameter
@@ -49,7 +49,7 @@ def many_save_restore(name: str, top: str):
     """(save(state, workdir, rep) -> handle, restore(dest, workdir, handle)) of a many-tensors method."""
     if name == "ckpt":
         def save(state, workdir, rep):
-            ckpt = alpha_ckpt.Checkpointer(workdir, run="bench", step="fit")  # untimed: created once per job
+            ckpt = alpha_ckpt.Checkpointer(open_store(workdir), run="bench", step="fit")  # untimed: created once per job
             ckpt.restore(state, None)
             t = time.perf_counter()
             root = ckpt.save(state, update=rep)

@@ -10,14 +10,15 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 import alpha_ckpt
 
-from .common import RAW_BUFFER_BYTES, fsync_dir
+from .common import RAW_BUFFER_BYTES, fsync_dir, open_store
 
 # Each method: save(state, workdir, rep) -> handle ; restore(dest, workdir, handle) -> None.
 # The timing brackets exactly these calls.
 
 
 def ours_save(state, workdir: str, rep: int):
-    return alpha_ckpt.save(state, store=workdir, run="bench", step="fit", update=rep, cursor=rep, epoch=0)
+    with open_store(workdir) as store:
+        return alpha_ckpt.save(state, store=store, run="bench", step="fit", update=rep, cursor=rep, epoch=0)
 
 
 def ours_restore(dest, workdir: str, root) -> None:

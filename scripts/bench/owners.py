@@ -23,7 +23,7 @@ from alpha_ckpt.restore import PreparedRestore, open_generation
 from alpha_ckpt.store import Store
 from alpha_ckpt.writer import DEFAULT_MAX_SHARD_BYTES
 
-from .common import MiB, evicted, median, prefault, print_ratios, targets_met
+from .common import MiB, evicted, median, open_store, prefault, print_ratios, store_writes, targets_met
 from .methods import RawDisk
 from .ranks import free_port, launch_ranks
 
@@ -46,7 +46,7 @@ def run_owners(args: argparse.Namespace, top: str) -> dict:
     os.mkdir(workdir)
     config = {"world": world, "counts": counts, "port": free_port(), "dir": workdir, "size_mib": args.size_mib,
               "tensors": args.tensors, "seed": args.seed, "reps": args.reps, "warmup": args.warmup,
-              "prefault": args.prefault, "cold": args.cold, "fanout": args.fanout}
+              "prefault": args.prefault, "cold": args.cold, "fanout": args.fanout, **store_writes()}
     if args.tensors % world:
         raise SystemExit(f"--tensors {args.tensors} does not split evenly among {world} owners")
     print()
@@ -162,7 +162,7 @@ def owner_save(method: str, config: dict, directory: str, rank: int, n: int, gro
     state = {regions[i].name: source[i] for i in mine}
     if method == "ours":
         # This owner's tensors to its own shards, its group manifest and commitment; the root publishes the ref.
-        store = Store(directory)
+        store = open_store(directory)
         try:
             pieces = [Piece(i, 0, regions[i].words, 4) for i in mine]
             views = {i: memoryview(source[i].view(torch.uint8).numpy()) for i in mine}

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 import alpha_ckpt
 
-from .common import check_equal, median, poison, prefault, print_ratios, targets_met
+from .common import check_equal, median, open_store, poison, prefault, print_ratios, targets_met
 from .methods import dcp_restore, dcp_save, ours_restore, ours_save
 
 # One training loop, one process. Per checkpoint: the save is called at the
@@ -102,7 +102,7 @@ class StallMethods:
             done = time.perf_counter()
             return Pending(wait=lambda: done - t0, load=lambda dest: ours_restore(dest, workdir, root))
         if name in ("ours-async", "ours-async-deferred"):
-            store = alpha_ckpt.Store(workdir)
+            store = open_store(workdir)
             handle = alpha_ckpt.save_async(state, store=store, run="bench", step="fit", update=rep, cursor=rep,
                                            epoch=0, saver=self.saver, defer_snapshot=name == "ours-async-deferred")
             published = []

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from alpha_ckpt import cli
-from alpha_ckpt.leases import CLOCK_SLACK_S
+from alpha_ckpt.store.leases import CLOCK_SLACK_S
 from alpha_ckpt.store import RefRecord, Store
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -140,7 +140,7 @@ def blake3_of(data: bytes) -> str:
 
 def _write_lease(store_dir, *, pid, host=None, started_at=None, pid_start=None, run="r", step="s"):
     import socket
-    from alpha_ckpt.leases import Lease
+    from alpha_ckpt.store.leases import Lease
     lease = Lease(f"{pid}-feedface", run, step, pid, pid_start, host or socket.gethostname(),
                   time.time() if started_at is None else started_at)
     path = store_dir / "pending" / lease.name
@@ -172,7 +172,7 @@ def test_stale_leases_protect_nothing_and_are_removed(tmp_path):
     young = _orphan(store, b"left by a killed publisher")
     now = time.time()
     dead = _write_lease(tmp_path / "s", pid=DEAD_PID, started_at=now - 100)
-    from alpha_ckpt.leases import process_start
+    from alpha_ckpt.store.leases import process_start
     reused = _write_lease(tmp_path / "s", pid=os.getpid(), pid_start=process_start(os.getpid()) + 1,
                           started_at=now - 100)  # the pid now names another process
     ancient = _write_lease(tmp_path / "s", pid=1234, host="another-host", started_at=now - 7 * 3600)

@@ -23,8 +23,10 @@ ROOT = "alpha_ckpt"
 LAYERS: dict[int, tuple[str, set[str]]] = {
     0: ("format and durable: bytes on disk, the one commit, the test hooks' call sites, and what needs nothing else",
         {"errors", "format", "decoding", "values", "durable", "hooks", "heap", "progress", "interval", "lifeline"}),
-    1: ("store: objects, refs, tmp and leases of a store",
-        {"store", "leases"}),
+    1: ("store: the layout, the storage backend, objects, refs, write modes and leases of a store",
+        {"store", "store._posix", "store.backend", "store.layout", "store.leases", "store.objects", "store.pending",
+         "store.pinfiles", "store.posix", "store.records", "store.refs", "store.store", "store.sweep",
+         "store.write_mode"}),
     2: ("plan, state, restore, writer: what a generation holds and how it is read and written",
         {"manifest", "planner", "destinations", "device", "dcp_metadata", "restore", "generation", "payloads", "writer",
          "packing", "hashing", "async_save",

@@ -10,6 +10,7 @@ from alpha_ckpt.planner import Piece
 from alpha_ckpt.restore import open_generation
 from alpha_ckpt.writer import word_bytes, write_manifest
 from alpha_ckpt.store import Store
+from alpha_ckpt.store.posix import PosixRefDir
 from alpha_ckpt.testing.forge import publish_forged
 
 
@@ -29,7 +30,7 @@ def test_a_racing_publisher_cannot_overwrite_a_generation(store_dir, monkeypatch
     with Store(store_dir) as s:
         first = s.list_refs("r", "fit")[0]
         # Pretend this publisher did not see generation 1 (it raced the other one).
-        monkeypatch.setattr(Store, "_ref_numbers", staticmethod(lambda fd: []))
+        monkeypatch.setattr(PosixRefDir, "numbers", lambda self: [])
         with pytest.raises(PublishConflict):
             s.publish_ref(CapturePrefix("r", "fit", 2, 0, 0), "cd" * 32, 10, 10, 1)
         monkeypatch.undo()

@@ -13,15 +13,13 @@ from hypothesis import strategies as st
 
 import alpha_ckpt
 from alpha_ckpt import durable, writer
-from alpha_ckpt.store import EXPLORE_EVERY, Store
+from alpha_ckpt.store import EXPLORE_EVERY, Store, WriteModes
 
 
-@pytest.fixture(autouse=True)
-def auto_write_mode(monkeypatch):
-    # Most tests here are of "auto" (the measured choice), which a user opts into. The default is
-    # tested with the variable removed. Ranks come from a fork server started with its own
-    # environment: their functions set the variable themselves.
-    monkeypatch.setenv("ALPHA_CKPT_WRITE_MODE", "auto")
+def _auto(path, **kwargs) -> Store:
+    # Most tests here are of "auto" (the measured choice), which a user opts into; the default is
+    # tested with a store opened without a write mode. Each store learns on its own.
+    return Store(path, write_mode="auto", **kwargs)
 
 
 @pytest.fixture
@@ -46,8 +44,7 @@ def _objects(store_dir):
 
 
 def _save(tmp_path, name, monkeypatch, mode):
-    monkeypatch.setenv("ALPHA_CKPT_WRITE_MODE", mode)
-    store = Store(tmp_path / name)
+    store = Store(tmp_path / name, write_mode=mode)
     root = alpha_ckpt.save(_state(), store=store, run="r", step="s", update=1, cursor=1, epoch=0)
     return store, root
 
@@ -57,7 +54,7 @@ def test_direct_and_buffered_writes_give_identical_objects(tmp_path, monkeypatch
     store, root_d = _save(tmp_path, "direct", monkeypatch, "direct")
     assert root_b == root_d
     assert _objects(tmp_path / "buffered") == _objects(tmp_path / "direct")
-    assert store.write_stats()["gbps"]["direct"], "the direct path was not taken"
+    assert store.write_modes.stats()["gbps"]["direct"], "the direct path was not taken"
     restored = {"a": torch.empty(1_000_003), "b": torch.empty(3, 5, dtype=torch.bfloat16),
                 "c": torch.empty(777, dtype=torch.int64)}
     alpha_ckpt.load(restored, store=store, digest=root_d)
@@ -73,9 +70,8 @@ def test_a_file_system_that_refuses_o_direct_is_written_buffered(tmp_path, monke
         return real(fd, cmd, arg)
 
     monkeypatch.setattr(writer.fcntl, "fcntl", refusing)
-    monkeypatch.setattr("alpha_ckpt.store._write_stats", {})
     store, root = _save(tmp_path, "refused", monkeypatch, "auto")
-    stats = store.write_stats()
+    stats = store.write_modes.stats()
     assert stats["direct_refused"] and stats["next"] == "buffered"
     _, expected = _save(tmp_path, "plain", monkeypatch, "buffered")
     assert root == expected
@@ -83,61 +79,56 @@ def test_a_file_system_that_refuses_o_direct_is_written_buffered(tmp_path, monke
 
 
 def test_auto_alternates_then_keeps_the_faster_mode(tmp_path, monkeypatch):
-    monkeypatch.setattr("alpha_ckpt.store._write_stats", {})
-    store = Store(tmp_path)
-    assert store.write_mode == "auto"
+    store = _auto(tmp_path)
+    assert store.write_modes.mode == "auto"
     picks = []
     for gbps in ({"direct": 2.0, "buffered": 1.0}, ) * 4:
-        mode = store.write_mode_for_next_object()
+        mode = store.write_modes.for_next_object()
         picks.append(mode)
-        store.record_write(mode, 1 << 30, (1 << 30) / 1e9 / gbps[mode])
+        store.write_modes.record(mode, 1 << 30, (1 << 30) / 1e9 / gbps[mode])
     assert sorted(picks) == ["buffered", "buffered", "direct", "direct"]
-    assert store.write_mode_for_next_object() == "direct"
+    assert store.write_modes.for_next_object() == "direct"
     for _ in range(5):
-        store.record_write("direct", 1 << 30, 10.0)   # the disk changed: direct is now slow
-    assert store.write_mode_for_next_object() == "buffered"
+        store.write_modes.record("direct", 1 << 30, 10.0)   # the disk changed: direct is now slow
+    assert store.write_modes.for_next_object() == "buffered"
 
 
 def test_auto_measures_the_mode_it_does_not_use_again_after_eight_writes(tmp_path, monkeypatch):
     # Two unlucky early measurements of buffered writes must not keep them out for good.
-    monkeypatch.setattr("alpha_ckpt.store._write_stats", {})
-    store = Store(tmp_path)
+    store = _auto(tmp_path)
     rates = {"direct": 1.0, "buffered": 0.5}
     picks = []
     for i in range(4 + EXPLORE_EVERY + 1):
         if i == 4:
             rates["buffered"] = 2.0  # from now on buffered is the faster mode, but only a new measurement shows it
-        mode = store.write_mode_for_next_object()
+        mode = store.write_modes.for_next_object()
         picks.append(mode)
-        store.record_write(mode, 1 << 30, (1 << 30) / 1e9 / rates[mode])
+        store.write_modes.record(mode, 1 << 30, (1 << 30) / 1e9 / rates[mode])
     assert picks[4:4 + EXPLORE_EVERY] == ["direct"] * EXPLORE_EVERY
     assert picks[4 + EXPLORE_EVERY] == "buffered"
-    assert store.write_mode_for_next_object() == "direct"  # its median is still the lower until more samples
-    store.record_write("buffered", 1 << 30, (1 << 30) / 1e9 / 2.0)
-    assert store.write_mode_for_next_object() == "buffered"
+    assert store.write_modes.for_next_object() == "direct"  # its median is still the lower until more samples
+    store.write_modes.record("buffered", 1 << 30, (1 << 30) / 1e9 / 2.0)
+    assert store.write_modes.for_next_object() == "buffered"
 
 
 def test_a_store_writes_buffered_unless_told_otherwise_even_where_o_direct_measured_faster(tmp_path, monkeypatch,
                                                                                           small_blocks):
     # A buffered save leaves its objects in the page cache for the restore that follows it on the same
-    # node; O_DIRECT is only taken by ALPHA_CKPT_WRITE_MODE=auto or =direct.
-    monkeypatch.delenv("ALPHA_CKPT_WRITE_MODE")
-    monkeypatch.setattr("alpha_ckpt.store._write_stats", {})
+    # node; O_DIRECT is only taken by write_mode="auto" or "direct".
     store = Store(tmp_path / "store")
     for _ in range(2):
-        store.record_write("direct", 1 << 30, 0.1)
-        store.record_write("buffered", 1 << 30, 10.0)
-    assert store.next_write_mode() == ("buffered", False)
-    assert store.save_write_mode(4) == "buffered"
+        store.write_modes.record("direct", 1 << 30, 0.1)
+        store.write_modes.record("buffered", 1 << 30, 10.0)
+    assert store.write_modes.next() == ("buffered", False)
+    assert store.write_modes.for_save(4) == "buffered"
     alpha_ckpt.save(_state(), store=store, run="r", step="s", update=1, cursor=1, epoch=0)
-    assert store.write_stats()["modes"][4:] == ["buffered"], "the save's large object was not written buffered"
+    assert store.write_modes.stats()["modes"][4:] == ["buffered"], "the save's large object was not written buffered"
 
 
 def test_an_unknown_write_mode_is_a_usage_error(tmp_path, monkeypatch):
     from alpha_ckpt.errors import StoreUsageError
-    monkeypatch.setenv("ALPHA_CKPT_WRITE_MODE", "fast")
-    with pytest.raises(StoreUsageError, match="ALPHA_CKPT_WRITE_MODE"):
-        Store(tmp_path)
+    with pytest.raises(StoreUsageError, match="write_mode"):
+        Store(tmp_path, write_mode="fast")
 
 
 def _many_shards():
@@ -145,18 +136,12 @@ def _many_shards():
     return {f"t{i}": torch.randn(300_000 + i, generator=g) for i in range(6)}
 
 
-@pytest.mark.parametrize("setting, threads", [(None, 4), ("1", 1), ("3", 3)])
-def test_a_saves_shards_are_written_as_many_at_once_as_alpha_ckpt_write_threads_says(tmp_path, monkeypatch, setting,
-                                                                                       threads):
-    monkeypatch.setenv("ALPHA_CKPT_WRITE_MODE", "buffered")
-    if setting is None:
-        monkeypatch.delenv("ALPHA_CKPT_WRITE_THREADS", raising=False)
-    else:
-        monkeypatch.setenv("ALPHA_CKPT_WRITE_THREADS", setting)
+@pytest.mark.parametrize("setting, threads", [(None, 4), (1, 1), (3, 3)])
+def test_a_saves_shards_are_written_as_many_at_once_as_write_threads_says(tmp_path, monkeypatch, setting, threads):
     batches, real = [], durable.durable_commit_all
     monkeypatch.setattr(durable, "durable_commit_all", lambda tmp_dir, commits, write_threads=1: (
         batches.append((len(commits), write_threads)), real(tmp_dir, commits, write_threads))[1])
-    store = Store(tmp_path / "s")
+    store = Store(tmp_path / "s", **({} if setting is None else {"write_threads": setting}))
     root = alpha_ckpt.save(_many_shards(), store=store, run="r", step="s", update=1, cursor=1, epoch=0,
                            max_shard_bytes=1 << 20)
     # the six 1.2 MB tensors' shards in one batch, written `threads` at a time
@@ -169,22 +154,19 @@ def test_a_saves_shards_are_written_as_many_at_once_as_alpha_ckpt_write_threads_
 def test_shards_written_four_at_once_with_o_direct_hold_the_bytes_of_shards_written_one_at_a_time(
         tmp_path, monkeypatch, small_blocks):
     roots = []
-    for name, mode, threads in (("one", "buffered", "1"), ("four", "direct", "4")):
-        monkeypatch.setenv("ALPHA_CKPT_WRITE_MODE", mode)
-        monkeypatch.setenv("ALPHA_CKPT_WRITE_THREADS", threads)
-        store = Store(tmp_path / name)
+    for name, mode, threads in (("one", "buffered", 1), ("four", "direct", 4)):
+        store = Store(tmp_path / name, write_mode=mode, write_threads=threads)
         roots.append(alpha_ckpt.save(_many_shards(), store=store, run="r", step="s", update=1, cursor=1, epoch=0,
                                      max_shard_bytes=1 << 20))
-    assert store.write_stats()["gbps"]["direct"], "the direct path was not taken"
+    assert store.write_modes.stats()["gbps"]["direct"], "the direct path was not taken"
     assert roots[0] == roots[1] and _objects(tmp_path / "one") == _objects(tmp_path / "four")
 
 
-@pytest.mark.parametrize("setting", ["0", "-2", "four", "\u00b2", ""])
-def test_a_write_threads_setting_that_is_not_a_positive_number_is_a_usage_error(tmp_path, monkeypatch, setting):
+@pytest.mark.parametrize("setting", [0, -2, "four", "4", True, 1.5, None])
+def test_a_write_threads_setting_that_is_not_a_positive_number_is_a_usage_error(tmp_path, setting):
     from alpha_ckpt.errors import StoreUsageError
-    monkeypatch.setenv("ALPHA_CKPT_WRITE_THREADS", setting)
-    with pytest.raises(StoreUsageError, match="ALPHA_CKPT_WRITE_THREADS"):
-        Store(tmp_path)
+    with pytest.raises(StoreUsageError, match="write_threads"):
+        Store(tmp_path, write_threads=setting)
 
 
 def test_a_head_larger_than_one_direct_block_is_written_whole(tmp_path, monkeypatch):
@@ -195,7 +177,7 @@ def test_a_head_larger_than_one_direct_block_is_written_whole(tmp_path, monkeypa
     monkeypatch.setattr(writer, "_direct_buffers", threading.local())
     _, root_b = _save(tmp_path, "buffered", monkeypatch, "buffered")
     store, root_d = _save(tmp_path, "direct", monkeypatch, "direct")
-    assert store.write_stats()["gbps"]["direct"], "the direct path was not taken"
+    assert store.write_modes.stats()["gbps"]["direct"], "the direct path was not taken"
     assert root_b == root_d and _objects(tmp_path / "buffered") == _objects(tmp_path / "direct")
     assert max(len(b) for b in _objects(tmp_path / "direct").values()) > 4_000_000
 
@@ -237,13 +219,12 @@ def test_a_new_process_probes_each_mode_on_single_shards_then_commits_the_rest_a
                                                                                             small_blocks):
     # The first large writes alternate between the modes one shard at a time (two samples of each),
     # so one save measures both; its remaining shards go in one batch, in the mode measured faster.
-    monkeypatch.setattr("alpha_ckpt.store._write_stats", {})
     g = torch.Generator().manual_seed(5)
     state = {f"t{i}": torch.randn(300_000, generator=g) for i in range(8)}  # 1.2 MB each: one shard each
-    store = Store(tmp_path / "store")
+    store = _auto(tmp_path / "store")
     root = alpha_ckpt.save(state, store=store, run="r", step="s", update=1, cursor=1, epoch=0,
                            max_shard_bytes=1_300_000)
-    stats = store.write_stats()
+    stats = store.write_modes.stats()
     modes = stats["modes"]
     assert modes[:4] == ["direct", "buffered", "direct", "buffered"] and len(modes) == 5
     # the rest: one batch, in the mode whose median (of two: the higher) of the probes was higher,
@@ -257,33 +238,31 @@ def test_a_new_process_probes_each_mode_on_single_shards_then_commits_the_rest_a
 def test_auto_learns_each_count_of_concurrent_writers_on_its_own(tmp_path, monkeypatch):
     # Alone, direct is the faster mode here; with four writers at once, buffered is. Samples of one
     # count must not decide the other's mode.
-    monkeypatch.setattr("alpha_ckpt.store._write_stats", {})
-    store = Store(tmp_path)
+    store = _auto(tmp_path)
     rates = {1: {"direct": 2.0, "buffered": 1.0}, 4: {"direct": 0.3, "buffered": 0.9}}
     for writers in (1, 4, 1, 4, 1, 4, 1, 4):
-        mode = store.write_mode_for_next_object(writers)
-        store.record_write(mode, 1 << 30, (1 << 30) / 1e9 / rates[writers][mode], writers=writers)
-    assert store.write_mode_for_next_object(1) == "direct"
-    assert store.write_mode_for_next_object(4) == "buffered"
-    assert {m: [round(r, 6) for r in v] for m, v in store.write_stats(4)["gbps"].items()} == \
+        mode = store.write_modes.for_next_object(writers)
+        store.write_modes.record(mode, 1 << 30, (1 << 30) / 1e9 / rates[writers][mode], writers=writers)
+    assert store.write_modes.for_next_object(1) == "direct"
+    assert store.write_modes.for_next_object(4) == "buffered"
+    assert {m: [round(r, 6) for r in v] for m, v in store.write_modes.stats(4)["gbps"].items()} == \
         {"direct": [0.3, 0.3], "buffered": [0.9, 0.9]}
-    assert store.measured_write_bytes_per_s(2) is None  # a count never seen starts its own probes
-    assert store.next_write_mode(2) == ("direct", True)
+    assert store.write_modes.measured_bytes_per_s(2) is None  # a count never seen starts its own probes
+    assert store.write_modes.next(2) == ("direct", True)
 
 
 def test_a_refusal_of_o_direct_holds_for_every_count_of_writers(tmp_path, monkeypatch):
-    monkeypatch.setattr("alpha_ckpt.store._write_stats", {})
-    store = Store(tmp_path)
-    store.record_write("direct", 1 << 20, 0.1, refused=True, writers=3)
-    assert all(store.write_mode_for_next_object(n) == "buffered" for n in (1, 2, 3, 8))
+    store = _auto(tmp_path)
+    store.write_modes.record("direct", 1 << 20, 0.1, refused=True, writers=3)
+    assert all(store.write_modes.for_next_object(n) == "buffered" for n in (1, 2, 3, 8))
 
 
 def test_writers_is_a_positive_count(tmp_path):
     from alpha_ckpt.errors import StoreUsageError
-    store = Store(tmp_path)
+    store = _auto(tmp_path)
     for bad in (0, -1, True, 1.5):
         with pytest.raises(StoreUsageError, match="writers"):
-            store.write_mode_for_next_object(bad)
+            store.write_modes.for_next_object(bad)
 
 
 def _collective_saves_write_in_the_coordinators_mode(rank, world, store_dir, publisher):
@@ -294,21 +273,21 @@ def _collective_saves_write_in_the_coordinators_mode(rank, world, store_dir, pub
     from alpha_ckpt import Checkpointer
     from alpha_ckpt import dcp as alpha_dcp
     writer.DIRECT_MIN_BYTES = 1 << 20  # each rank's shard of 2 MB takes part in the mode choice
-    os.environ["ALPHA_CKPT_WRITE_MODE"] = "auto"
     # Each rank's own measurements (of saves by 2 ranks) favour another mode: rank 0 buffered, rank 1 direct.
     faster = "buffered" if rank == 0 else "direct"
-    store = Store(os.path.join(store_dir, "ckpt"))  # measurements are per file system: both stores share them
+    store = _auto(os.path.join(store_dir, "ckpt"))  # the DCP backend's store shares its measurements
     for mode in ("direct", "buffered") * 2:
-        store.record_write(mode, 1 << 30, 0.5 if mode == faster else 2.0, writers=world)
+        store.write_modes.record(mode, 1 << 30, 0.5 if mode == faster else 2.0, writers=world)
     w = distribute_tensor(torch.randn(1_000_000, generator=torch.Generator().manual_seed(1)),
                           init_device_mesh("cpu", (world,)), [Shard(0)])
-    Checkpointer(os.path.join(store_dir, "ckpt"), run="r", step="s", publisher=publisher).save(
+    Checkpointer(store, run="r", step="s", publisher=publisher).save(
         {"w": w}, update=1, cursor=1)
-    after_checkpointer = store.write_stats(world)["modes"][4:]
-    dcp.save({"w": w}, storage_writer=alpha_dcp.StorageWriter(os.path.join(store_dir, "dcp"), run="r", update=1))
+    after_checkpointer = store.write_modes.stats(world)["modes"][4:]
+    shared = Store(os.path.join(store_dir, "dcp"), write_mode=store.write_modes)
+    dcp.save({"w": w}, storage_writer=alpha_dcp.StorageWriter(shared, run="r", update=1))
     dist.barrier()
-    return {"checkpointer": after_checkpointer, "dcp": store.write_stats(world)["modes"][5:],
-            "alone": store.write_stats(1)["modes"]}
+    return {"checkpointer": after_checkpointer, "dcp": store.write_modes.stats(world)["modes"][5:],
+            "alone": store.write_modes.stats(1)["modes"]}
 
 
 @pytest.mark.parametrize("publisher", ["star", "tree"])
@@ -336,13 +315,12 @@ def _save_with_agreed_mode(store, monkeypatch, agreed, shards):
     ({"direct": [1.0], "buffered": [1.0, 1.0]}, ["direct", "buffered"]),
 ])
 def test_an_agreed_mode_holds_except_for_probes(tmp_path, monkeypatch, small_blocks, seeded, expected):
-    monkeypatch.setattr("alpha_ckpt.store._write_stats", {})
-    store = Store(tmp_path / "store")
+    store = _auto(tmp_path / "store")
     for mode, seconds in seeded.items():
         for s in seconds:
-            store.record_write(mode, 1 << 30, s)
+            store.write_modes.record(mode, 1 << 30, s)
     _save_with_agreed_mode(store, monkeypatch, "buffered", 2)
-    assert store.write_stats()["modes"][sum(map(len, seeded.values())):] == expected
+    assert store.write_modes.stats()["modes"][sum(map(len, seeded.values())):] == expected
 
 
 @pytest.mark.parametrize("direct_over_margin, chosen", [(0.9, "buffered"), (1.05, "direct")])
@@ -351,13 +329,12 @@ def test_auto_takes_o_direct_only_when_it_is_clearly_faster(tmp_path, monkeypatc
     # device: a small gain in the save does not buy that. Buffered writes here: 1.0 GB/s.
     from alpha_ckpt.store import DIRECT_MARGIN
     assert DIRECT_MARGIN > 1.0
-    monkeypatch.setattr("alpha_ckpt.store._write_stats", {})
-    store = Store(tmp_path)
+    store = _auto(tmp_path)
     direct_gbps = DIRECT_MARGIN * direct_over_margin  # faster than buffered either way
     for _ in range(2):
-        store.record_write("direct", 1 << 30, (1 << 30) / 1e9 / direct_gbps)
-        store.record_write("buffered", 1 << 30, (1 << 30) / 1e9 / 1.0)
-    assert store.next_write_mode() == (chosen, False)
+        store.write_modes.record("direct", 1 << 30, (1 << 30) / 1e9 / direct_gbps)
+        store.write_modes.record("buffered", 1 << 30, (1 << 30) / 1e9 / 1.0)
+    assert store.write_modes.next() == (chosen, False)
 
 
 def _first_collective_save(rank, world, store_dir, publisher):
@@ -365,19 +342,18 @@ def _first_collective_save(rank, world, store_dir, publisher):
     from torch.distributed.tensor import Shard, distribute_tensor
     from alpha_ckpt import Checkpointer
     writer.DIRECT_MIN_BYTES = 1 << 20  # each rank's 2 MB share of a tensor is a large shard
-    os.environ["ALPHA_CKPT_WRITE_MODE"] = "auto"
     # No measurements yet, so rank 0 probes; each rank's probes then favour another mode (rank 0's
     # buffered, rank 1's direct), which each rank alone would take for the rest of the save.
     faster = "buffered" if rank == 0 else "direct"
-    real = Store.record_write
-    Store.record_write = lambda self, mode, nbytes, seconds, refused=False, writers=1: real(
+    real = WriteModes.record
+    WriteModes.record = lambda self, mode, nbytes, seconds, refused=False, writers=1: real(
         self, mode, nbytes, seconds / 100 if mode == faster else seconds, refused, writers)
     mesh = init_device_mesh("cpu", (world,))
     g = torch.Generator().manual_seed(2)
     state = {f"w{i}": distribute_tensor(torch.randn(1_000_000, generator=g), mesh, [Shard(0)]) for i in range(6)}
-    ckpt = Checkpointer(os.path.join(store_dir, "ckpt"), run="r", step="s", publisher=publisher)
+    ckpt = Checkpointer(_auto(os.path.join(store_dir, "ckpt")), run="r", step="s", publisher=publisher)
     ckpt.save(state, update=1, cursor=1)
-    return ckpt.store.write_stats(world)["modes"]
+    return ckpt.store.write_modes.stats(world)["modes"]
 
 
 @pytest.mark.parametrize("publisher", ["star", "tree"])

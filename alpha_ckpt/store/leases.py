@@ -25,15 +25,15 @@ import stat
 from dataclasses import dataclass
 from typing import Callable
 
-from .durable import file_kind
-from .errors import Refusal, RefusalCode
-from .format import canonical_json, check_name, parse_canonical_json
+from ..durable import file_kind
+from ..errors import Refusal, RefusalCode
+from ..format import canonical_json, check_name, parse_canonical_json
+from .layout import PENDING, StoreLayout
 
-PENDING_DIR = "pending"
+PENDING_DIR = PENDING
 STALE_AFTER_S = 6 * 3600.0
 CLOCK_SLACK_S = 2.0  # file times and time.time() may disagree a little (coarse clocks, a file server's clock)
 MAX_LEASE_BYTES = 4096
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def lease_is_stale(lease: Lease, now: float, grace: float) -> bool:
     return process_alive(lease.pid, lease.host, lease.pid_start) is False
 
 
-def read_leases(store_root: str, on_hostile: Callable[[str, str], None] | None = None,
+def read_leases(layout: StoreLayout, on_hostile: Callable[[str, str], None] | None = None,
                 ) -> list[tuple[str, Lease | None, float]]:
     """Every lease file of STORE/pending: (name, the lease or None where unreadable or half-written, mtime).
 
@@ -122,7 +122,7 @@ def read_leases(store_root: str, on_hostile: Callable[[str, str], None] | None =
     cannot tell which publishes are in flight).
     """
     try:
-        dir_fd = os.open(os.path.join(store_root, PENDING_DIR), _DIR_FLAGS)
+        dir_fd = layout.open_dir(PENDING_DIR)
     except FileNotFoundError:
         return []
     except OSError as exc:

@@ -1,0 +1,43 @@
+"""The content-addressed store: objects and refs under one root.
+
+    layout.py      where everything lies under the root (objects and their fan-out, refs, tmp, pending,
+                   quarantine, pins, verified, outputs): the one module that knows the directory layout
+    backend.py     the storage interface (StorageBackend): put an object if absent, read, list,
+                   publish a ref if absent, compare-and-swap a run's head, delete
+    posix.py       its first implementation, the POSIX file system (PosixBackend)
+    refs.py        the ref format, a run/step's History and the fence a publish passes
+    objects.py     an object opened for reading (ObjectFile)
+    write_mode.py  how large objects are written (WriteModes, the learner a Store owns)
+    leases.py, pending.py   pending-publish leases (what lets gc run beside a publish)
+    sweep.py       gc's file operations: set objects and refs aside, put them back, remove
+    pinfiles.py    the pins directory's files (what a pin means: alpha_ckpt.pins)
+    records.py     the verified directory's files (what a record means: alpha_ckpt.complete)
+    store.py       the Store, over a backend
+
+Every write goes through :func:`alpha_ckpt.durable.durable_commit`. Every read
+opens relative to the store's directory descriptors with O_NOFOLLOW and
+requires a regular file, so a name can never escape the store. Paths are
+runtime bindings: a copied or moved store works unchanged.
+"""
+from __future__ import annotations
+
+from ._posix import write_all
+from .backend import PutResult, RefDir, RefUnreadable, StorageBackend
+from .layout import StoreLayout
+from .leases import PENDING_DIR
+from .objects import FAN_NAME_RE, ObjectFile, Validate
+from .pending import PublishLease
+from .posix import PosixBackend
+from .refs import (MAX_PUBLISHED_AT, MAX_REF_BYTES, REF_DIGITS, REF_NAME_RE, History, RefRecord, UnreadableRef,
+                   check_fence, decode_ref, encode_ref)
+from .store import QUARANTINE_DIR, Store
+from .write_mode import (DEFAULT_WRITE_MODE, DEFAULT_WRITE_THREADS, DIRECT_MARGIN, EXPLORE_EVERY, WRITE_MODES,
+                         WriteModes)
+
+__all__ = [
+    "DEFAULT_WRITE_MODE", "DEFAULT_WRITE_THREADS", "DIRECT_MARGIN", "EXPLORE_EVERY", "FAN_NAME_RE",
+    "MAX_PUBLISHED_AT", "MAX_REF_BYTES", "PENDING_DIR", "QUARANTINE_DIR", "REF_DIGITS", "REF_NAME_RE",
+    "WRITE_MODES", "History", "ObjectFile", "PosixBackend", "PublishLease", "PutResult", "RefDir", "RefRecord",
+    "RefUnreadable", "StorageBackend", "Store", "StoreLayout", "UnreadableRef", "Validate", "WriteModes",
+    "check_fence", "decode_ref", "encode_ref", "write_all",
+]

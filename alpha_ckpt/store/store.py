@@ -1,0 +1,319 @@
+"""The Store: a content-addressed store of objects and refs under one root (see :mod:`alpha_ckpt.store`).
+
+The Store knows what names mean (digests, generations, histories, fencing, when an existing object
+may be reused); its backend (:mod:`alpha_ckpt.store.backend`) keeps the bytes.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import time
+from typing import Callable, Iterator, Sequence
+
+from ..errors import DurableWriteError, PublishConflict, Refusal, RefusalCode, StoreUsageError
+from ..format import CapturePrefix, check_name, is_digest
+from ._posix import _log
+from . import layout as L
+from .backend import RefDir, RefUnreadable
+from .layout import StoreLayout, ref_name
+from .objects import ObjectFile, Validate
+from .pending import PublishLease, _LeaseBook
+from .posix import PosixBackend
+from .refs import History, RefRecord, UnreadableRef, check_fence, decode_ref, encode_ref
+from .write_mode import DEFAULT_WRITE_MODE, DEFAULT_WRITE_THREADS, WriteModes, check_write_threads
+
+QUARANTINE_DIR = L.QUARANTINE
+
+
+class Store:
+    """A store rooted at ``root`` (created if missing).
+
+    ``write_mode``: how large objects are written, "buffered" (the default), "direct" (O_DIRECT) or
+    "auto" (by measurement), or a :class:`WriteModes` learner to share with other stores on the same
+    file system; the store's learner is :attr:`write_modes`. ``write_threads``: how many files of one
+    batch (a save's shards) are written at once. Where things lie under ``root``: :attr:`layout`.
+    """
+
+    def __init__(self, root: str | os.PathLike, *, create: bool = True,
+                 write_mode: str | WriteModes = DEFAULT_WRITE_MODE, write_threads: int = DEFAULT_WRITE_THREADS):
+        self.layout = StoreLayout(root)
+        self.root = self.layout.root
+        self.objects_opened = 0  # objects opened for reading: tests prove a restore reads only its path
+        self.bytes_written = 0   # bytes of objects this handle created (a deduplicated object adds none)
+        self.write_modes = write_mode if isinstance(write_mode, WriteModes) else WriteModes(write_mode)
+        self.write_threads = check_write_threads(write_threads)
+        self.backend = PosixBackend(self.layout, create)
+        # Leases are files beside the objects, written through the root's descriptor (see pending.py).
+        self._leases = _LeaseBook(self.backend.root_fd)
+
+    def close(self) -> None:
+        self._leases.close()
+        self.backend.close()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # A handle dropped without close() gives its directory descriptors back: a long job that
+        # opens a store per save would otherwise run out of them.
+        if hasattr(self, "_leases"):  # not when __init__ failed before opening everything
+            self.close()
+
+    def probe_write(self) -> None:
+        """Write and remove a file where every publish starts (OSError if the store cannot be written)."""
+        self.backend.probe_write()
+
+    # ------------------------------------------------------------ objects
+
+    def has_object(self, digest: str) -> bool:
+        return self.backend.has_object(self.check_digest(digest))
+
+    def put_object(self, write: Callable[[int], str], digest_hint: str | None = None, *,
+                   validate: Validate) -> tuple[str, bool]:
+        """Durably write an object; ``write(fd)`` writes it and returns its digest.
+
+        Returns (digest, written). An object that already exists is not written
+        again (same name, same content): that is the dedup. It is reused only
+        once it is known intact (see :meth:`PosixBackend.reuse_object`): ``validate(obj, what)``
+        checks an existing file's content against its name, raising a Refusal
+        if it does not match (the store knows names, not what objects hold:
+        :func:`alpha_ckpt.restore.validate_object_file` does). Anything else found
+        under the name is set aside into ``quarantine/`` and the object
+        committed anew. A reused object's modification time is renewed, so
+        gc's grace period protects it until the publish reusing it has its ref.
+        """
+        if digest_hint is not None and self.backend.reuse_object(self.check_digest(digest_hint), None, validate):
+            return digest_hint, False
+        return self.put_objects([write], validate=validate)[0]
+
+    def put_objects(self, writes: Sequence[Callable[[int], str]], *, validate: Validate) -> list[tuple[str, bool]]:
+        """Durably write several objects as :meth:`put_object` does, in one batched durable commit.
+
+        Every object is written before any is fsynced (see
+        :func:`alpha_ckpt.durable.durable_commit_all`), so the disk streams the
+        batch and each directory is fsynced once; :attr:`write_threads` of them are
+        written at once. Returns (digest, written) per write, in order.
+        """
+        def checked(write: Callable[[int], str]) -> Callable[[int], str]:
+            return lambda fd: self.check_digest(write(fd))
+
+        results: list[tuple[str, bool] | None] = [None] * len(writes)
+        left = list(range(len(writes)))
+        names: dict[int, str] = {}
+        for _ in range(3):  # again only if the existing copy was set aside or removed (gc) in between
+            puts = self.backend.put_objects([checked(writes[i]) for i in left], self.write_threads)
+            again = []
+            for i, put in zip(left, puts):
+                names[i] = put.name
+                if not put.created:
+                    if self.backend.reuse_object(put.name, put.size, validate):
+                        results[i] = (put.name, False)
+                    else:
+                        again.append(i)
+                    continue
+                self.bytes_written += put.size
+                results[i] = (put.name, True)
+            left = again
+            if not left:
+                return results  # type: ignore[return-value]
+        raise DurableWriteError("rename", errno.EEXIST, f"object {names[left[0]]} kept disappearing while being reused")
+
+    def renew_object(self, digest: str) -> bool:
+        """Renew an object's modification time (False if it is gone): gc then counts it as young."""
+        return self.backend.renew_object(self.check_digest(digest))
+
+    @staticmethod
+    def check_digest(digest: object) -> str:
+        if not is_digest(digest):
+            raise Refusal(RefusalCode.FORMAT, f"object name {digest!r} is not a plain 64-hex digest")
+        return digest  # type: ignore[return-value]
+
+    def open_object(self, digest: str, what: str) -> ObjectFile:
+        """Open an object for reading: a regular file, never through a symlink."""
+        self.check_digest(digest)
+        self.objects_opened += 1
+        return self.backend.open_object(digest, what)
+
+    def object_path(self, digest: str) -> str:
+        self.check_digest(digest)
+        return self.layout.object_path(digest)
+
+    def iter_objects(self, on_hostile: Callable[[str, str], None] | None = None) -> Iterator[str]:
+        """Every object's name, in order (see :meth:`PosixBackend.list_objects`): anything under
+        objects/ that is no object of this store is skipped, and ``on_hostile(path, why)`` hears of it."""
+        return self.backend.list_objects(on_hostile)
+
+    # ------------------------------------------------------------ pending publishes
+
+    def pending_publish(self, run: str, step: str) -> "PublishLease":
+        """Take a lease for a publish of (run, step) about to write objects; release it once the ref is out.
+
+        ``with store.pending_publish(run, step): ...write objects, publish the ref...``. While it is held,
+        gc removes no object modified after the lease started. Overlapping publishes of one process share
+        one lease file.
+        """
+        check_name(run, "run")
+        check_name(step, "step")
+        return self._leases.acquire(run, step)
+
+    # ------------------------------------------------------------ refs
+
+    def _refs_dir(self, run: str, step: str, create: bool) -> RefDir | None:
+        check_name(run, "run")
+        check_name(step, "step")
+        return self.backend.ref_dir(run, step, create)
+
+    def publish_ref(self, prefix: CapturePrefix, root: str, root_size: int, total_bytes: int, owners: int, *,
+                    follows: int | None = None) -> RefRecord:
+        """Publish the next generation of (run, step): a NOREPLACE ref naming ``root``, if the history allows it.
+
+        History fencing (:func:`check_fence`): the refs are read from the
+        newest down to the newest readable one (:meth:`history`), and a publish
+        whose epoch is older than the newest generation's is refused
+        (``stale-epoch``); with ``follows`` (the highest generation number this
+        publisher has seen in its history, 0 for an empty history), a history
+        that has taken a number since is refused too (``fenced``) when that
+        generation is of the same epoch or cannot be read. The ref then takes
+        the number after the highest one taken (an unreadable ref's number is
+        never reused) with NOREPLACE, so the check is race-free: a publisher
+        that lost the number re-reads the newest ref and is fenced, or gets
+        :class:`PublishConflict` (retryable) when the winner was not one to
+        fence it. Publishing the root the newest ref already names returns that
+        ref (a retried save is idempotent). Unreadable refs passed over are
+        named on stderr.
+        """
+        with self._refs_dir_made(prefix.run, prefix.step) as refs:
+            history = self._history(refs, prefix.run, prefix.step, whole=False)
+            newest = history.newest
+            if newest is not None and newest.generation == history.top \
+                    and (newest.root, newest.prefix) == (root, prefix):
+                return newest  # this very state is already the newest generation (a retried save): nothing to add
+            check_fence(history, prefix, follows)
+            generation = history.top + 1
+            record = RefRecord(prefix.run, prefix.step, generation, root, root_size, prefix, time.time(), total_bytes,
+                               owners)
+            if not refs.cas_head(history.top, self._ref_body(record)):
+                winner = self._read_ref(refs, prefix.run, prefix.step, generation)
+                if isinstance(winner, RefRecord):  # it may fence this publish: say so precisely
+                    check_fence(History(prefix.run, prefix.step, (winner,), generation), prefix, follows)
+                raise PublishConflict(f"generation {generation} of {prefix.run}/{prefix.step} was published by "
+                                      "another publisher")
+            for bad in history.unreadable_above:
+                _log(f"alpha_ckpt: store {self.root}: ref {bad.name} cannot be read and was passed over: "
+                     f"{bad.refusal}; generation {generation} follows "
+                     f"{'generation ' + str(newest.generation) if newest else 'no readable generation'}\n")
+            return record
+
+    def put_ref(self, record: RefRecord) -> None:
+        """Durably write ``record`` as generation ``record.generation`` of its run and step if that number is
+        free (FileExistsError if not). The storage step under :meth:`publish_ref`, with no history check:
+        only :meth:`publish_ref` publishes a generation that follows its history."""
+        with self._refs_dir_made(record.run, record.step) as refs:
+            refs.put(record.generation, self._ref_body(record))
+
+    def _refs_dir_made(self, run: str, step: str) -> RefDir:
+        refs = self._refs_dir(run, step, create=True)
+        if refs is None:
+            raise StoreUsageError(f"{self.root!r} is not an alpha_ckpt store (no {L.REFS}/)")
+        return refs
+
+    @staticmethod
+    def _ref_body(record: RefRecord) -> bytes:
+        body = encode_ref(record)
+        # The last line of defence: never write a ref that this store's readers would refuse (it
+        # would stand as the newest generation and refuse every later publish and restore).
+        decode_ref(body, f"ref {record.run}/{record.step}/{ref_name(record.generation)} (not written)")
+        return body
+
+    def history(self, run: str, step: str, *, whole: bool = True) -> History:
+        """The refs of (run, step) (see :class:`History`): every one, or with ``whole=False`` only those from
+        the newest readable one up (one listing, and usually one ref read)."""
+        refs = self._refs_dir(run, step, create=False)
+        if refs is None:
+            return History(run, step, (), 0)
+        with refs:
+            return self._history(refs, run, step, whole)
+
+    def _history(self, refs: RefDir, run: str, step: str, whole: bool) -> History:
+        numbers = refs.numbers()
+        entries = []
+        for generation in reversed(numbers):
+            entry = self._read_ref_entry(refs, run, step, generation)
+            if entry is None:
+                continue  # removed since the listing (gc): no generation, but its number was taken
+            entries.append(entry)
+            if not whole and isinstance(entry, RefRecord):
+                break
+        return History(run, step, tuple(reversed(entries)), numbers[-1] if numbers else 0)
+
+    def list_refs(self, run: str, step: str) -> list[RefRecord | Refusal]:
+        """Every generation of (run, step), oldest first; unreadable refs are returned as refusals."""
+        return self.history(run, step).listing()
+
+    def _read_ref(self, refs: RefDir, run: str, step: str, generation: int) -> RefRecord | Refusal:
+        entry = self._read_ref_entry(refs, run, step, generation)
+        if entry is None:
+            return Refusal(RefusalCode.FORMAT, f"ref {run}/{step}/{ref_name(generation)}: cannot open (gone)")
+        return entry if isinstance(entry, RefRecord) else entry.refusal
+
+    def _read_ref_entry(self, refs: RefDir, run: str, step: str, generation: int) -> RefRecord | UnreadableRef | None:
+        """The ref ``generation``: its record, why it cannot be read, or None where it is gone."""
+        what = f"ref {run}/{step}/{ref_name(generation)}"
+        try:
+            data = refs.read(generation)
+        except RefUnreadable as exc:
+            return UnreadableRef(run, step, generation, Refusal(RefusalCode.FORMAT, f"{what}: {exc.why}"), exc.damaged)
+        if data is None:
+            return None
+        try:
+            record = decode_ref(data, what)
+        except Refusal as refusal:
+            return UnreadableRef(run, step, generation, refusal, True)
+        if (record.run, record.step, record.generation) != (run, step, generation):
+            return UnreadableRef(run, step, generation, Refusal(
+                RefusalCode.FORMAT, f"{what}: names generation {record.run}/{record.step}/{record.generation}"), True)
+        return record
+
+    def newest_ref(self, run: str, step: str) -> RefRecord | None:
+        """The newest readable generation of (run, step) (see :meth:`history`), or None."""
+        return self.history(run, step, whole=False).newest
+
+    def set_aside_ref(self, run: str, step: str, generation: int) -> str | None:
+        """Move the unreadable ref ``generation`` into ``quarantine/`` (gc): the name it got there, or None.
+
+        Only a ref that is damaged for good (:attr:`UnreadableRef.damaged`,
+        read again now) and not the newest number taken is moved: a newer ref
+        keeps the numbering past it, so its number is never reused. Renamed,
+        never deleted (it is evidence); gc sweeps it after the grace period.
+        """
+        refs = self._refs_dir(run, step, create=False)
+        if refs is None:
+            return None
+        with refs:
+            entry = self._read_ref_entry(refs, run, step, generation)
+            numbers = refs.numbers()
+            if not (isinstance(entry, UnreadableRef) and entry.damaged and numbers and numbers[-1] > generation):
+                return None
+            # Run and step names are long enough to overflow a name: the log line says where it came from.
+            aside = f"ref-{ref_name(generation)}-{int(time.time())}-{secrets.token_hex(4)}"
+            if not refs.set_aside(generation, aside, entry.name):
+                return None
+        _log(f"alpha_ckpt: store {self.root}: ref {entry.name} cannot be read: {entry.refusal}; "
+             f"set aside as {QUARANTINE_DIR}/{aside}\n")
+        return aside
+
+    def find_ref(self, root: str) -> RefRecord | None:
+        """The first ref (any run/step) that names ``root``, or None."""
+        for run, step in self.runs():
+            for record in self.list_refs(run, step):
+                if isinstance(record, RefRecord) and record.root == root:
+                    return record
+        return None
+
+    def runs(self) -> list[tuple[str, str]]:
+        """Every (run, step) with a refs directory; symlinks and odd names are skipped."""
+        return self.backend.runs()
