@@ -40,7 +40,7 @@ def test_a_frozen_region_costs_zero_bytes_written_in_later_generations(tmp_path)
     assert carry.bytes_carried >= 2 * table
     for step, root in enumerate(roots, start=1):
         restored = {"embedding": torch.empty(4096, 128), "head": torch.empty(64, 8), "step": torch.tensor(0)}
-        counters = alpha_ckpt.load(restored, store=store, digest=root)
+        counters = alpha_ckpt.load(restored, store=store, root=root)
         assert counters.update == step and torch.equal(restored["embedding"], _state(0)["embedding"])
         assert torch.equal(restored["head"], _state(step)["head"])
 

@@ -151,7 +151,7 @@ def test_a_statefuldataloader_with_its_default_generator_resumes_bit_identical_t
     loader = _loader()
     state = {"rng": alpha_ckpt.RNGState(), "data": loader} if rng_first else \
         {"data": loader, "rng": alpha_ckpt.RNGState()}
-    alpha_ckpt.load(state, store=str(tmp_path / "s"), digest=root)
+    alpha_ckpt.load(state, store=str(tmp_path / "s"), root=root)
     after = []
     for batch in loader:  # the rest of the interrupted epoch, then new epochs as the script makes them
         after.append((batch.tolist(), torch.rand(()).item(), random.random()))
