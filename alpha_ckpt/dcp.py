@@ -63,16 +63,11 @@ from .writer import group_parts, word_bytes, write_manifest, write_shards
 __all__ = ["StorageWriter", "StorageReader", "encode_metadata", "decode_metadata", "DCP_KEY"]
 
 # Each chunk is stored as slices of at most this many bytes, each with its own BLAKE3 and block
-# digests. A resharded load reads only the 64 KiB blocks that hold its words, whatever the slice
-# size; 4, 16 and 32 MiB slices loaded a 1 GiB Shard(0) state cold on 4 ranks in the same time
-# (medians 0.50, 0.53 and 0.51 s). Saves of that state (paired probes of 30 rounds) took 1.14x
-# and 1.22x as long on 2 ranks with 16 and 32 MiB slices as with 4 MiB ones, and 0.79-0.96x as
-# long on 4 ranks with 16 MiB ones (in 16 or 32 MiB shards); the 2-rank benchmark with 16 MiB
-# slices missed DCP (0.67x) where 4 MiB ones met it (1.46x). So 4 MiB stays.
+# digests. A resharded load reads only the 64 KiB blocks that hold its words whatever the slice size,
+# and larger slices made saves slower (docs/BENCHMARKS.md, "slice size").
 SLICE_BYTES = 4 << 20
-# A rank's slices go into shards of at most this many bytes. Cold loads of a rank's whole share in
-# one shard ran at 0.60-0.92x DCP's throughput in every benchmark run; 32 MiB shards at 1.12-1.23x
-# in one run and 0.78-0.99x in the next (saves: one durable commit per shard, 10-20% slower).
+# A rank's slices go into shards of at most this many bytes: one shard per rank loaded slower cold,
+# and smaller shards cost a durable commit each (docs/BENCHMARKS.md).
 SHARD_BYTES = 32 << 20
 
 
