@@ -2,7 +2,7 @@
 
 Call order (every rank of the group, the same calls in the same order)::
 
-    ckpt = Checkpointer()                      # store/run/resume from alpha-run's environment, or arguments
+    ckpt = Checkpointer(store, run="r")        # or Checkpointer.from_launcher_env() under alpha-run
     counters = ckpt.restore(state)             # None: nothing to resume (a fresh start)
     for step in ...:
         ...
@@ -45,10 +45,10 @@ from __future__ import annotations
 import io
 import json
 import logging
-import math
 import os
 import sys
 import time
+import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Sequence
@@ -63,9 +63,7 @@ from ..hooks import fault_point
 from ..heap import cyclic_gc_paused
 from ..errors import (DurableWriteError, PublishConflict, PublishFailed, Refusal, RefusalCode, StoreUsageError,
                       UsageError)
-from ..format import (CapturePrefix, DTYPES, RegionDecl, ShardRef, block_digests, canonical_json,
-                      check_json_value, check_name,
-                      joined_digest)
+from ..format import CapturePrefix, DTYPES, RegionDecl, ShardRef, block_digests, canonical_json, joined_digest
 from ..gc import retain_newest
 from ..planner import Hierarchy, Piece, WantedSlice, owners_holding, shares
 from ..progress import emit, format_bytes, is_tty
@@ -73,22 +71,27 @@ from ..publish.tree import GroupTransport, TreeRole, write_or_fail
 from ..publish.wire import broadcast_json, gather_json
 from ..manifest import check_coverage, check_region_names, check_root_manifest, encode_identity, identity_matches
 from ..restore import Counters, latest_order, open_generation, prepare_fill
-from ..state.capture import capture_state, pattern_list
+from ..state.capture import capture_state
 from ..state.load import plan_load
-from ..state.rules import METADATA_KEY as PLACEMENT_KEY, PlacementRules, recorded_per_rank
+from ..state.rules import recorded_per_rank
 from ..values import decode_value, dotted_leaves
 from ..store import RefRecord, Store
 from ..writer import ShardCarry, word_view, write_manifest
-from .schedule import Schedule
+from ..launch_env import launcher_settings
+from .options import CheckpointerOptions
 from .verdict import agree, any_rank
 
 logger = logging.getLogger("alpha_ckpt")
 
-STORE_ENV, RUN_ENV, RESUME_ENV = "ALPHA_CKPT_STORE", "ALPHA_CKPT_RUN", "ALPHA_CKPT_RESUME"
-PUBLISHER_ENV, FANOUT_ENV, COMMIT_TIMEOUT_ENV = "ALPHA_CKPT_PUBLISHER", "ALPHA_CKPT_FANOUT", "ALPHA_CKPT_COMMIT_TIMEOUT"
-SAVE_ENV, IN_FLIGHT_ENV, EVERY_ENV, MTBF_ENV = "ALPHA_CKPT_SAVE", "ALPHA_CKPT_IN_FLIGHT", "ALPHA_CKPT_EVERY", "ALPHA_CKPT_MTBF"
-COST_ENV = "ALPHA_CKPT_CHECKPOINT_COST"
-_FROM_ENV = object()
+_FROM_OPTIONS = object()
+
+
+class _Default:
+    def __repr__(self) -> str:
+        return "<the option's default>"
+
+
+_DEFAULT: Any = _Default()  # a keyword argument left out: CheckpointerOptions' default
 SPREAD_BYTES = 1 << 20  # replicated regions this large are spread over the ranks (star and tree)
 # Refusals of a generation's bytes: under "latest" the next older generation is tried. Any other
 # refusal (a binding, a destination that does not match) would refuse the older ones too.
@@ -99,76 +102,52 @@ DAMAGE = frozenset({RefusalCode.CORRUPT_SHARD, RefusalCode.MISSING_SHARD, Refusa
 class Checkpointer:
     """Collective checkpoints of one run/step of a training script (see the module docstring)."""
 
-    def __init__(self, store: str | os.PathLike | None = None, *, run: str | None = None, step: str = "train",
-                 group: Any = None, publisher: str | None = None, fanout: int | None = None,
-                 commit_timeout: float | None = None, save: str | None = None, in_flight: str | None = None,
-                 identity: Any = None, allow_nonfinite: str | Sequence[str] = (), every: int | str | None = None,
-                 mtbf: float | str | None = None, checkpoint_cost: float | str | None = None,
-                 keep: int | None = None, metadata: Mapping[str, Any] | None = None,
-                 bindings: Callable[[Any], None] | None = None, bind_devices: bool = False,
-                 per_rank: Sequence[str] | str = (), from_rank0: Sequence[str] | str = ()):
-        # An argument left out takes what alpha-run passed (its flag of the same name), else the default.
-        store = store if store is not None else os.environ.get(STORE_ENV)
-        run = run if run is not None else os.environ.get(RUN_ENV)
-        publisher = publisher or os.environ.get(PUBLISHER_ENV) or "star"
-        fanout = fanout if fanout is not None else int(os.environ.get(FANOUT_ENV) or 8)
-        commit_timeout = commit_timeout if commit_timeout is not None else float(os.environ.get(COMMIT_TIMEOUT_ENV) or 60)
-        save = save or os.environ.get(SAVE_ENV) or "sync"
-        in_flight = in_flight or os.environ.get(IN_FLIGHT_ENV) or "wait"
-        if every is None and os.environ.get(EVERY_ENV):
-            every = os.environ[EVERY_ENV] if os.environ[EVERY_ENV] == "auto" else int(os.environ[EVERY_ENV])
-            mtbf = mtbf if mtbf is not None else os.environ.get(MTBF_ENV) or None
-            checkpoint_cost = checkpoint_cost if checkpoint_cost is not None else os.environ.get(COST_ENV) or None
-        if store is None or run is None:
-            raise UsageError("Checkpointer needs store= and run= (alpha-run passes them as ALPHA_CKPT_STORE and "
-                             "ALPHA_CKPT_RUN)")
-        try:  # an argument of the script's that cannot be: a usage error (exit 2), not a checkpoint's refusal
-            self.run, self.step = check_name(run, "run"), check_name(step, "step")
-            encode_identity(identity)  # a typed value (tuples, int keys, floats exact): refused here, not at a save
-        except (Refusal, ValueError, TypeError) as exc:
-            raise UsageError(f"Checkpointer: {exc}") from None
-        if publisher not in ("star", "tree"):
-            raise UsageError(f"publisher is 'star' or 'tree', not {publisher!r}")
-        if save not in ("sync", "async"):
-            raise UsageError(f"save is 'sync' or 'async', not {save!r}")
-        if in_flight not in ("wait", "skip"):
-            raise UsageError(f"in_flight is 'wait' or 'skip', not {in_flight!r}")
-        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 2):
-            raise UsageError(f"keep is at least 2 (the previous complete generation must survive a failed save), "
-                             f"not {keep!r}")
-        if not (commit_timeout > 0 and math.isfinite(commit_timeout)):
-            raise UsageError(f"commit_timeout is a positive number of seconds, not {commit_timeout!r}")
-        metadata = dict(metadata or {})
-        try:
-            check_json_value(metadata, "metadata")  # what a restore reads back is what was given
-        except ValueError as exc:
-            raise UsageError(f"Checkpointer: {exc}") from None
-        if set(metadata) & {"identity", "owners", "devices", "layout", PLACEMENT_KEY}:
-            raise UsageError("metadata= may not set identity, owners, devices, layout or placement_patterns (the "
-                             "Checkpointer records them)")
-        # Entries placed by name (alpha_ckpt/state/rules.py), recorded in every root manifest.
-        try:
-            self.rules = PlacementRules.of(per_rank, from_rank0)
-        except ValueError as exc:
-            raise UsageError(f"Checkpointer: {exc}") from None
-        metadata.update(self.rules.recorded())
+    def __init__(self, store: str | os.PathLike | Store | None = None, *, run: str | None = None,
+                 step: str = _DEFAULT, group: Any = None, publisher: str = _DEFAULT, fanout: int = _DEFAULT,
+                 commit_timeout: float = _DEFAULT, save: str = _DEFAULT, in_flight: str = _DEFAULT,
+                 identity: Any = _DEFAULT, allow_nonfinite: str | Sequence[str] = _DEFAULT,
+                 every: int | str | None = _DEFAULT, mtbf: float | str | None = _DEFAULT,
+                 checkpoint_cost: float | str | None = _DEFAULT, keep: int | None = _DEFAULT,
+                 metadata: Mapping[str, Any] | None = _DEFAULT, bindings: Callable[[Any], None] | None = None,
+                 bind_devices: bool = _DEFAULT, per_rank: Sequence[str] | str = _DEFAULT,
+                 from_rank0: Sequence[str] | str = _DEFAULT, resume: str | None = _DEFAULT,
+                 options: CheckpointerOptions | None = None):
+        """The keyword arguments are :class:`CheckpointerOptions`' (documented there); or pass ``options=``.
+        ``group``: the torch.distributed group (default: the default group). ``bindings``: a program's own
+        check of a generation's root manifest, run by rank 0 before any rank reads a shard (it raises a
+        Refusal)."""
+        given = {k: v for k, v in dict(store=store, run=run, step=step, publisher=publisher, fanout=fanout,
+                                       commit_timeout=commit_timeout, save=save, in_flight=in_flight,
+                                       identity=identity, allow_nonfinite=allow_nonfinite, every=every, mtbf=mtbf,
+                                       checkpoint_cost=checkpoint_cost, keep=keep, metadata=metadata,
+                                       bind_devices=bind_devices, per_rank=per_rank, from_rank0=from_rank0,
+                                       resume=resume).items()
+                 if v is not _DEFAULT and (v is not None or k == "resume")}  # None: the default, but resume=None
+        if options is not None:
+            if given:
+                raise UsageError(f"Checkpointer: options= or keyword options, not both ({', '.join(sorted(given))})")
+        elif store is None or run is None:
+            warnings.warn("Checkpointer() without store= and run= reads alpha-run's settings: call "
+                          "Checkpointer.from_launcher_env() instead", DeprecationWarning, stacklevel=2)
+            options = _launcher_options(given)
+        else:
+            options = CheckpointerOptions(**given)
+        self.options = options
+        self.run, self.step = options.run, options.step
+        self.rules = options.rules()  # entries placed by name (alpha_ckpt/state/rules.py), recorded in every root manifest
         # A program's own bindings: recorded in every root manifest (metadata=) and checked by rank 0
         # on a generation before any rank reads a shard (bindings(root manifest) raises a Refusal).
         # bind_devices: each rank's device must be the very one that saved its rank (UUID), not only the product.
-        self.metadata, self.bindings, self.bind_devices = metadata, bindings, bind_devices
+        self.metadata = {**options.metadata, **self.rules.recorded()}
+        self.bindings, self.bind_devices = bindings, options.bind_devices
         self._branch = False
         self._fence = None  # an asynchronous save whose snapshot is still being taken (defer_snapshot=True)
-        try:
-            self.schedule = Schedule(every, mtbf, checkpoint_cost)
-        except ValueError as exc:
-            raise UsageError(f"Checkpointer: {exc}") from None
+        self.schedule = options.schedule()
         self._due_asked = False  # due() said yes: the save that follows re-plans (every="auto")
-        self.identity, self.keep = identity, keep
-        try:
-            self.allow_nonfinite = pattern_list(allow_nonfinite, "allow_nonfinite")  # a bare string: one pattern
-        except ValueError as exc:
-            raise UsageError(f"Checkpointer: {exc}") from None
-        self.publisher, self.commit_timeout = publisher, float(commit_timeout)
+        self.identity, self.keep = options.identity, options.keep
+        self.allow_nonfinite = options.allow_nonfinite
+        store, fanout, save, in_flight = options.store, options.fanout, options.save, options.in_flight
+        self.publisher, self.commit_timeout = options.publisher, options.commit_timeout
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.hierarchy = Hierarchy(self.world, fanout)
@@ -203,6 +182,15 @@ class Checkpointer:
                                          [g for g in (self._save_group, self._control if nccl else None) if g])
         self.device = current_device(torch.device("cuda", torch.cuda.current_device()) if nccl
                                      else torch.device("cpu"))
+
+    @classmethod
+    def from_launcher_env(cls, *, group: Any = None, bindings: Callable[[Any], None] | None = None,
+                          **overrides: Any) -> "Checkpointer":
+        """The Checkpointer of a script started by alpha-run: its store, run, resume choice and
+        checkpoint flags (alpha_ckpt/launch_env.py), each overridden by the keyword argument of
+        the same name given here; restores are announced. :class:`UsageError` naming what is
+        missing when this process was not started by alpha-run."""
+        return cls(options=_launcher_options(overrides), group=group, bindings=bindings)
 
     def due(self, update: int) -> bool:
         """Whether ``update`` should be saved, by ``every=`` (the same answer on every rank).
@@ -271,6 +259,12 @@ class Checkpointer:
             self._replan(update)  # after a save the schedule asked for (not after one the script adds)
         self._due_asked = False
         return result
+
+    @property
+    def snapshotting(self):
+        """The asynchronous save (its handle) whose copy of the tensors is still being taken on the save
+        thread (``defer_snapshot=True``), or None: its tensors must not change before :meth:`wait_snapshot`."""
+        return self._fence
 
     def wait_snapshot(self) -> None:
         """Return once the asynchronous save in flight has its copy of the tensors (``defer_snapshot``)."""
@@ -515,19 +509,19 @@ class Checkpointer:
     # ------------------------------------------------------------------ restore
 
     @cyclic_gc_paused()
-    def restore(self, state: Mapping[str, Any], root: Any = _FROM_ENV, *, per_rank: str = "keep",
+    def restore(self, state: Mapping[str, Any], root: Any = _FROM_OPTIONS, *, per_rank: str = "keep",
                 branch: bool = False) -> Counters | None:
         """Collective: restore ``state`` from ``root`` ("latest", a digest, or None: start fresh).
 
-        The default is alpha-run's choice (``--resume latest`` / ``--resume-from D``;
-        none given: a fresh start), or "latest" outside alpha-run. Returns the
-        generation's counters, or None when there was nothing to resume. Every rank
-        raises the same Refusal, before any rank copies a byte, when anything is wrong.
-        ``branch=True`` starts this run (epoch 0; it must have no generation yet) from
-        generation ``root`` of another run.
+        Without ``root``: the option ``resume`` (default "latest": the newest complete generation
+        that is not stale; none yet, a fresh start), the same under torchrun and alpha-run
+        (whose ``--resume-from D`` sets it). Returns the generation's counters, or None when
+        there was nothing to resume. Every rank raises the same Refusal, before any rank
+        copies a byte, when anything is wrong. ``branch=True`` starts this run (epoch 0; it
+        must have no generation yet) from generation ``root`` of another run.
         """
-        if root is _FROM_ENV:
-            root = os.environ.get(RESUME_ENV, "latest") or None
+        if root is _FROM_OPTIONS:
+            root = self.options.resume
         if per_rank not in ("keep", "drop"):
             raise ValueError(f"per_rank is 'keep' or 'drop', not {per_rank!r}")
         if branch and root in (None, "latest"):
@@ -565,10 +559,10 @@ class Checkpointer:
         return None
 
     def _announce(self, counters: Counters | None) -> None:
-        """Under alpha-run (it sets RESUME_ENV): one line from rank 0 saying what the script resumed
+        """With ``announce`` (alpha-run's scripts): one line from rank 0 saying what the script resumed
         from (update, root, bytes read by every rank) or that it starts fresh. A terminal gets words,
         a log collector one JSON event."""
-        if RESUME_ENV not in os.environ:
+        if not self.options.announce:
             return
         read = torch.tensor([self.last_restore["bytes_read"] if counters is not None else 0], dtype=torch.int64)
         if counters is not None:  # the same branch on every rank: they all restored, or none did
@@ -702,6 +696,14 @@ class Checkpointer:
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+
+def _launcher_options(overrides: Mapping[str, Any]) -> CheckpointerOptions:
+    """alpha-run's settings, each overridden by the argument of the same name."""
+    settings = launcher_settings()
+    if "every" in overrides:  # the script's own schedule: none of alpha-run's parts of it
+        settings = {k: v for k, v in settings.items() if k not in ("every", "mtbf", "checkpoint_cost")}
+    return CheckpointerOptions(**{**settings, "announce": True, **overrides})
 
 
 def _release(saver: AsyncSaver | None, groups: list) -> None:

@@ -120,8 +120,8 @@ class Owner:
         return self.ckpt.epoch
 
     @property
-    def saver(self):
-        return self.ckpt._saver
+    def asynchronous(self) -> bool:
+        return self.ckpt.options.save == "async"
 
     def _owned(self, name: str, t: torch.Tensor):
         """None for replicated words; this owner's contiguous word range for partitioned ones."""
@@ -211,7 +211,7 @@ class Owner:
     def checkpoint(self, final: bool) -> None:
         """Collective, at an update boundary: publish now (sync) or snapshot and publish in the background."""
         update, cursor = self.state.update, self.state.cursor
-        if self.saver is None:
+        if not self.asynchronous:
             root = self.ckpt.save(self.checkpoint_state(), update=update, cursor=cursor)
             self._committed(root, self.ckpt.last_save, seconds=self.ckpt.last_save["seconds"],
                             stall=self.ckpt.last_save["seconds"], mode="sync")
@@ -255,13 +255,13 @@ class Owner:
 
     def reap(self) -> None:
         """Report the asynchronous saves that completed; a failed one is raised here (never swallowed)."""
-        while self._unreported and self._unreported[0][0].done() and self.ckpt._fence is not self._unreported[0][0]:
+        while self._unreported and self._unreported[0][0].done() and self.ckpt.snapshotting is not self._unreported[0][0]:
             handle, _ = self._unreported.pop(0)
             root = handle.result()
             self._committed(root, handle.stats, seconds=handle.save_s, stall=handle.stall_s, mode="async")
 
     def finish_saves(self) -> None:
-        if self.saver is not None:
+        if self.asynchronous:
             self.ckpt.wait()
             self.reap()
 
@@ -448,7 +448,7 @@ def run_owner(args) -> int:
             if final or due:
                 owner.checkpoint(final)
             owner.report_plan()
-            if owner.saver is not None:
+            if owner.asynchronous:
                 owner.reap()
         owner.finish_saves()
         tensors = owner.materialize()

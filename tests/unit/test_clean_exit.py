@@ -4,6 +4,7 @@ The abort this guards against ("terminate called without an active exception", S
 the script returned): a message tensor that viewed Python memory (torch.frombuffer) was kept by
 gloo past the interpreter's end, and releasing it then needs the GIL.
 """
+import json
 import os
 import subprocess
 import sys
@@ -143,3 +144,26 @@ def test_the_gloo_group_a_finished_script_left_alive_is_destroyed_before_the_int
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "initialized at exit: False" in done.stdout
+
+
+IMPORT_STARTS_NOTHING = """
+import ctypes, json, signal, sys, threading
+before = signal.getsignal(signal.SIGTERM)
+import alpha_ckpt
+from alpha_ckpt import Checkpointer, CheckpointerOptions  # the lazy names too
+death = ctypes.c_int(-1)
+ctypes.CDLL(None).prctl(2, ctypes.byref(death), 0, 0, 0)  # PR_GET_PDEATHSIG
+print(json.dumps({"threads": threading.active_count(), "sigterm": signal.getsignal(signal.SIGTERM) is before,
+                  "sigterm_default": signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, "death": death.value}))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_GET_PDEATHSIG is Linux's")
+def test_importing_alpha_ckpt_starts_no_thread_and_installs_no_signal_even_when_a_launcher_is_named(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "ALPHA_CKPT_LAUNCHER_PID": str(os.getpid())}
+    proc = subprocess.run([sys.executable, "-c", IMPORT_STARTS_NOTHING], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout) == {"threads": 1, "sigterm": True, "sigterm_default": True, "death": 0}
