@@ -36,10 +36,11 @@ _LAZY = {
     "Published": "writer", "RNGState": "state", "CapturedState": "state", "capture_state": "state",
     "PerRank": "state.placement", "Partitioned": "state.placement", "Store": "store", "Counters": "restore",
     "CapturePrefix": "format", "Checkpointer": "collective", "CheckpointerOptions": "collective",
+    "SaveResult": "collective",
 }
 __all__ = ["save", "save_async", "AsyncSaver", "SaveHandle", "ShardCarry", "load", "verify", "latest", "Latest",
-           "Skipped", "RNGState", "Checkpointer", "CheckpointerOptions", "PerRank", "Partitioned", "Store", "Refusal", "RefusalCode", "Counters",
-           "DurableWriteError", "PublishConflict", "UsageError"]
+           "Skipped", "RNGState", "Checkpointer", "CheckpointerOptions", "SaveResult", "PerRank", "Partitioned",
+           "Store", "Refusal", "RefusalCode", "Counters", "DurableWriteError", "PublishConflict", "UsageError"]
 
 
 def __getattr__(name: str):

@@ -2,5 +2,6 @@
 from ..state.placement import Partitioned, PerRank
 from .checkpointer import Checkpointer
 from .options import CheckpointerOptions
+from .result import SaveResult
 
-__all__ = ["Checkpointer", "CheckpointerOptions", "PerRank", "Partitioned"]
+__all__ = ["Checkpointer", "CheckpointerOptions", "SaveResult", "PerRank", "Partitioned"]

@@ -81,6 +81,7 @@ from ..writer import ShardCarry, word_view
 from . import agreement  # agreement.agree_layout, looked up at each call (a probe may time it)
 from .agreement import agreed_regions, describe, own_parts, replica_digests
 from .options import CheckpointerOptions
+from .result import SaveResult, completed
 from .resume import DAMAGE, Choice, announce, prepare
 from .verdict import agree, any_rank
 
@@ -209,23 +210,25 @@ class Checkpointer:
     # ------------------------------------------------------------------ save
 
     @cyclic_gc_paused()
-    def save(self, state: Mapping[str, Any], *, update: int, cursor: int = 0, defer_snapshot: bool = False):
-        """Collective: publish ``state`` as ``update`` of this run/step.
+    def save(self, state: Mapping[str, Any], *, update: int, cursor: int = 0,
+             defer_snapshot: bool = False) -> SaveResult:
+        """Collective: publish ``state`` as ``update`` of this run/step; a :class:`SaveResult` in every mode.
 
-        Sync: returns the root digest on every rank once it is durable. Async: captures
-        values and snapshots tensors now, publishes in the background, and returns a
-        :class:`~alpha_ckpt.SaveHandle` (``.result()`` is the root); the next ``save`` or
-        :meth:`wait` raises a background failure, on every rank. With ``in_flight="skip"``
-        a save called while the previous one is still in flight returns None on every rank.
-        ``defer_snapshot=True`` (async): the tensors are copied on the save thread; call
-        :meth:`wait_snapshot` before changing any of them (before the next optimizer step).
+        Sync: returns once the generation is durable; ``.root`` is its root digest, the same on
+        every rank. Async: captures values and snapshots tensors now, publishes in the
+        background; ``.root`` (or ``.result()``) waits for it, and the next ``save`` or
+        :meth:`wait` raises a background failure, on every rank. With ``in_flight="skip"`` a
+        save called while the previous one is still in flight is skipped on every rank
+        (``.skipped``). ``defer_snapshot=True`` (async): the tensors are copied on the save
+        thread; call :meth:`wait_snapshot` before changing any of them (before the next
+        optimizer step).
         """
         prefix = CapturePrefix(self.run, self.step, update, cursor, self.epoch)
         if self._saver is not None and self._saver.in_flight == "skip" and self._any_rank(self._saver.busy()):
             self.skipped += 1  # every rank skips, or none: the publish is collective
             self.schedule.saved()
             self._due_asked = False
-            return None
+            return SaveResult(skipped=True)
         t0 = time.monotonic()
         refused = None
         try:
@@ -241,7 +244,8 @@ class Checkpointer:
             captured, regions = None, ()
         tensors = [t for _, t in captured.named] if captured is not None else []
         if self._saver is None:
-            result = self._exchange(prefix, captured, regions, tensors, self._control, refused)
+            result = completed(self._exchange(prefix, captured, regions, tensors, self._control, refused),
+                               dict(self.last_save))
             cost = time.monotonic() - t0
         else:
             stats: dict = {}
@@ -251,9 +255,9 @@ class Checkpointer:
                 root = self._exchange(prefix, captured, regions, snapshot, self._save_group, refused)
                 stats.update(self.last_save)  # this save's, before a later save replaces last_save
                 return root
-            result = self._saver.submit(tensors, publish, defer_snapshot=defer_snapshot)
-            result.stats = stats  # filled once the publish completes
-            self._fence = result if defer_snapshot else None
+            handle = self._saver.submit(tensors, publish, defer_snapshot=defer_snapshot)
+            result = SaveResult(handle=handle, stats=stats) if handle is not None else SaveResult(skipped=True)
+            self._fence = result if defer_snapshot and handle is not None else None
             cost = result.stall_s
         self.schedule.saved(cost)
         if self.schedule.auto and self._due_asked:
@@ -262,8 +266,8 @@ class Checkpointer:
         return result
 
     @property
-    def snapshotting(self):
-        """The asynchronous save (its handle) whose copy of the tensors is still being taken on the save
+    def snapshotting(self) -> SaveResult | None:
+        """The asynchronous save whose copy of the tensors is still being taken on the save
         thread (``defer_snapshot=True``), or None: its tensors must not change before :meth:`wait_snapshot`."""
         return self._fence
 
@@ -371,6 +375,8 @@ class Checkpointer:
         """
         if root is _FROM_OPTIONS:
             root = self.options.resume
+        elif isinstance(root, SaveResult):
+            root = root.result()
         if per_rank not in ("keep", "drop"):
             raise ValueError(f"per_rank is 'keep' or 'drop', not {per_rank!r}")
         if branch and root in (None, "latest"):

@@ -212,7 +212,7 @@ class Owner:
         """Collective, at an update boundary: publish now (sync) or snapshot and publish in the background."""
         update, cursor = self.state.update, self.state.cursor
         if not self.asynchronous:
-            root = self.ckpt.save(self.checkpoint_state(), update=update, cursor=cursor)
+            root = self.ckpt.save(self.checkpoint_state(), update=update, cursor=cursor).root
             self._committed(root, self.ckpt.last_save, seconds=self.ckpt.last_save["seconds"],
                             stall=self.ckpt.last_save["seconds"], mode="sync")
             return
@@ -221,7 +221,7 @@ class Owner:
             self.finish_saves()  # the last update is always published
         # The copy is taken on the save thread; the next optimizer step waits for it (wait_for_snapshot).
         handle = self.ckpt.save(self.checkpoint_state(), update=update, cursor=cursor, defer_snapshot=not final)
-        if handle is None:  # --in-flight skip: every owner skipped, or none did
+        if handle.skipped:  # --in-flight skip: every owner skipped, or none did
             if self.rank == 0:
                 say(f"alpha-run: update {update} not checkpointed: the save of update "
                     f"{self._unreported[-1][1] if self._unreported else '?'} is still in flight (--in-flight skip)")

@@ -73,14 +73,14 @@ def save_then_resume(rank, world, store, launched):
     for update in (1, 2):
         with torch.no_grad():
             model.weight.add_(1.0)
-        roots.append(ckpt.save({"model": model}, update=update))
+        roots.append(ckpt.save({"model": model}, update=update).root)
     ckpt.close()
     saved = model.weight.detach().clone()
     fresh = torch.nn.Linear(16, 16)
     ckpt = make()
     counters = ckpt.restore({"model": fresh})
     ckpt.close()
-    return {"update": counters.update, "root": counters.root, "newest": str(roots[-1]),
+    return {"update": counters.update, "root": counters.root, "newest": roots[-1],
             "equal": bool(torch.equal(fresh.weight, saved))}
 
 
@@ -129,3 +129,40 @@ def test_a_fresh_start_of_a_run_with_history_is_refused_fenced_on_every_rank(tmp
 def test_checkpointer_without_a_store_still_reads_alpha_runs_settings_and_warns_that_it_is_deprecated(tmp_path):
     results = run_ranks(2, fresh_start_over_history, str(tmp_path / "s"), "deprecated", tmp=tmp_path)
     assert results == [{"deprecated": True, "update": 1}] * 2
+
+
+
+def save_in_each_mode(rank, world, store):
+    import time
+    from alpha_ckpt import SaveResult
+    state = {"w": torch.arange(8.0)}
+    out = {}
+    sync = Checkpointer(store, run="sync")
+    done = sync.save(state, update=1)
+    out["sync"] = [isinstance(done, SaveResult), done.done(), done.skipped, done.result(), done.root,
+                   done.stats["generation"]]
+    sync.close()
+    background = Checkpointer(store, run="async", save="async", in_flight="skip")
+    publish = background._exchange
+
+    def slow(*args):
+        time.sleep(1.0)  # the first save is still in flight when the second is asked for
+        return publish(*args)
+    background._exchange = slow
+    first = background.save(state, update=1)
+    second = background.save(state, update=2)
+    out["skipped"] = [isinstance(second, SaveResult), second.skipped, second.done(), second.root]
+    root = first.root  # waits until durable
+    out["async"] = [isinstance(first, SaveResult), first.done(), first.skipped, len(root), first.stats["update"]]
+    background.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_save_returns_one_type_in_every_mode(tmp_path):
+    results = run_ranks(2, save_in_each_mode, str(tmp_path / "s"), tmp=tmp_path)
+    assert results[0] == results[1]
+    sync, skipped, background = results[0]["sync"], results[0]["skipped"], results[0]["async"]
+    assert sync[:3] == [True, True, False] and sync[3] == sync[4] and len(sync[3]) == 64 and sync[5] == 1
+    assert skipped == [True, True, True, None]
+    assert background == [True, True, False, 64, 1]

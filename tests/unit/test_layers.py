@@ -34,7 +34,7 @@ LAYERS: dict[int, tuple[str, set[str]]] = {
         {"publish", "publish.wire", "publish.messages", "publish.publisher", "publish.tree", "publish.star"}),
     5: ("collective: the Checkpointer of any torch.distributed group",
         {"collective", "collective.checkpointer", "collective.options", "collective.agreement", "collective.resume",
-         "collective.schedule", "collective.verdict"}),
+         "collective.result", "collective.schedule", "collective.verdict"}),
     6: ("clients of the library: the one-process API, DCP, export, alpha-run's generic checks",
         {"api", "dcp", "export", "usage"}),
     7: ("the built-in job and its learner",
