@@ -14,7 +14,7 @@ therefore binds its own life to its launcher's:
   its main thread, which lives exactly as long as the launcher process.
 - then the parent check: a launcher that died before the prctl has left the
   owner reparented already, and ``getppid()`` no longer names the pid the
-  launcher passed in :data:`LAUNCHER_PID_ENV`.
+  launcher named (:data:`alpha_ckpt.launch_env.LAUNCHER_PID`).
 - a daemon watchdog thread that polls ``getppid()`` every
   :data:`WATCH_PERIOD_S`: the bound where prctl does not exist (not Linux).
 
@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 
-from .launch_env import LAUNCHER_PID as LAUNCHER_PID_ENV, pop_launcher_pid  # noqa: F401 (the name, for callers)
+from .launch_env import pop_launcher_pid
 
 WATCH_PERIOD_S = 0.25
 OUTLIVE_BOUND_S = 2.0  # stated in the README; gates/history_fencing holds us to it
