@@ -9,6 +9,7 @@ completions) keep their wire format in :mod:`alpha_ckpt.publish.tree`.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping, Sequence
 
@@ -224,7 +225,6 @@ class Candidates(Record):
 
 def short(value: Any) -> str:
     """A value in a message, 80 characters at most."""
-    import json
     try:
         text = json.dumps(value, sort_keys=True)[:80]
     except (TypeError, ValueError):  # not JSON (int beside str keys): for a message only
