@@ -21,13 +21,9 @@ from __future__ import annotations
 
 import importlib
 
-# First, before anything that imports torch (seconds): an owner started by alpha-run binds
-# its life to the launcher's, so a launcher killed meanwhile leaves no owner running.
-from .lifeline import bind_to_named_launcher
-
-bind_to_named_launcher()
-
-from .errors import DurableWriteError, PublishConflict, Refusal, RefusalCode, UsageError  # noqa: E402 (torch-free)
+# Importing the package starts no thread and installs no signal handler: alpha-run's processes
+# bind their lives to the launcher themselves (alpha_ckpt/script_runner.py, alpha_ckpt/job/__main__.py).
+from .errors import DurableWriteError, PublishConflict, Refusal, RefusalCode, UsageError  # torch-free
 
 __version__ = "0.1.0"
 
@@ -39,11 +35,12 @@ _LAZY = {
     "Skipped": "api", "AsyncSaver": "async_save", "SaveHandle": "async_save", "ShardCarry": "writer",
     "Published": "writer", "RNGState": "state", "CapturedState": "state", "capture_state": "state",
     "PerRank": "state.placement", "Partitioned": "state.placement", "Store": "store", "Counters": "restore",
-    "CapturePrefix": "format", "Checkpointer": "collective",
+    "CapturePrefix": "format", "Checkpointer": "collective", "CheckpointerOptions": "collective",
+    "SaveResult": "collective",
 }
 __all__ = ["save", "save_async", "AsyncSaver", "SaveHandle", "ShardCarry", "load", "verify", "latest", "Latest",
-           "Skipped", "RNGState", "Checkpointer", "PerRank", "Partitioned", "Store", "Refusal", "RefusalCode", "Counters",
-           "DurableWriteError", "PublishConflict", "UsageError"]
+           "Skipped", "RNGState", "Checkpointer", "CheckpointerOptions", "SaveResult", "PerRank", "Partitioned",
+           "Store", "Refusal", "RefusalCode", "Counters", "DurableWriteError", "PublishConflict", "UsageError"]
 
 
 def __getattr__(name: str):

@@ -7,8 +7,9 @@
 
 A training script runs on every rank as ``python train.py ARGS`` would under
 torchrun; its Checkpointer finds the store, the run (default: the script's
-name) and the resume choice in ALPHA_CKPT_STORE, ALPHA_CKPT_RUN and
-ALPHA_CKPT_RESUME. A Refusal escaping the script exits 3.
+name), the resume choice and the checkpoint flags with
+``Checkpointer.from_launcher_env()`` (alpha_ckpt/launch_env.py). A Refusal
+escaping the script exits 3.
 
 torchrun's launcher flags are accepted and handed to torch.distributed.run,
 which sets the same worker environment (RANK, WORLD_SIZE, LOCAL_RANK,
@@ -32,7 +33,7 @@ import socket
 import sys
 
 from .format import NAME_RE
-from .lifeline import LAUNCHER_PID_ENV
+from . import launch_env
 from .job.usage import check_job_args
 from .usage import OneLineArgumentParser, UsageError, check_checkpoint_flags, check_store_writable
 
@@ -202,21 +203,8 @@ def script_argv(args) -> list[str]:
 
 
 def script_environment(args) -> dict[str, str]:
-    """What a script's Checkpointer reads: the store, the run, the resume choice, and how to save
-    (--publisher, --fanout, --commit-timeout, --save, --in-flight, --checkpoint-every, --mtbf,
-    --checkpoint-cost)."""
-    run = script_run(args)
-    resume = args.resume_from or args.resume or ""
-    env = {"ALPHA_CKPT_STORE": os.path.abspath(args.store), "ALPHA_CKPT_RUN": run, "ALPHA_CKPT_RESUME": resume,
-           "ALPHA_CKPT_PUBLISHER": args.publisher, "ALPHA_CKPT_FANOUT": str(args.fanout),
-           "ALPHA_CKPT_COMMIT_TIMEOUT": str(args.commit_timeout), "ALPHA_CKPT_SAVE": args.save,
-           "ALPHA_CKPT_IN_FLIGHT": args.in_flight}
-    if str(args.checkpoint_every) != "0":  # the script's ckpt.due(step) follows --checkpoint-every
-        env["ALPHA_CKPT_EVERY"] = str(args.checkpoint_every)
-        for flag, name in (("mtbf", "ALPHA_CKPT_MTBF"), ("checkpoint_cost", "ALPHA_CKPT_CHECKPOINT_COST")):
-            if getattr(args, flag):
-                env[name] = getattr(args, flag)
-    return env
+    """What a script's ``Checkpointer.from_launcher_env()`` reads (alpha_ckpt/launch_env.py)."""
+    return launch_env.script_environment(args, script_run(args))
 
 
 def script_run(args) -> str:
@@ -281,14 +269,9 @@ def main(argv=None) -> int:
     from torch.distributed.run import run
     # Each owner binds its life to this process (alpha_ckpt/lifeline.py); torch copies
     # this environment into every owner it starts, restarts included.
-    named_before = os.environ.get(LAUNCHER_PID_ENV)
-    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     try:
-        if is_job(args):
-            run(torchrun_args(torchrun_argv(args)))
-        else:
-            os.environ.update(script_environment(args))
-            run(torchrun_args(script_argv(args)))
+        with launch_env.exported(os.getpid(), None if is_job(args) else script_environment(args)):
+            run(torchrun_args(torchrun_argv(args) if is_job(args) else script_argv(args)))
     except ChildFailedError as exc:
         codes = {failure.exitcode for failure in exc.failures.values()}
         # A refusal is a collective verdict: every owner exits 3, and the agent may
@@ -310,11 +293,6 @@ def main(argv=None) -> int:
         return EXIT_INTERRUPTED
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
-    finally:
-        if named_before is None:
-            os.environ.pop(LAUNCHER_PID_ENV, None)
-        else:
-            os.environ[LAUNCHER_PID_ENV] = named_before
     return EXIT_OK
 
 

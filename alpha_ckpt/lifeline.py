@@ -14,14 +14,15 @@ therefore binds its own life to its launcher's:
   its main thread, which lives exactly as long as the launcher process.
 - then the parent check: a launcher that died before the prctl has left the
   owner reparented already, and ``getppid()`` no longer names the pid the
-  launcher passed in :data:`LAUNCHER_PID_ENV`.
+  launcher named (:data:`alpha_ckpt.launch_env.LAUNCHER_PID`).
 - a daemon watchdog thread that polls ``getppid()`` every
   :data:`WATCH_PERIOD_S`: the bound where prctl does not exist (not Linux).
 
-alpha-run's owners bind when the package is first imported, before torch is
-(that takes seconds on a loaded machine), so an owner outlives a killed
-launcher by at most :data:`OUTLIVE_BOUND_S`. Only the standard library is
-imported here.
+alpha-run's owners bind first thing (``alpha_ckpt.script_runner`` and
+``alpha_ckpt.job`` call :func:`bind_to_named_launcher` before they import
+torch, which takes seconds on a loaded machine), so an owner outlives a
+killed launcher by at most :data:`OUTLIVE_BOUND_S`. Importing the package
+binds nothing. Only the standard library is imported here.
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ import sys
 import threading
 import time
 
-LAUNCHER_PID_ENV = "ALPHA_CKPT_LAUNCHER_PID"  # set by alpha-run for the owners it starts
+from .launch_env import pop_launcher_pid
+
 WATCH_PERIOD_S = 0.25
 OUTLIVE_BOUND_S = 2.0  # stated in the README; gates/history_fencing holds us to it
 _PR_SET_PDEATHSIG = 1
@@ -87,11 +89,6 @@ def bind_to_named_launcher() -> None:
     The name is taken out of the environment: a process this owner starts is
     not the launcher's child and must not bind to it.
     """
-    named = os.environ.pop(LAUNCHER_PID_ENV, None)
-    if named is None:
-        return
-    try:
-        pid = int(named)
-    except ValueError:
-        return
-    bind_to_parent(pid)
+    pid = pop_launcher_pid()
+    if pid is not None:
+        bind_to_parent(pid)

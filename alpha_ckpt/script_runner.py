@@ -111,6 +111,10 @@ def exit_now(code) -> None:
 
 
 if __name__ == "__main__":
+    # First, before the script imports torch (seconds): a rank started by alpha-run binds its
+    # life to the launcher's, so a launcher killed meanwhile leaves no rank running.
+    from .lifeline import bind_to_named_launcher
+    bind_to_named_launcher()
     from .testing.faults import install_from_environment
     install_from_environment()  # the fault and kill points a test asks of this rank, if any
     try:

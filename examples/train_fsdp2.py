@@ -44,7 +44,7 @@ def main():
     args = parser.parse_args()
     dist.init_process_group("gloo")
     model, optim = build(init_device_mesh("cpu", (dist.get_world_size(),)))
-    ckpt = alpha_ckpt.Checkpointer()  # store, run and the resume choice: from alpha-run
+    ckpt = alpha_ckpt.Checkpointer.from_launcher_env()  # store, run and the resume choice: from alpha-run
 
     msd, osd = get_state_dict(model, optim)
     state = {"model": msd, "optim": osd, "progress": {"step": 0}}

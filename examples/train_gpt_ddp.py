@@ -122,7 +122,7 @@ def main():
     progress = {"step": 0, "losses": []}
 
     # --- checkpointing: these lines are all it takes
-    ckpt = alpha_ckpt.Checkpointer(identity={"model": "gpt-tiny", "lr": 3e-3}, allow_nonfinite=["*.mask"])
+    ckpt = alpha_ckpt.Checkpointer.from_launcher_env(identity={"model": "gpt-tiny", "lr": 3e-3}, allow_nonfinite=["*.mask"])
     state = {"model": model, "optim": optim, "sched": sched, "data": alpha_ckpt.PerRank(data),
              "rng": alpha_ckpt.PerRank(alpha_ckpt.RNGState()), "progress": alpha_ckpt.PerRank(progress)}
     ckpt.restore(state)

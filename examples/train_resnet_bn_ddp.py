@@ -86,7 +86,7 @@ def main():
     progress = {"step": 0, "epoch": 0, "losses": []}
 
     # --- checkpointing: BatchNorm statistics and this rank's own entries are stored per rank, by name
-    ckpt = alpha_ckpt.Checkpointer(identity={"model": "resnet-bn-tiny"}, per_rank=[
+    ckpt = alpha_ckpt.Checkpointer.from_launcher_env(identity={"model": "resnet-bn-tiny"}, per_rank=[
         "*.running_mean", "*.running_var", "*.num_batches_tracked", "data", "rng", "progress"])
     state = {"model": model, "ema": ema, "optim": optim, "sched": sched, "data": loader,
              "rng": alpha_ckpt.RNGState(), "progress": progress}

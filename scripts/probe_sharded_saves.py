@@ -108,7 +108,8 @@ class PhaseClock:
     """
 
     def __init__(self) -> None:
-        import alpha_ckpt.collective.checkpointer as checkpointer
+        import alpha_ckpt.collective.agreement as agreement
+        import alpha_ckpt.publish.star as star
         import alpha_ckpt.durable as durable
         import alpha_ckpt.store as store
         from torch.distributed.checkpoint import utils as dcp_utils
@@ -120,9 +121,9 @@ class PhaseClock:
             ("dcp gather_object", dcp_utils._DistWrapper, "gather_object"),
             ("dcp scatter_object", dcp_utils._DistWrapper, "scatter_object"),
             ("dcp broadcast_object", dcp_utils._DistWrapper, "broadcast_object"),
-            ("ckpt agree_layout", checkpointer.Checkpointer, "_agree_layout"),
-            ("ckpt write_or_fail", checkpointer, "write_or_fail"),
-            ("ckpt publish_root", checkpointer.Checkpointer, "_publish_root"),
+            ("ckpt agree_layout", agreement, "agree_layout"),
+            ("ckpt write_or_fail", star, "write_or_fail"),
+            ("ckpt publish_root", star.StarPublisher, "_publish_root"),
             ("store put_objects", store.Store, "put_objects"),
             ("fsync", os, "fsync"),  # every caller's, DCP's writer's included
         ]

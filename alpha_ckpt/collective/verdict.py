@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import Refusal
+from ..publish.messages import Verdict
 from ..publish.wire import broadcast_json, leave_groups_at_exit
 
 
@@ -23,9 +24,9 @@ def agree(refusal: Refusal | None, group=None) -> None:
     src = int(first.item())
     if src == world:
         return
-    mine = {"code": refusal.code.value, "message": f"rank {rank}: {refusal.message}"} if rank == src else None
-    verdict = broadcast_json(mine, _global(src, group), group)
-    raise Refusal(verdict["code"], verdict["message"])
+    mine = Verdict(refusal.code.value, f"rank {rank}: {refusal.message}").to_json() if rank == src else None
+    verdict = Verdict.from_json(broadcast_json(mine, _global(src, group), group))
+    raise Refusal(verdict.code, verdict.message)
 
 
 def any_rank(flag: bool, group=None) -> bool:

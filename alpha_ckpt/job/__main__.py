@@ -5,8 +5,9 @@ import sys
 from .. import lifeline
 
 if __name__ == "__main__":
-    # Under alpha-run the owner bound its life to the launcher on its first import
-    # (alpha_ckpt/lifeline.py); under plain torchrun it binds to the agent now.
+    # First, before torch is imported (seconds): under alpha-run the owner binds its life to the
+    # launcher's (alpha_ckpt/lifeline.py); under plain torchrun, to the agent's.
+    lifeline.bind_to_named_launcher()
     lifeline.bind_to_parent()
     from ..testing.faults import install_from_environment
     install_from_environment()  # the fault and kill points a test asks of this owner, if any

@@ -121,8 +121,8 @@ class Owner:
         return self.ckpt.epoch
 
     @property
-    def saver(self):
-        return self.ckpt._saver
+    def asynchronous(self) -> bool:
+        return self.ckpt.options.save == "async"
 
     def _owned(self, name: str, t: torch.Tensor):
         """None for replicated words; this owner's contiguous word range for partitioned ones."""
@@ -212,8 +212,8 @@ class Owner:
     def checkpoint(self, final: bool) -> None:
         """Collective, at an update boundary: publish now (sync) or snapshot and publish in the background."""
         update, cursor = self.state.update, self.state.cursor
-        if self.saver is None:
-            root = self.ckpt.save(self.checkpoint_state(), update=update, cursor=cursor)
+        if not self.asynchronous:
+            root = self.ckpt.save(self.checkpoint_state(), update=update, cursor=cursor).root
             self._committed(root, self.ckpt.last_save, seconds=self.ckpt.last_save["seconds"],
                             stall=self.ckpt.last_save["seconds"], mode="sync")
             return
@@ -222,7 +222,7 @@ class Owner:
             self.finish_saves()  # the last update is always published
         # The copy is taken on the save thread; the next optimizer step waits for it (wait_for_snapshot).
         handle = self.ckpt.save(self.checkpoint_state(), update=update, cursor=cursor, defer_snapshot=not final)
-        if handle is None:  # --in-flight skip: every owner skipped, or none did
+        if handle.skipped:  # --in-flight skip: every owner skipped, or none did
             if self.rank == 0:
                 say(f"alpha-run: update {update} not checkpointed: the save of update "
                     f"{self._unreported[-1][1] if self._unreported else '?'} is still in flight (--in-flight skip)")
@@ -256,13 +256,13 @@ class Owner:
 
     def reap(self) -> None:
         """Report the asynchronous saves that completed; a failed one is raised here (never swallowed)."""
-        while self._unreported and self._unreported[0][0].done() and self.ckpt._fence is not self._unreported[0][0]:
+        while self._unreported and self._unreported[0][0].done() and self.ckpt.snapshotting is not self._unreported[0][0]:
             handle, _ = self._unreported.pop(0)
             root = handle.result()
             self._committed(root, handle.stats, seconds=handle.save_s, stall=handle.stall_s, mode="async")
 
     def finish_saves(self) -> None:
-        if self.saver is not None:
+        if self.asynchronous:
             self.ckpt.wait()
             self.reap()
 
@@ -449,7 +449,7 @@ def run_owner(args) -> int:
             if final or due:
                 owner.checkpoint(final)
             owner.report_plan()
-            if owner.saver is not None:
+            if owner.asynchronous:
                 owner.reap()
         owner.finish_saves()
         tensors = owner.materialize()

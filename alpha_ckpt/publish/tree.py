@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
+import blake3
 import torch
 import torch.distributed as dist
 
@@ -47,7 +48,9 @@ from ..manifest import check_root_manifest
 from ..planner import Hierarchy, Piece
 from ..store import Store
 from ..writer import ShardCarry, write_manifest, write_shards
-from .wire import message_tensor
+from .messages import Completion, WriteReport, Outcome, written_verdict
+from .publisher import Contribution, global_rank, shard_lists
+from .wire import broadcast_json, gather_json, message_tensor
 
 MESSAGE_BYTES = 1024  # every message: canonical JSON padded with spaces
 
@@ -414,3 +417,44 @@ class TreeRole:
             except ConnectionError:
                 pass  # a dead child hears nothing; the launcher stops it
         return completion
+
+
+# ---------------------------------------------------------------- the publisher
+
+
+class TreePublisher:
+    """The tree behind the publisher interface (:class:`~alpha_ckpt.publish.publisher.Publisher`): every
+    rank writes its own shards; the ranks agree that the writes succeeded and the replicas match (rank 0
+    hears every rank's :class:`~alpha_ckpt.publish.messages.WriteReport` and broadcasts one verdict);
+    then group manifests and commitments go up, the completion down."""
+
+    def __init__(self, store: Store, hierarchy: Hierarchy, rank: int, *, device: Any, timeout: float,
+                 carry: ShardCarry | None = None, identity: Any = None):
+        self.store, self.hierarchy, self.rank, self.device = store, hierarchy, rank, device
+        self.timeout, self.carry, self.identity = timeout, carry, identity
+
+    def publish(self, c: Contribution) -> Completion:
+        metadata = dict(c.metadata) if self.rank == 0 else {"device": self.device}
+        role = TreeRole(self.store, self.hierarchy, self.rank, GroupTransport(c.group), timeout=self.timeout,
+                        carry=self.carry,
+                        check_root=lambda m: check_root_manifest(m, None, f"root manifest {m.digest[:16]}...",
+                                                                 identity=self.identity, metadata=metadata))
+        written: dict[tuple, str] = {}
+        root0 = global_rank(0, c.group)
+        try:
+            failure = role.write_own(c.prefix, c.regions, shard_lists(c.parts), digests_out=written,
+                                     agreed_mode=c.layout.write_mode)
+            report = WriteReport(replicas=c.replica_digests(written), failure=list(failure) if failure else None)
+            reports = gather_json(report.to_json(), root0, c.group)
+            verdict = written_verdict([WriteReport.from_json(r) for r in reports]) if self.rank == 0 else None
+            verdict = Outcome.from_json(broadcast_json(verdict.to_json() if verdict else None, root0, c.group))
+        except BaseException:
+            role.release()
+            raise
+        if not verdict.ok:
+            role.release()
+            return Completion.failed(verdict)
+        # The commitments carry the agreed layout's digest (the replicas were compared just above).
+        agreed = blake3.blake3(canonical_json([c.layout.state, c.layout.regions])).hexdigest()
+        return Completion.of_tree(role.complete(role.commit(c.prefix, c.regions, None, agreed, metadata,
+                                                            follows=c.follows, state=c.layout.state)))

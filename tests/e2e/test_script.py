@@ -63,9 +63,10 @@ def test_a_killed_script_resumed_latest_ends_equal_to_one_that_never_stopped(tmp
 @pytest.mark.timeout(300)
 def test_scripts_exit_3_on_a_refusal_and_2_on_usage_errors(tmp_path, straight):
     store = straight[0]
-    # Exit codes for scripts, as for the job: a refusal 3 (a fresh start over this history would fork it),
+    # Exit codes for scripts, as for the job: a refusal 3 (a generation that is not one of this run's),
     # usage errors 2, whether alpha-run finds them (no such script) or the script's own parser does.
-    assert alpha_run("--nproc", 2, "--store", store, EXAMPLE, "--steps", 12, cwd=tmp_path).returncode == 3
+    assert alpha_run("--nproc", 2, "--store", store, "--resume-from", "0" * 64, EXAMPLE, "--steps", 12,
+                     cwd=tmp_path).returncode == 3
     assert alpha_run("--nproc", 2, "--store", store, tmp_path / "missing.py", cwd=tmp_path).returncode == 2
     assert alpha_run("--nproc", 2, "--store", store, "--resume", "latest", EXAMPLE, "--steps", "x",
                      cwd=tmp_path).returncode == 2

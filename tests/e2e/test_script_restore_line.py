@@ -1,4 +1,5 @@
-"""alpha-run says in one line what a script restored (update, root, bytes read) or that it starts fresh."""
+"""alpha-run says in one line what a script restored (update, root, bytes read) or that it starts fresh;
+with neither --resume nor --resume-from a script resumes the newest generation."""
 import json
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from alpha_ckpt import Checkpointer
 dist.init_process_group("gloo")
 torch.manual_seed(0)
 model = torch.nn.Linear(32, 32)
-ckpt = Checkpointer()
+ckpt = Checkpointer.from_launcher_env()
 counters = ckpt.restore({"model": model})
 start = counters.update if counters else 0
 ckpt.save({"model": model}, update=start + 1)
@@ -52,3 +53,8 @@ def test_alpha_run_reports_a_fresh_start_and_then_the_update_root_and_bytes_a_sc
     [event] = _events(resumed.stderr)
     assert event["event"] == "restored" and event["update"] == 1 and event["run"] == "tiny"
     assert len(event["root"]) == 64 and event["bytes_read"] >= (32 * 32 + 32) * 4  # the weights, read by some rank
+    # Neither flag: the newest generation, as --resume latest (and as under torchrun).
+    again = alpha_run("--nproc", 2, "--store", store, script, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    [event] = _events(again.stderr)
+    assert event["event"] == "restored" and event["update"] == 2

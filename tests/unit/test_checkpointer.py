@@ -69,7 +69,8 @@ def train_and_save(rank, world, store, steps, save_at, save="sync", publisher="s
         if script.step in save_at:
             roots.append(ckpt.save(script.state(), update=script.step, cursor=script.step * 4 * world))
     ckpt.close()  # async: drains the save in flight
-    roots = [r if isinstance(r, str) else r.result() for r in roots]
+    assert all(isinstance(r, alpha_ckpt.SaveResult) for r in roots)  # sync or async: one type
+    roots = [r.root for r in roots]  # async: waits for each (close() drained them already)
     return {"roots": roots, "digest": script.digest(), "losses": script.losses}
 
 
@@ -205,7 +206,8 @@ def zero_style_state(rank, world, value):
 def save_zero_style(rank, world, store, generations):
     ckpt = Checkpointer(store, run="z", publisher="tree", fanout=2)
     ckpt.restore(zero_style_state(rank, world, 0.0), root=None)
-    roots = [ckpt.save(zero_style_state(rank, world, float(g)), update=g, cursor=g) for g in range(1, generations + 1)]
+    roots = [ckpt.save(zero_style_state(rank, world, float(g)), update=g, cursor=g).root
+             for g in range(1, generations + 1)]
     return {"roots": roots}
 
 

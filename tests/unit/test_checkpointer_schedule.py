@@ -103,13 +103,14 @@ def skip_in_flight(rank, world, store):
     ckpt.wait()
     third = ckpt.save(state(3), update=3, cursor=3)
     ckpt.close()
-    return {"first": first.result(), "second": second, "third": third.result(), "skipped": ckpt.skipped}
+    return {"first": first.root, "second": [second.skipped, second.done(), second.root], "third": third.root,
+            "skipped": ckpt.skipped}
 
 
 @pytest.mark.timeout(120)
 def test_in_flight_skip_skips_on_every_rank_and_publishes_the_rest(tmp_path):
     results = run_ranks(2, skip_in_flight, str(tmp_path / "s"), tmp=tmp_path)
-    assert [r["second"] for r in results] == [None, None] and [r["skipped"] for r in results] == [1, 1]
+    assert [r["second"] for r in results] == [[True, True, None]] * 2 and [r["skipped"] for r in results] == [1, 1]
     assert results[0]["first"] == results[1]["first"] and results[0]["third"] == results[1]["third"]
     with Store(tmp_path / "s", create=False) as s:
         assert [r.prefix.update for r in s.list_refs("f", "train")] == [1, 3]

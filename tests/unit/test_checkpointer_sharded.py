@@ -26,7 +26,7 @@ def _save(rank, world, store, expected, fsdp):
     model, optim = fsdp2_gpt(world, fsdp)
     train(model, optim, 3, 0)
     ckpt = Checkpointer(store, run="gpt", allow_nonfinite=MASKS)
-    root = ckpt.save(_state(model, optim, 3), update=3)
+    root = ckpt.save(_state(model, optim, 3), update=3).root
     full = full_state(model, optim)
     losses = train(model, optim, 2, 3)
     if rank == 0:

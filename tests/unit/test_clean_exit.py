@@ -3,10 +3,16 @@
 The abort this guards against ("terminate called without an active exception", SIGABRT after
 the script returned): a message tensor that viewed Python memory (torch.frombuffer) was kept by
 gloo past the interpreter's end, and releasing it then needs the GIL.
+
+Also: importing alpha_ckpt starts no thread and installs no signal handler, and a rank that
+alpha-run starts binds its life to the launcher itself (it dies when the launcher is killed).
 """
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -143,3 +149,72 @@ def test_the_gloo_group_a_finished_script_left_alive_is_destroyed_before_the_int
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "initialized at exit: False" in done.stdout
+
+
+IMPORT_STARTS_NOTHING = """
+import ctypes, json, signal, sys, threading
+before = signal.getsignal(signal.SIGTERM)
+import alpha_ckpt
+from alpha_ckpt import Checkpointer, CheckpointerOptions  # the lazy names too
+death = ctypes.c_int(-1)
+ctypes.CDLL(None).prctl(2, ctypes.byref(death), 0, 0, 0)  # PR_GET_PDEATHSIG
+print(json.dumps({"threads": threading.active_count(), "sigterm": signal.getsignal(signal.SIGTERM) is before,
+                  "sigterm_default": signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, "death": death.value}))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_GET_PDEATHSIG is Linux's")
+def test_importing_alpha_ckpt_starts_no_thread_and_installs_no_signal_even_when_a_launcher_is_named(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "ALPHA_CKPT_LAUNCHER_PID": str(os.getpid())}
+    proc = subprocess.run([sys.executable, "-c", IMPORT_STARTS_NOTHING], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout) == {"threads": 1, "sigterm": True, "sigterm_default": True, "death": 0}
+
+
+SLEEPER = """
+import os, sys, time
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(str(os.getpid()))
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(120)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # dead, not yet reaped
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_script_rank_dies_when_its_alpha_run_launcher_is_killed(tmp_path):
+    # The rank binds to the launcher itself (the script runner, first thing), not on import.
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    pid_file = tmp_path / "rank.pid"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    launcher = subprocess.Popen([sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", "1", "--store",
+                                 str(tmp_path / "s"), str(script), str(pid_file)], cwd=tmp_path, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rank = int(pid_file.read_text())
+        launcher.kill()  # the launcher alone: torch starts every rank in a session of its own
+        launcher.wait(10)
+        deadline = time.monotonic() + 10
+        while not _gone(rank) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(rank)
+    finally:
+        try:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

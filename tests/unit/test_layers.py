@@ -22,7 +22,8 @@ ROOT = "alpha_ckpt"
 # Bottom to top, in the order the package is built: each module may import its own layer and below.
 LAYERS: dict[int, tuple[str, set[str]]] = {
     0: ("format and durable: bytes on disk, the one commit, the test hooks' call sites, and what needs nothing else",
-        {"errors", "format", "decoding", "values", "durable", "hooks", "heap", "progress", "interval", "lifeline"}),
+        {"errors", "format", "decoding", "values", "durable", "hooks", "heap", "progress", "interval", "lifeline",
+         "launch_env"}),
     1: ("store: the layout, the storage backend, objects, refs, write modes and leases of a store",
         {"store", "store._posix", "store.backend", "store.layout", "store.leases", "store.objects", "store.pending",
          "store.pinfiles", "store.posix", "store.records", "store.refs", "store.store", "store.sweep",
@@ -34,9 +35,10 @@ LAYERS: dict[int, tuple[str, set[str]]] = {
     3: ("store maintenance over whole generations: completeness, pins, gc",
         {"complete", "pins", "gc"}),
     4: ("publish: how the owners' captures become one generation",
-        {"publish", "publish.wire", "publish.tree"}),
+        {"publish", "publish.wire", "publish.messages", "publish.publisher", "publish.tree", "publish.star"}),
     5: ("collective: the Checkpointer of any torch.distributed group",
-        {"collective", "collective.checkpointer", "collective.schedule", "collective.verdict"}),
+        {"collective", "collective.checkpointer", "collective.options", "collective.agreement", "collective.resume",
+         "collective.result", "collective.schedule", "collective.verdict"}),
     6: ("clients of the library: the one-process API, DCP, export, alpha-run's generic checks",
         {"api", "dcp", "dcp_reader", "dcp_common", "export", "usage"}),
     7: ("the built-in job and its learner",
@@ -208,3 +210,62 @@ def test_importing_each_layer_loads_no_module_of_a_higher_one():
     for layer, loaded in enumerate(json.loads(proc.stdout)):
         above = [m for m in loaded if layer_of.get(m, 0) > layer]
         assert not above, f"importing layers 0..{layer} loaded {above}"
+
+
+# The launcher's protocol with its processes lives in one module; test support reads its own variables.
+PROTOCOL = {"launch_env.py"}
+# Reads or writes of os.environ besides those, each with why.
+ENVIRONMENT_ALLOWED = {
+    "job/owner.py": "LOCAL_RANK: torchrun's variable, which picks the owner's device",
+    "learner/model.py": "CUBLAS_WORKSPACE_CONFIG: cuBLAS's own, set before CUDA starts for deterministic kernels",
+}
+# Modules that name ALPHA_CKPT_ variables besides the protocol's, each with why (none).
+PREFIX_ALLOWED: dict[str, str] = {}
+
+
+def _product_sources():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE).as_posix()
+        if relative.startswith("testing/") or relative in PROTOCOL:
+            continue
+        yield relative, path.read_text()
+
+
+def test_only_the_launcher_protocol_module_and_test_support_name_alpha_ckpt_variables():
+    named = [relative for relative, text in _product_sources() if "ALPHA_CKPT_" in text and relative not in PREFIX_ALLOWED]
+    assert not named, f"ALPHA_CKPT_ outside alpha_ckpt/launch_env.py and alpha_ckpt/testing/: {named}"
+
+
+def _environment_uses(text: str) -> list[int]:
+    """Lines that touch the process environment: os.environ, os.getenv, os.putenv, os.unsetenv, environ imported."""
+    lines = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "putenv", "unsetenv", "environb"):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.module == "os" and \
+                any(a.name in ("environ", "getenv", "putenv", "unsetenv") for a in node.names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_the_environment_is_read_only_by_the_launcher_protocol_module_test_support_and_a_listed_few():
+    found = {relative: lines for relative, text in _product_sources()
+             if (lines := _environment_uses(text)) and relative not in ENVIRONMENT_ALLOWED}
+    assert not found, f"os.environ outside alpha_ckpt/launch_env.py and alpha_ckpt/testing/: {found}"
+    stale = [relative for relative in ENVIRONMENT_ALLOWED if not _environment_uses((PACKAGE / relative).read_text())]
+    assert not stale, f"ENVIRONMENT_ALLOWED names modules that no longer touch the environment: {stale}"
+
+
+def test_the_job_reaches_into_no_private_attribute_of_its_checkpointer():
+    private = []
+    for path in sorted((PACKAGE / "job").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                owner = node.value
+                name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+                if name == "ckpt":
+                    private.append(f"{path.name}:{node.lineno} ckpt.{node.attr}")
+            elif isinstance(node, ast.ImportFrom) and node.module and "collective" in node.module and \
+                    any(a.name.startswith("_") for a in node.names):
+                private.append(f"{path.name}:{node.lineno} imports a private name of {node.module}")
+    assert not private, f"the job uses the Checkpointer's private parts: {private}"

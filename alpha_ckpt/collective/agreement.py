@@ -1,0 +1,230 @@
+"""Capture and agreement: what each rank holds of a save, and the one layout every rank then writes.
+
+Every rank captures its state and sends rank 0 a
+:class:`~alpha_ckpt.publish.messages.Descriptor` (its skeleton, region
+declarations and the word ranges it writes; never tensor bytes). Rank 0
+checks that every capture agrees (:func:`merge_captures`) and answers with
+one :class:`~alpha_ckpt.publish.messages.Layout`: the merged skeleton, the
+region list, which rank wrote which words (:func:`saved_layout`) and the
+write mode, or the refusal every rank raises. Large replicas are spread over
+the ranks (:func:`replica_writers`), as DCP spreads them.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from ..errors import Refusal, RefusalCode
+from ..format import CapturePrefix, DTYPES, RegionDecl, block_digests, joined_digest
+from ..manifest import check_coverage, check_region_names
+from ..planner import Piece, shares
+from ..publish.messages import Descriptor, Layout, Outcome, short
+from ..publish.publisher import global_rank
+from ..publish.wire import broadcast_json, gather_json
+from ..store import Store
+from ..values import decode_value, dotted_leaves
+
+SPREAD_BYTES = 1 << 20  # replicated regions this large are spread over the ranks (star and tree)
+
+# One rank's words of one save: (region name, lo, hi, bytes).
+Own = list[tuple[str, int, int, memoryview]]
+
+
+def describe(prefix: CapturePrefix, captured: Any, regions: Sequence[RegionDecl], views: Sequence[memoryview],
+             rank: int, world: int, device: Any) -> tuple[Descriptor, Own, list, dict]:
+    """This rank's descriptor, the words it writes (``own``), the replicas it only hashes (``hashed``,
+    (name, bytes)) and those it writes (``wrote``, name -> bytes)."""
+    own: Own = []
+    hashed, wrote, replicated = [], {}, []
+    writers = replica_writers(regions, captured.placement, world)
+    for region, view, where in zip(regions, views, captured.placement):
+        size = DTYPES[region.dtype][0]
+        if where == "replicated":
+            replicated.append(region.name)
+            if writers.get(region.name, 0) == rank:
+                own.append((region.name, 0, region.words, view))
+                wrote[region.name] = view
+            else:
+                hashed.append((region.name, view))
+        else:
+            for lo, hi, at in words_held(where, region.words):
+                own.append((region.name, lo, hi, view[at * size:(at + hi - lo) * size]))
+    descriptor = Descriptor(prefix=prefix.to_json(), skeleton=captured.skeleton, replicated=replicated,
+                            regions=[r.to_json() for r in regions], pieces=[[n, lo, hi] for n, lo, hi, _ in own],
+                            device=device)
+    return descriptor, own, hashed, wrote
+
+
+def agree_layout(descriptor: Descriptor, group: Any, rank: int, store: Store, world: int,
+                 refused: BaseException | None = None) -> Layout:
+    """Collective: rank 0 gets every rank's descriptor, checks that the captures agree and merges them
+    into one skeleton and region list; every rank gets that, or raises the same Refusal (a capture
+    that failed on any rank included, the lowest rank's as :func:`~alpha_ckpt.collective.verdict.agree`)."""
+    root0 = global_rank(0, group)
+    descriptors = gather_json(descriptor.to_json(), root0, group)
+    if rank != 0:
+        layout = Layout.from_json(broadcast_json(None, root0, group))
+    else:
+        try:
+            descriptors = [Descriptor.from_json(d) for d in descriptors]
+            failed = [d.refused for d in descriptors if d.refused is not None]
+            if failed:
+                layout = Layout(failed[0])
+            else:
+                skeleton, regions = merge_captures(descriptors)
+                layout = Layout(Outcome.success(), state=skeleton, regions=[r.to_json() for r in regions],
+                                devices=[d.device for d in descriptors], layout=saved_layout(descriptors, regions),
+                                # every rank writes this save's large shards alike, beyond its own probes
+                                write_mode=store.write_modes.for_save(world))
+        except Refusal as refusal:
+            layout = Layout(Outcome.of(refusal))
+        except Exception as exc:  # noqa: BLE001 - the others wait for this verdict: never leave them waiting
+            layout = Layout(Outcome.of(exc, 0))
+        # Every rank writes its own shards against the agreed regions.
+        broadcast_json(layout.to_json(), root0, group, echo=False)
+    layout.outcome.raise_failure(refused)
+    return layout
+
+
+def agreed_regions(layout: Layout) -> tuple[RegionDecl, ...]:
+    return tuple(RegionDecl(r["ordinal"], r["name"], r["dtype"], tuple(r["shape"]), bool(r.get("nonfinite")))
+                 for r in layout.regions)
+
+
+def own_parts(regions: Sequence[RegionDecl], own: Own) -> list[tuple[Piece, memoryview, str]]:
+    """This rank's words as the writer takes them (uncompressed pieces of the agreed regions)."""
+    by_name = {r.name: r for r in regions}
+    return [(Piece(by_name[n].ordinal, lo, hi, DTYPES[by_name[n].dtype][0]), view, "raw") for n, lo, hi, view in own]
+
+
+def replica_digests(regions: Sequence[RegionDecl], wrote: Mapping[str, memoryview], written: Mapping[tuple, str],
+                    others: Mapping[str, str]) -> dict[str, str]:
+    """This rank's BLAKE3 of every replica: those it wrote as hashed by the write (joined from its
+    cuts when it was cut into several shards), and the others' (``others``)."""
+    by_name = {r.name: r for r in regions}
+    digests = dict(others)
+    by_ordinal: dict[int, list[tuple[int, int, str]]] = {}  # one pass over the pieces, not one per replica
+    for (o, lo, hi), d in written.items():
+        by_ordinal.setdefault(o, []).append((lo, hi, d))
+    for name, view in wrote.items():
+        region = by_name[name]
+        cuts = sorted(by_ordinal.get(region.ordinal, ()))
+        covered = [lo for lo, _, _ in cuts] == [0] + [hi for _, hi, _ in cuts[:-1]] and \
+            bool(cuts) and cuts[-1][1] == region.words
+        digests[name] = joined_digest([d for *_, d in cuts]) if covered else block_digests(view)[0]
+    return digests
+
+
+def merge_skeletons(skeletons: list[Any], path: str = "state") -> Any:
+    """One skeleton from every rank's: PerRank parts from their own ranks, everything else equal on all."""
+    first = skeletons[0]
+    if len(skeletons) == 1:  # one rank's skeleton is the merge (its PerRank lists hold its one part)
+        return first
+    if isinstance(first, dict) and set(first) == {"per_rank"}:
+        parts = []
+        for r, s in enumerate(skeletons):
+            if not (isinstance(s, dict) and set(s) == {"per_rank"} and len(s["per_rank"]) == len(skeletons)):
+                raise Refusal(RefusalCode.MIXED_CAPTURE, f"{path}: rank {r} does not hold it per rank as rank 0 does")
+            parts.append(s["per_rank"][r])
+        return {"per_rank": parts}
+    if isinstance(first, dict):
+        for r, s in enumerate(skeletons):
+            if not isinstance(s, dict) or set(s) != set(first):
+                raise Refusal(RefusalCode.MIXED_CAPTURE, f"{path}: rank {r}'s state differs from rank 0's")
+        return {k: merge_skeletons([s[k] for s in skeletons], f"{path}.{k}" if k != "dict" else path) for k in first}
+    if isinstance(first, list):
+        for r, s in enumerate(skeletons):
+            if not isinstance(s, list) or len(s) != len(first):
+                raise Refusal(RefusalCode.MIXED_CAPTURE, f"{path}: rank {r}'s state differs from rank 0's")
+        return [merge_skeletons([s[i] for s in skeletons], path) for i in range(len(first))]
+    for r, s in enumerate(skeletons):
+        if s != first or type(s) is not type(first):
+            raise Refusal(RefusalCode.MIXED_CAPTURE, f"{path}: rank {r} holds {short(s)}, rank 0 {short(first)} "
+                          "(a replicated value diverged; wrap what differs per rank in PerRank)")
+    return first
+
+
+def merge_captures(descriptors: Sequence[Descriptor]) -> tuple[Any, tuple[RegionDecl, ...]]:
+    """Rank 0 (pure): every rank's capture must have the same prefix, replicas (by digest) and
+    replicated values; the result is one skeleton and the region list it names, in order.
+
+    Before any rank writes: a region every rank declares alike (a Partitioned one of one shape),
+    names unique across ranks, and the ranks' pieces holding every word of every region exactly
+    once (:func:`~alpha_ckpt.manifest.check_coverage`, which the root manifest passes again)."""
+    first = descriptors[0]
+    for r, d in enumerate(descriptors):
+        if d.prefix != first.prefix:
+            raise Refusal(RefusalCode.MIXED_CAPTURE, f"rank {r} captured {d.prefix}, rank 0 {first.prefix}")
+        if d.replicated != first.replicated:
+            raise Refusal(RefusalCode.MIXED_CAPTURE, f"rank {r} replicates {short(d.replicated)}, rank 0 "
+                          f"{short(first.replicated)}")
+    skeleton = merge_skeletons([d.skeleton for d in descriptors])
+    names = [name for name, _ in dotted_leaves(decode_value(skeleton, "merged skeleton"))]
+    check_region_names([RegionDecl(i, n, "uint8", ()) for i, n in enumerate(names)], "save")
+    declared: dict[str, tuple[int, dict]] = {}
+    for rank, d in enumerate(descriptors):
+        for r in d.regions:
+            at, decl = declared.setdefault(r["name"], (rank, r))
+            if (r["dtype"], list(r["shape"])) != (decl["dtype"], list(decl["shape"])):
+                raise Refusal(RefusalCode.MIXED_CAPTURE, f"rank {rank} holds region {r['name']!r} as "
+                              f"{r['dtype']}{list(r['shape'])}, rank {at} as {decl['dtype']}{list(decl['shape'])}")
+    regions = tuple(RegionDecl(i, n, declared[n][1]["dtype"], tuple(declared[n][1]["shape"]),
+                               bool(declared[n][1].get("nonfinite"))) for i, n in enumerate(names))
+    ordinals = {r.name: r.ordinal for r in regions}
+    check_coverage(regions, [(ordinals.get(name, len(regions)), lo, hi, f"rank {rank}")
+                             for rank, d in enumerate(descriptors) for name, lo, hi in d.pieces], "save")
+    return skeleton, regions
+
+
+def saved_layout(descriptors: Sequence[Descriptor], regions: Sequence[RegionDecl]) -> dict | None:
+    """Which rank wrote which words, as a rule a reader computes (pure): None where no rule fits.
+
+    ``partitioned``: regions every rank holds its :func:`~alpha_ckpt.planner.shares` range of;
+    ``own``: [ordinal, rank] for a region one rank wrote whole (a PerRank entry, or a replica spread
+    to another rank). Everything else is replicated, written by rank 0. A tree restore then reads
+    only the group manifests on the paths to the ranks that hold its words.
+    """
+    world = len(descriptors)
+    replicated = set(descriptors[0].replicated)
+    held: dict[str, list[tuple[int, int, int]]] = {}
+    for rank, d in enumerate(descriptors):
+        for name, lo, hi in d.pieces:
+            held.setdefault(name, []).append((rank, lo, hi))
+    partitioned, own = [], []
+    for region in regions:
+        if region.name in replicated:
+            writer = [rank for rank, _, _ in held.get(region.name, [])]
+            if writer and writer[0] != 0:  # a spread replica: the rank that wrote it
+                own.append([region.ordinal, writer[0]])
+            continue
+        pieces = held.get(region.name, [])
+        if [(lo, hi) for _, lo, hi in sorted(pieces)] == shares(region.words, world) and len(pieces) == world:
+            partitioned.append(region.ordinal)
+        elif len(pieces) == 1 and pieces[0][1:] == (0, region.words):
+            own.append([region.ordinal, pieces[0][0]])
+        else:
+            return None
+    return {"rule": "shares", "partitioned": partitioned, "own": own}
+
+
+def words_held(where: Any, words: int) -> tuple[tuple[int, int, int], ...]:
+    """(lo, hi, at) of the region's words a rank holds, by its placement (pure): at is where in the rank's flat tensor."""
+    if isinstance(where, tuple) and where[0] == "ranges":
+        return where[1]
+    if isinstance(where, tuple):
+        return ((where[0], where[1], 0),)
+    return ((0, words, 0),)
+
+
+def replica_writers(regions: Sequence[RegionDecl], placement: Sequence[Any], world: int) -> dict[str, int]:
+    """Which rank writes each replicated region of at least SPREAD_BYTES (pure; the same on every rank
+    whose capture agrees): largest first, each to the rank with the fewest replicated bytes so far.
+    Smaller ones stay with rank 0, in few shards."""
+    load = [0] * world
+    out = {}
+    replicated = [r for r, where in zip(regions, placement)
+                  if where == "replicated" and r.words * DTYPES[r.dtype][0] >= SPREAD_BYTES]
+    for region in sorted(replicated, key=lambda r: (-r.words * DTYPES[r.dtype][0], r.name)):
+        rank = min(range(world), key=lambda k: (load[k], k))
+        out[region.name] = rank
+        load[rank] += region.words * DTYPES[region.dtype][0]
+    return out

@@ -1,0 +1,188 @@
+"""Choosing the generation a restore resumes, and preparing this rank's part of it.
+
+Rank 0 decides what to try, in order (:meth:`Choice.candidates`): ``"latest"``
+is the newest complete generation that is not stale, then the older ones
+(unreadable refs and older epochs passed over); a digest is exactly that
+generation of this run, or a refusal; None is a fresh start, refused
+``fenced`` when the run already has history. Rank 0 checks each candidate's
+bindings (:meth:`Choice.bound`) before any rank reads a shard. Under
+``"latest"``, a generation that any rank finds damaged (:data:`DAMAGE`) makes
+every rank fall back to the next older one together; a binding refused does
+not (no older generation of the history would do either).
+"""
+from __future__ import annotations
+
+import io
+import logging
+import os
+import sys
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..device import check_devices
+from ..errors import Refusal, RefusalCode
+from ..manifest import encode_identity, identity_matches
+from ..planner import WantedSlice, owners_holding
+from ..progress import emit, format_bytes, is_tty
+from ..publish.messages import Candidate, short
+from ..restore import Counters, latest_order, open_generation, prepare_fill
+from ..state.load import plan_load
+from ..state.rules import recorded_per_rank
+from ..store import RefRecord, Store
+
+logger = logging.getLogger("alpha_ckpt")
+
+# Refusals of a generation's bytes: under "latest" the next older generation is tried. Any other
+# refusal (a binding, a destination that does not match) would refuse the older ones too.
+DAMAGE = frozenset({RefusalCode.CORRUPT_SHARD, RefusalCode.MISSING_SHARD, RefusalCode.FORMAT, RefusalCode.COVERAGE,
+                    RefusalCode.MIXED_CAPTURE, RefusalCode.NON_FINITE})
+
+
+class Choice:
+    """Rank 0's choice for one restore of ``run``/``step``; ``follows`` is the generation a save then continues."""
+
+    def __init__(self, store: Store, run: str, step: str):
+        self.store, self.run, self.step = store, run, step
+        self.follows: int | None = None  # set once known (the history's top, or 0 for a new history)
+
+    def candidates(self, root: Any, branch: bool = False) -> list[Candidate]:
+        """What to try, newest first (none: a fresh start); a Refusal that stops the restore."""
+        history = self.store.history(self.run, self.step)
+        refs = history.listing()
+        if branch:
+            if refs:
+                raise Refusal(RefusalCode.FOREIGN_LEARNER, f"cannot branch into {self.run}/{self.step}: that run "
+                              "already has generations")
+            self.follows = 0
+            return [Candidate(root=self.store.check_digest(root))]
+        if root is None:
+            if refs:
+                raise Refusal(RefusalCode.FENCED, f"a fresh start of {self.run}/{self.step} would fork its history: it "
+                              f"already has {len(refs)} generations; restore 'latest', or use another run")
+            self.follows = 0
+            return []
+        self.follows = history.top  # 0: an empty history; an unreadable newest ref's number stays taken
+        newest_epoch = max((r.prefix.epoch for r in refs if isinstance(r, RefRecord)), default=0)
+        if root != "latest":
+            for r in refs:  # the stale-epoch check needs the whole history ("latest" passes over damaged refs)
+                if isinstance(r, Refusal):
+                    raise Refusal(r.code, f"the history of {self.run}/{self.step} cannot be checked: {r.message}")
+            record = self.store.find_ref(self.store.check_digest(root))
+            if record is None or (record.run, record.step) != (self.run, self.step):
+                raise Refusal(RefusalCode.FOREIGN_LEARNER, f"generation {root[:16]}... is not one of {self.run}/{self.step}")
+            if record.prefix.epoch < newest_epoch:
+                later = [r for r in refs if isinstance(r, RefRecord) and r.prefix.epoch == newest_epoch][-1]
+                raise Refusal(RefusalCode.STALE_EPOCH, f"generation {root[:16]}... is of epoch {record.prefix.epoch}, "
+                              f"but a continuation published generation {later.generation} ({later.root}, update "
+                              f"{later.prefix.update}) in epoch {newest_epoch}; restore that one ('latest')")
+            return [Candidate(root=record.root)]
+        order = latest_order(history)  # latest's rule: unreadable refs and older epochs are passed over
+        usable = [r for r in order if isinstance(r, RefRecord)]
+        for bad in history.unreadable_above:
+            logger.warning("restore latest of %s/%s: ref %s cannot be read and is passed over: %s",
+                           self.run, self.step, bad.name, bad.refusal)
+        if refs and not usable:
+            raise Refusal(RefusalCode.MISSING_SHARD, f"no readable generation of {self.run}/{self.step} to resume")
+        return [Candidate(root=r.root) for r in usable]
+
+    def bound(self, root: str, *, identity: Any, bindings: Callable[[Any], None] | None, bind_devices: bool,
+              device: Any) -> Candidate:
+        """The candidate ``root``, or the refusal that stops the restore (a binding: no fallback past it)."""
+        try:
+            with open_generation(self.store, root, role=0, wanted=[]) as generation:
+                manifest = generation.manifest
+        except Refusal as refusal:  # damaged: under "latest", the next older generation is tried
+            return Candidate.refused(refusal, binding=False)
+        try:
+            meta = manifest.metadata if isinstance(manifest.metadata, dict) else {}
+            if not identity_matches(meta.get("identity"), identity):
+                raise Refusal(RefusalCode.FOREIGN_LEARNER, f"generation {root[:16]}... was saved with identity "
+                              f"{short(meta.get('identity'))}; this script binds {short(encode_identity(identity))}")
+            if bindings is not None:
+                bindings(manifest)
+            devices = meta.get("devices") if isinstance(meta.get("devices"), list) else [None]
+            if not bind_devices:
+                check_devices(devices, [device] * len(devices), False)
+        except Refusal as refusal:  # a binding: no older generation of this history would do either
+            return Candidate.refused(refusal, binding=True)
+        return Candidate(root=root, devices=meta.get("devices") if bind_devices else None)
+
+
+def prepare(store: Store, state: Mapping[str, Any], root: str, *, rank: int, world: int, per_rank: str):
+    """This rank's part: match, open only the shards it reads, validate them.
+
+    Returns (fill, counters, what was read): ``fill(go=True)`` copies (``go=False`` releases
+    what was validated, copying nothing), then closes the generation."""
+    what = f"generation {root[:16]}..."
+    with open_generation(store, root, role=0, wanted=[]) as head:  # the root manifest: the skeleton
+        manifest = head.manifest
+    if manifest.state is None:
+        raise Refusal(RefusalCode.FORMAT, f"{what} records no state skeleton (it was not written by save)")
+    plan = plan_load(state, manifest.state, manifest.regions, rank=rank, world=world,
+                     per_rank=per_rank, per_rank_entries=recorded_per_rank(manifest.metadata))
+    wanted = [WantedSlice(o, lo, hi, i) for i, (o, _, lo, hi) in enumerate(plan.targets)]
+    # A tree: only the group manifests on the paths to the roles that hold this rank's words.
+    generation = open_generation(store, root, role=lambda m: roles_holding(m, wanted), wanted=wanted,
+                                 manifest=manifest)
+    try:
+        fill = prepare_fill(generation, plan, what)
+    except BaseException:
+        generation.close()
+        raise
+    p = manifest.prefix
+    read = {"root": root, "bytes_read": fill.bytes_read, "shards": len(generation.shards),
+            "manifests": len(generation.manifests), "published": generation.ref.bytes if generation.ref else None}
+
+    def fill_and_close(go: bool = True) -> None:
+        try:
+            if go:
+                fill()
+        finally:
+            generation.close()
+    return fill_and_close, Counters(p.run, p.step, p.update, p.cursor, p.epoch, manifest.metadata, root), read
+
+
+def roles_holding(manifest, wanted: Sequence[WantedSlice]) -> list[int] | None:
+    """The saved roles whose shards hold the ``wanted`` words, by the root manifest's layout (None: all)."""
+    meta = manifest.metadata if isinstance(manifest.metadata, dict) else {}
+    layout = meta.get("layout")
+    if not isinstance(layout, dict) or layout.get("rule") != "shares":
+        return None
+    try:
+        partitioned = {int(o) for o in layout["partitioned"]}
+        own = {int(o): int(r) for o, r in layout["own"]}
+    except (KeyError, TypeError, ValueError):
+        return None
+    roles = {0}
+    for w in wanted:
+        if w.ordinal in partitioned and w.ordinal < len(manifest.regions):
+            roles.update(owners_holding(manifest.regions[w.ordinal].words, manifest.owners, w.lo, w.hi))
+        elif w.ordinal in own:
+            roles.add(own[w.ordinal])
+    return sorted(r for r in roles if 0 <= r < manifest.owners) if manifest.owners else None
+
+
+def announce(run: str, step: str, counters: Counters | None, bytes_read: int, rank: int, group: Any) -> None:
+    """Collective: one line from rank 0 saying what the script resumed from (update, root, bytes read
+    by every rank) or that it starts fresh. A terminal gets words, a log collector one JSON event."""
+    read = torch.tensor([bytes_read if counters is not None else 0], dtype=torch.int64)
+    if counters is not None:  # the same branch on every rank: they all restored, or none did
+        if dist.get_backend(group) == "nccl":
+            read = read.cuda()
+        dist.all_reduce(read, group=group)
+    if rank != 0:
+        return
+    fields = {"run": run, "step": step}
+    if counters is not None:
+        fields.update(update=counters.update, root=counters.root, bytes_read=int(read.item()))
+    if is_tty(sys.stderr):
+        line = (f"alpha-run: {run}/{step} restored update {counters.update} from {counters.root} "
+                f"({format_bytes(fields['bytes_read'])} read)" if counters is not None else
+                f"alpha-run: {run}/{step} starts fresh (no generation to resume)")
+    else:
+        buffer = io.StringIO()
+        emit("restored" if counters is not None else "fresh_start", buffer, **fields)
+        line = buffer.getvalue().rstrip("\n")
+    os.write(sys.stderr.fileno(), (line + "\n").encode("utf-8", "replace"))  # one write: ranks share stderr

@@ -1,0 +1,168 @@
+"""The Checkpointer's options: checked in one place, read from alpha-run only by from_launcher_env, and one
+resume rule whether a script runs under plain torch.distributed or under alpha-run."""
+import warnings
+
+import pytest
+import torch
+
+from alpha_ckpt import Checkpointer, CheckpointerOptions, RefusalCode, UsageError
+from alpha_ckpt import launch_env
+from alpha_ckpt.launcher import parse, script_environment
+from ranks import run_ranks
+
+
+@pytest.mark.parametrize("bad", [
+    {"publisher": "ring"}, {"fanout": 0}, {"commit_timeout": 0}, {"commit_timeout": float("inf")},
+    {"save": "later"}, {"in_flight": "drop"}, {"keep": 1}, {"keep": True}, {"every": 0},
+    {"every": "auto"}, {"mtbf": 5}, {"metadata": {"identity": 1}}, {"metadata": {"x": float("nan")}},
+    {"identity": {1.5: "x"}}, {"allow_nonfinite": b"*.mask"}, {"run": "../x"}, {"step": ""},
+    {"resume": "newest"}, {"resume": "ab" * 31},
+])
+def test_an_option_that_cannot_be_is_a_usage_error(tmp_path, bad):
+    with pytest.raises(UsageError):
+        CheckpointerOptions(**{"store": str(tmp_path / "s"), "run": "r", **bad})
+
+
+def test_options_are_normalized_once():
+    options = CheckpointerOptions(store="s", run="r", allow_nonfinite="*.mask", commit_timeout=5)
+    assert options.allow_nonfinite == ("*.mask",) and options.commit_timeout == 5.0
+    assert options.resume == "latest" and not options.announce
+    assert options.replace(resume=None).resume is None
+    with pytest.raises(UsageError):
+        options.replace(keep=1)
+
+
+def test_from_launcher_env_outside_alpha_run_is_a_usage_error_naming_what_is_missing(monkeypatch):
+    for name in (launch_env.STORE, launch_env.RUN):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(UsageError) as missing:
+        Checkpointer.from_launcher_env()
+    assert launch_env.STORE in str(missing.value) and launch_env.RUN in str(missing.value)
+
+
+def test_what_alpha_run_writes_is_what_from_launcher_env_reads(tmp_path, monkeypatch):
+    args = parse(["--nproc", "2", "--store", str(tmp_path / "s"), "--run", "r", "--publisher", "tree",
+                  "--fanout", "3", "--save", "async", "--checkpoint-every", "auto", "--mtbf", "6h",
+                  str(tmp_path / "train.py")])
+    for name, value in script_environment(args).items():
+        monkeypatch.setenv(name, value)
+    settings = launch_env.launcher_settings()
+    assert settings == {"store": str(tmp_path / "s"), "run": "r", "resume": "latest", "publisher": "tree",
+                        "fanout": 3, "commit_timeout": 60.0, "save": "async", "in_flight": "wait", "every": "auto",
+                        "mtbf": "6h", "checkpoint_cost": None}
+    CheckpointerOptions(**settings)  # every value alpha-run passes is a valid option
+
+
+def _alpha_run_environment(store: str, resume: list[str]) -> dict:
+    return script_environment(parse(["--nproc", "2", "--store", store, "--run", "r", *resume, "train.py"]))
+
+
+def save_then_resume(rank, world, store, launched):
+    """Two updates saved, then a new Checkpointer restores without naming a root: what does it resume?"""
+    import os
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16)
+    if launched:  # what alpha-run hands its ranks, and nothing else
+        os.environ.update(_alpha_run_environment(store, []))
+        make = Checkpointer.from_launcher_env
+    else:  # plain torchrun: the script names its store and run
+        make = lambda: Checkpointer(store, run="r")  # noqa: E731
+    ckpt = make()
+    assert ckpt.restore({"model": model}) is None  # nothing yet: a fresh start
+    roots = []
+    for update in (1, 2):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        roots.append(ckpt.save({"model": model}, update=update).root)
+    ckpt.close()
+    saved = model.weight.detach().clone()
+    fresh = torch.nn.Linear(16, 16)
+    ckpt = make()
+    counters = ckpt.restore({"model": fresh})
+    ckpt.close()
+    return {"update": counters.update, "root": counters.root, "newest": roots[-1],
+            "equal": bool(torch.equal(fresh.weight, saved))}
+
+
+@pytest.mark.timeout(180)
+def test_the_same_script_resumes_the_newest_generation_under_plain_torch_distributed_and_under_alpha_run(tmp_path):
+    plain = run_ranks(2, save_then_resume, str(tmp_path / "plain"), False, tmp=tmp_path)
+    launched = run_ranks(2, save_then_resume, str(tmp_path / "launched"), True, tmp=tmp_path)
+    for result in plain + launched:
+        assert result["update"] == 2 and result["equal"] and result["root"] == result["newest"]
+    assert plain[0]["root"] == launched[0]["root"]  # the same state, the same generation: the same root digest
+
+
+def fresh_start_over_history(rank, world, store, how):
+    import os
+    model = torch.nn.Linear(4, 4)
+    ckpt = Checkpointer(store, run="r")
+    ckpt.restore({"model": model})
+    ckpt.save({"model": model}, update=1)
+    ckpt.close()
+    if how == "option":
+        ckpt = Checkpointer(store, run="r", resume=None)
+        ckpt.restore({"model": model})
+    elif how == "argument":
+        ckpt = Checkpointer(store, run="r")
+        ckpt.restore({"model": model}, None)
+    else:  # the deprecated spelling: Checkpointer() reads alpha-run's settings, with a warning
+        os.environ.update(_alpha_run_environment(store, []))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ckpt = Checkpointer()
+        counters = ckpt.restore({"model": model})
+        ckpt.close()
+        return {"deprecated": any(issubclass(w.category, DeprecationWarning) for w in caught),
+                "update": counters.update}
+    return {"restored": True}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["option", "argument"])
+def test_a_fresh_start_of_a_run_with_history_is_refused_fenced_on_every_rank(tmp_path, how):
+    results = run_ranks(2, fresh_start_over_history, str(tmp_path / "s"), how, tmp=tmp_path)
+    assert [r.get("refusal") for r in results] == [RefusalCode.FENCED.value] * 2
+
+
+@pytest.mark.timeout(120)
+def test_checkpointer_without_a_store_still_reads_alpha_runs_settings_and_warns_that_it_is_deprecated(tmp_path):
+    results = run_ranks(2, fresh_start_over_history, str(tmp_path / "s"), "deprecated", tmp=tmp_path)
+    assert results == [{"deprecated": True, "update": 1}] * 2
+
+
+
+def save_in_each_mode(rank, world, store):
+    import time
+    from alpha_ckpt import SaveResult
+    state = {"w": torch.arange(8.0)}
+    out = {}
+    sync = Checkpointer(store, run="sync")
+    done = sync.save(state, update=1)
+    out["sync"] = [isinstance(done, SaveResult), done.done(), done.skipped, done.result(), done.root,
+                   done.stats["generation"]]
+    sync.close()
+    background = Checkpointer(store, run="async", save="async", in_flight="skip")
+    publish = background._exchange
+
+    def slow(*args):
+        time.sleep(1.0)  # the first save is still in flight when the second is asked for
+        return publish(*args)
+    background._exchange = slow
+    first = background.save(state, update=1)
+    second = background.save(state, update=2)
+    out["skipped"] = [isinstance(second, SaveResult), second.skipped, second.done(), second.root]
+    root = first.root  # waits until durable
+    out["async"] = [isinstance(first, SaveResult), first.done(), first.skipped, len(root), first.stats["update"]]
+    background.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_save_returns_one_type_in_every_mode(tmp_path):
+    results = run_ranks(2, save_in_each_mode, str(tmp_path / "s"), tmp=tmp_path)
+    assert results[0] == results[1]
+    sync, skipped, background = results[0]["sync"], results[0]["skipped"], results[0]["async"]
+    assert sync[:3] == [True, True, False] and sync[3] == sync[4] and len(sync[3]) == 64 and sync[5] == 1
+    assert skipped == [True, True, True, None]
+    assert background == [True, True, False, 64, 1]
