@@ -53,7 +53,7 @@ class Choice:
         refs = history.listing()
         if branch:
             if refs:
-                raise Refusal(RefusalCode.FOREIGN_LEARNER, f"cannot branch into {self.run}/{self.step}: that run "
+                raise Refusal(RefusalCode.HISTORY_CONFLICT, f"cannot branch into {self.run}/{self.step}: that run "
                               "already has generations")
             self.follows = 0
             return [Candidate(root=self.store.check_digest(root))]
