@@ -4,7 +4,7 @@ The one-process API (the launcher makes it collective)::
 
     state = {"model": model, "optim": optimizer, "sched": scheduler, "rng": alpha_ckpt.RNGState(), "step": step}
     root = alpha_ckpt.save(state, store="ckpt", run="nightly", step="fit", update=3, cursor=96, epoch=0)
-    counters = alpha_ckpt.load(state, store="ckpt", root=root)   # in place, or Refusal
+    counters = alpha_ckpt.restore(state, store="ckpt", root=root)   # in place, or Refusal
 
 A state holds tensors, NumPy arrays, Stateful objects (``state_dict()`` /
 ``load_state_dict()``), None, bool, int, float, str, bytes, and lists,
@@ -31,14 +31,14 @@ __version__ = "0.1.0"
 # checks of its flags, config and store; the store and format layers) starts in a fraction of
 # a second instead of the seconds torch takes to import.
 _LAZY = {
-    "save": "api", "save_async": "api", "load": "api", "verify": "api", "latest": "api", "Latest": "api",
+    "save": "api", "save_async": "api", "restore": "api", "load": "api", "verify": "api", "latest": "api", "Latest": "api",
     "Skipped": "api", "AsyncSaver": "async_save", "SaveHandle": "async_save", "ShardCarry": "writer",
     "Published": "writer", "RNGState": "state", "CapturedState": "state", "capture_state": "state",
-    "PerRank": "state.placement", "Partitioned": "state.placement", "Store": "store", "Counters": "restore",
+    "PerRank": "state.placement", "Partitioned": "state.placement", "Store": "store", "Counters": "reader",
     "CapturePrefix": "format", "Checkpointer": "collective", "CheckpointerOptions": "collective",
     "SaveResult": "collective",
 }
-__all__ = ["save", "save_async", "AsyncSaver", "SaveHandle", "ShardCarry", "load", "verify", "latest", "Latest",
+__all__ = ["save", "save_async", "AsyncSaver", "SaveHandle", "ShardCarry", "restore", "verify", "latest", "Latest",
            "Skipped", "RNGState", "Checkpointer", "CheckpointerOptions", "SaveResult", "PerRank", "Partitioned",
            "Store", "Refusal", "RefusalCode", "Counters", "DurableWriteError", "PublishConflict", "UsageError"]
 

@@ -1,7 +1,8 @@
-"""The one-process API: save, save_async, load, verify, latest (re-exported by :mod:`alpha_ckpt`).
+"""The one-process API: save, save_async, restore, verify, latest (re-exported by :mod:`alpha_ckpt`).
 
 A generation is named by its root digest, ``root`` everywhere (the Checkpointer, the DCP backend and
 the alpha-ckpt command say the same); ``digest=`` is its deprecated spelling, accepted for one release.
+Bringing a generation back is ``restore`` everywhere too; ``load`` is its deprecated spelling.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any, Mapping, Sequence
 from .async_save import AsyncSaver, SaveHandle
 from .errors import RefusalCode
 from .format import CapturePrefix
-from .restore import Counters, latest_generation, load_state, verify_generation
+from .reader import Counters, latest_generation, load_state, verify_generation
 from .state import CapturedState, capture_state
 from .writer import DEFAULT_MAX_SHARD_BYTES, Published, ShardCarry, save_state
 from .store import Store
@@ -114,8 +115,7 @@ def save_async(state: Mapping[str, Any], *, store: Store, run: str, step: str, u
     return saver.submit([t for _, t in captured.named], publish, defer_snapshot=defer_snapshot)
 
 
-def load(state: Mapping[str, Any], *, store: Store | str | os.PathLike, root: str | None = None,
-         digest: str | None = None) -> Counters:
+def restore(state: Mapping[str, Any], *, store: Store | str | os.PathLike, root: str) -> Counters:
     """Validate generation ``root`` (its root digest) completely, then restore it into ``state``.
 
     Entries are matched by dotted name, in any order: tensors and arrays are
@@ -125,15 +125,22 @@ def load(state: Mapping[str, Any], *, store: Store | str | os.PathLike, root: st
     created). Raises :class:`Refusal` (nothing touched, store unmodified) when
     anything is wrong, naming every entry that is missing, unexpected, or of
     another shape or dtype. Returns the counters (update, cursor, epoch) and
-    metadata. ``digest=`` is the deprecated spelling of ``root=``.
+    metadata.
     """
-    root = _root(root, digest, "load")
     s, owned = _store(store, create=False)
     try:
         return load_state(state, store=s, root=root)
     finally:
         if owned:
             s.close()
+
+
+def load(state: Mapping[str, Any], *, store: Store | str | os.PathLike, root: str | None = None,
+         digest: str | None = None) -> Counters:
+    """Deprecated spelling of :func:`restore` (and ``digest=`` of ``root=``), kept for one release."""
+    warnings.warn("alpha_ckpt.load is deprecated: call alpha_ckpt.restore(state, store=..., root=...)",
+                  DeprecationWarning, stacklevel=2)
+    return restore(state, store=store, root=_root(root, digest, "load"))
 
 
 def verify(store: Store | str | os.PathLike, root: str | None = None, *, digest: str | None = None) -> None:

@@ -43,7 +43,7 @@ from .format import is_digest
 from .gc import DEFAULT_GRACE_S, apply_gc, plan_gc
 from .pins import MAX_NOTE_CHARS, Pin, list_pins, pin_generation, unpin_generation
 from .progress import Progress, emit, is_tty
-from .restore import check_payloads, latest_generation, open_generation, payload_bytes
+from .reader import check_payloads, latest_generation, open_generation, payload_bytes
 from .store import RefRecord, Store
 
 EXIT_OK, EXIT_WRITE_FAILED, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3

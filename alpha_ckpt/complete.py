@@ -1,6 +1,6 @@
 """Which generations are complete, as gc's retention sees them, remembered so gc need not re-hash each run.
 
-The definition is :func:`alpha_ckpt.restore.check_complete` (ref intact, every
+The definition is :func:`alpha_ckpt.reader.check_complete` (ref intact, every
 object validates fully), the same one ``latest`` and ``--resume latest`` use.
 Retention counts only complete generations, so gc never removes the newest
 generation that validates.
@@ -28,7 +28,7 @@ import time
 
 from .errors import Refusal
 from .format import canonical_json, digest_bytes, is_digest, parse_canonical_json
-from .restore import check_payloads, open_generation
+from .reader import check_payloads, open_generation
 from .store import RefRecord, Store
 from .store.layout import VERIFIED
 from .store.records import object_identity, read_record_file, record_names, write_record_file
@@ -72,7 +72,7 @@ def _remember(store: Store, root: str, identities: dict[str, list[int]]) -> None
 
 
 def remembered_check_complete(store: Store, record: RefRecord) -> tuple[Refusal | None, bool]:
-    """:func:`alpha_ckpt.restore.check_complete`, skipped while gc's record of it still holds.
+    """:func:`alpha_ckpt.reader.check_complete`, skipped while gc's record of it still holds.
 
     Returns (why it is not complete or None, whether its bytes were hashed now).
     """

@@ -24,7 +24,7 @@ from .errors import Refusal, RefusalCode
 from .format import DTYPES, CapturePrefix, RegionDecl, check_name
 from .manifest import torch_dtype
 from .planner import WantedSlice
-from .restore import PreparedRestore, check_structure, latest_generation, open_generation
+from .reader import PreparedRestore, check_structure, latest_generation, open_generation
 from .state.placement import box_ranges
 from .store import Store
 from .values import decode_value
@@ -106,7 +106,7 @@ class StorageReader(_DcpStorageReader):
             manifest = generation.manifest
         if not isinstance(manifest.metadata, dict) or DCP_KEY not in manifest.metadata:
             raise Refusal(RefusalCode.FORMAT, f"generation {self.root[:16]}... was not written by DCP (no "
-                          f"{DCP_KEY!r} metadata): restore it with alpha_ckpt.Checkpointer or alpha_ckpt.load")
+                          f"{DCP_KEY!r} metadata): restore it with alpha_ckpt.Checkpointer or alpha_ckpt.restore")
         self.regions, self.prefix = manifest.regions, manifest.prefix
         # The history a save of this process continues once the load succeeds (as a Checkpointer's restore):
         # the next epoch, after the newest generation; none if a newer continuation superseded this one.

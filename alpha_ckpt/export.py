@@ -28,7 +28,7 @@ from .errors import Refusal, RefusalCode, StoreUsageError
 from .format import DTYPES, RegionDecl
 from .manifest import torch_dtype
 from .planner import WantedSlice
-from .restore import Generation, PreparedRestore, open_generation, payload_bytes
+from .reader import Generation, PreparedRestore, open_generation, payload_bytes
 from .store import Store, write_all
 
 FORMATS = ("safetensors", "torch")

@@ -7,14 +7,14 @@ What stays:
 - **Retention**: of every run/step, the ``keep`` newest *complete*
   generations and every generation newer than those. Complete is the one
   definition ``latest`` and ``--resume latest`` use too
-  (:func:`alpha_ckpt.restore.check_complete`: the ref reads back intact and
+  (:func:`alpha_ckpt.reader.check_complete`: the ref reads back intact and
   every object validates fully, NaN/inf included), so gc never removes the
   newest generation that validates. gc remembers what it validated in
   ``STORE/verified/`` (:mod:`alpha_ckpt.complete`) and re-hashes a generation
   only when one of its object files changed. At least two are kept, so the
   previous complete generation survives a failed publish. By default every
   generation is kept (and nothing is hashed).
-  The generation ``latest`` names (:func:`alpha_ckpt.restore.latest_order`,
+  The generation ``latest`` names (:func:`alpha_ckpt.reader.latest_order`,
   the same rule) is always kept.
 - **Pins** (:mod:`alpha_ckpt.pins`): a pinned generation stays whatever the
   retention, and does not count toward ``keep``. A pin taken after planning
@@ -71,7 +71,7 @@ from .errors import Refusal, StoreUsageError
 from .store.leases import CLOCK_SLACK_S, STALE_AFTER_S, lease_is_stale, read_leases, writer_alive
 from .complete import remembered_check_complete, remembered_roots
 from .pins import pinned_roots
-from .restore import latest_order, open_generation
+from .reader import latest_order, open_generation
 from .store import RefRecord, Store, UnreadableRef
 from .store import sweep
 

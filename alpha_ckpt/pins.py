@@ -23,7 +23,7 @@ from typing import Callable
 
 from .errors import Refusal, RefusalCode
 from .format import canonical_json, check_name, parse_canonical_json
-from .restore import open_generation, verify_generation
+from .reader import open_generation, verify_generation
 from .store import Store
 from .store.layout import PINS
 from .store.pinfiles import PinFiles, pin_names, read_pin_file

@@ -39,7 +39,7 @@ from .packing import (  # noqa: F401 (re-exported: imported from here)
     ZSTD_LEVEL, DEFAULT_DISK_BYTES_PER_S, ShardCarry, check_compression, choose_codec, cut_part, group_parts,
     word_bytes, word_view, zstd_pays,
 )
-from .restore import validate_object_file
+from .reader import validate_object_file
 from .store import RefRecord, Store, check_fence
 
 # The largest shard file a save writes. Buffered writes to one file are serialized by the kernel

@@ -55,7 +55,7 @@ if [[ $DEVICE == cuda ]]; then
     recorded=$($PY - "$STORE" "$root" <<'EOF'
 import json, sys
 import pynvml
-from alpha_ckpt.restore import open_generation
+from alpha_ckpt.reader import open_generation
 from alpha_ckpt.store import Store
 with open_generation(Store(sys.argv[1]), sys.argv[2]) as g:
     saved = g.manifest.metadata["devices"][0]

@@ -48,7 +48,7 @@ def main() -> int:
                                    allow_nonfinite=("*.causal_mask", "*/causal_mask"))
             times[f"{kind} save"].append(time.perf_counter() - started)
             started = time.perf_counter()
-            alpha_ckpt.load(what, store=store, root=root)
+            alpha_ckpt.restore(what, store=store, root=root)
             times[f"{kind} load"].append(time.perf_counter() - started)
     median = {k: statistics.median(v) for k, v in times.items()}
     print(f"{n_params} parameters, {len(flat)} tensors, {sum(v.numel() * v.element_size() for v in flat.values())} bytes")

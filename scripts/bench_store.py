@@ -31,7 +31,7 @@ both are measured.
 
   ours     ``alpha_ckpt.save(state, store=DIR, run="bench", step="fit", ...)``
            fsyncs every file and every directory it creates or renames into,
-           and BLAKE3-hashes every byte. Restore: ``alpha_ckpt.load(dest, ...)``
+           and BLAKE3-hashes every byte. Restore: ``alpha_ckpt.restore(dest, ...)``
            validates every byte (BLAKE3, zero padding, finiteness) and then
            copies in place into the preallocated destination tensors.
   torch    ``torch.save(state, f)`` + ``f.flush()`` + ``os.fsync`` + fsync of the

@@ -34,7 +34,7 @@ import alpha_ckpt  # noqa: E402
 from alpha_ckpt import Refusal  # noqa: E402
 from alpha_ckpt.format import PREFIX_LEN, canonical_json, digest_bytes, encode_head  # noqa: E402
 from alpha_ckpt.testing import simulate  # noqa: E402
-from alpha_ckpt.restore import validate_object_bytes  # noqa: E402
+from alpha_ckpt.reader import validate_object_bytes  # noqa: E402
 from alpha_ckpt.store import Store, decode_ref  # noqa: E402
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.text(max_size=20),

@@ -74,7 +74,7 @@ from ..publish.publisher import Contribution, Publisher
 from ..publish.star import StarPublisher
 from ..publish.tree import TreePublisher
 from ..publish.wire import broadcast_json
-from ..restore import Counters
+from ..reader import Counters
 from ..state.capture import capture_state
 from ..store import Store
 from ..writer import ShardCarry, word_view

@@ -27,7 +27,7 @@ from ..manifest import encode_identity, identity_matches
 from ..planner import WantedSlice, owners_holding
 from ..progress import emit, format_bytes, is_tty
 from ..publish.messages import Candidate, short
-from ..restore import Counters, latest_order, open_generation, prepare_fill
+from ..reader import Counters, latest_order, open_generation, prepare_fill
 from ..state.load import plan_load
 from ..state.rules import recorded_per_rank
 from ..store import RefRecord, Store

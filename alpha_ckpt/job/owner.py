@@ -38,7 +38,7 @@ from ..learner.model import (
 from ..state import capture_state
 from ..state.placement import Partitioned
 from ..gc import discard_completed_step
-from ..restore import open_generation
+from ..reader import open_generation
 from ..store import Store, write_all
 from ..store.layout import OUTPUTS, TMP
 from ..usage import OneLineArgumentParser, UsageError, check_store_writable

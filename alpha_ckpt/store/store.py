@@ -81,7 +81,7 @@ class Store:
         once it is known intact (see :meth:`PosixBackend.reuse_object`): ``validate(obj, what)``
         checks an existing file's content against its name, raising a Refusal
         if it does not match (the store knows names, not what objects hold:
-        :func:`alpha_ckpt.restore.validate_object_file` does). Anything else found
+        :func:`alpha_ckpt.reader.validate_object_file` does). Anything else found
         under the name is set aside into ``quarantine/`` and the object
         committed anew. A reused object's modification time is renewed, so
         gc's grace period protects it until the publish reusing it has its ref.

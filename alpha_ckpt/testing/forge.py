@@ -28,7 +28,7 @@ import torch
 from ..format import DTYPES, CapturePrefix, RegionDecl
 from ..manifest import torch_dtype
 from ..planner import Piece, WantedSlice
-from ..restore import open_generation, restore_slices
+from ..reader import open_generation, restore_slices
 from ..store import RefRecord, Store
 from ..writer import Published, write_manifest, write_shards
 

@@ -18,7 +18,7 @@ import torch
 
 from ..format import CapturePrefix, RegionDecl
 from ..planner import Hierarchy, Piece, WantedSlice
-from ..restore import open_generation, restore_slices
+from ..reader import open_generation, restore_slices
 from ..store import Store
 from .faults import FaultHooks, installed
 from ..publish.tree import MemoryTransport, TreeRole

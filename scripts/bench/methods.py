@@ -22,7 +22,7 @@ def ours_save(state, workdir: str, rep: int):
 
 
 def ours_restore(dest, workdir: str, root) -> None:
-    alpha_ckpt.load(dest, store=workdir, root=root)
+    alpha_ckpt.restore(dest, store=workdir, root=root)
 
 
 def torch_save(state, workdir: str, rep: int):

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from alpha_ckpt.format import CapturePrefix, RegionDecl
 from alpha_ckpt.planner import Hierarchy, Piece, WantedSlice, pack_shards
 from alpha_ckpt.publish.tree import GroupTransport, TreeRole
-from alpha_ckpt.restore import PreparedRestore, open_generation
+from alpha_ckpt.reader import PreparedRestore, open_generation
 from alpha_ckpt.store import Store
 from alpha_ckpt.writer import DEFAULT_MAX_SHARD_BYTES
 

@@ -62,7 +62,7 @@ def test_the_one_process_store_verifies_and_restores_every_value_bit_for_bit(tmp
     assert cli.main(["verify", "--store", str(store), root]) == 0
     assert alpha_ckpt.latest(store, "old", "s") == root
     blank = old_state.state(blank=True)
-    counters = alpha_ckpt.load(blank, store=store, root=root)
+    counters = alpha_ckpt.restore(blank, store=store, root=root)
     assert (counters.update, counters.cursor, counters.root) == (7, 70, root)
     after_restore = torch.rand(4)  # the saved RNG state is back: the draws that followed the save
     torch.manual_seed(10)  # the seed old_state.state() captured

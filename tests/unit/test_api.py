@@ -30,7 +30,7 @@ def test_every_dtype_round_trips_bit_exactly_including_0dim_and_empty(store_dir,
     state = {"matrix": _example(dtype, (17, 3)), "scalar": _example(dtype, ()), "empty": _example(dtype, (0, 5))}
     root = alpha_ckpt.save(state, store=store_dir, run="r", step="s", update=1, cursor=0, epoch=0, compression=compression)
     out = zeros_like_state(state)
-    alpha_ckpt.load(out, store=store_dir, root=root)
+    alpha_ckpt.restore(out, store=store_dir, root=root)
     assert_bit_equal(state, out)
 
 
@@ -40,7 +40,7 @@ def test_non_contiguous_sources_and_destinations_round_trip(store_dir):
     root = alpha_ckpt.save(state, store=store_dir, run="r", step="s", update=1, cursor=0, epoch=0)
     dest_base = torch.zeros(6, 10)
     out = {"strided": torch.zeros(6, 8)[:, ::2], "transposed": dest_base.t(), "offset": torch.zeros(5, 6)[1:3, 1:]}
-    alpha_ckpt.load(out, store=store_dir, root=root)
+    alpha_ckpt.restore(out, store=store_dir, root=root)
     for k in state:
         assert torch.equal(state[k], out[k]), k
     assert torch.equal(dest_base, base)  # the transposed view wrote through to its base
@@ -49,7 +49,7 @@ def test_non_contiguous_sources_and_destinations_round_trip(store_dir):
 def test_nested_state_many_shards_counters_and_metadata_come_back(saved):
     store_dir, root, state = saved
     out = zeros_like_state(state)
-    counters = alpha_ckpt.load(out, store=store_dir, root=root)
+    counters = alpha_ckpt.restore(out, store=store_dir, root=root)
     assert_bit_equal(state, out)
     assert (counters.run, counters.step, counters.update, counters.cursor, counters.epoch) == ("nightly", "fit", 3, 96, 0)
     with Store(store_dir) as s:
@@ -61,7 +61,7 @@ def test_nan_in_saved_state_is_refused_and_destination_untouched(store_dir):
     root = save_forged(state, store_dir)
     out = {"a": torch.full((4,), 7.0), "b": torch.full((3,), 7.0)}
     with pytest.raises(Refusal) as info:
-        alpha_ckpt.load(out, store=store_dir, root=root)
+        alpha_ckpt.restore(out, store=store_dir, root=root)
     assert info.value.code == RefusalCode.NON_FINITE and "word 1" in info.value.message
     assert torch.equal(out["a"], torch.full((4,), 7.0)) and torch.equal(out["b"], torch.full((3,), 7.0))
 
@@ -87,7 +87,7 @@ def test_corrupt_shard_refusal_leaves_destination_and_store_unmodified(saved):
     out = zeros_like_state(state)
     sentinel = zeros_like_state(state)
     with pytest.raises(Refusal) as info:
-        alpha_ckpt.load(out, store=store_dir, root=root)
+        alpha_ckpt.restore(out, store=store_dir, root=root)
     assert info.value.code == RefusalCode.CORRUPT_SHARD
     assert_bit_equal(out, sentinel)
     assert {p: open(p, "rb").read() for p in _files(store_dir)} == before
@@ -102,7 +102,7 @@ def test_destination_with_other_regions_is_refused_as_coverage(saved):
     out = zeros_like_state(state)
     out["extra"] = torch.zeros(2)
     with pytest.raises(Refusal) as info:
-        alpha_ckpt.load(out, store=store_dir, root=root)
+        alpha_ckpt.restore(out, store=store_dir, root=root)
     assert info.value.code == RefusalCode.COVERAGE and "extra" in info.value.message
 
 
@@ -111,7 +111,7 @@ def test_destination_with_another_dtype_is_a_contract_mismatch(saved):
     out = zeros_like_state(state)
     out["model"]["w"] = out["model"]["w"].double()
     with pytest.raises(Refusal) as info:
-        alpha_ckpt.load(out, store=store_dir, root=root)
+        alpha_ckpt.restore(out, store=store_dir, root=root)
     assert info.value.code == RefusalCode.CONTRACT_MISMATCH
 
 
@@ -142,7 +142,7 @@ def test_loading_from_a_relocated_store_works(saved, tmp_path):
     moved = tmp_path / "moved"
     os.rename(store_dir, moved)
     out = zeros_like_state(state)
-    alpha_ckpt.load(out, store=moved, root=root)
+    alpha_ckpt.restore(out, store=moved, root=root)
     assert_bit_equal(state, out)
 
 
@@ -181,7 +181,7 @@ def test_auto_compression_picks_zstd_only_where_it_pays(store_dir):
     codecs = {s["region"]: s["codec"] for shard in json.loads(out.getvalue())["shards"] for s in shard["slices"]}
     assert codecs == {"zeros": "zstd", "noise": "raw"}
     back = zeros_like_state(state)
-    alpha_ckpt.load(back, store=store_dir, root=root)
+    alpha_ckpt.restore(back, store=store_dir, root=root)
     assert_bit_equal(state, back)
 
 
@@ -201,7 +201,7 @@ def test_a_multi_chunk_slice_round_trips_when_chunks_arrive_out_of_order(store_d
     state = {"big": torch.randn(11 << 20, generator=g), "small": torch.randn(10, generator=g)}
     root = alpha_ckpt.save(state, store=store_dir, run="r", step="s", update=0, cursor=0, epoch=0)
     back = zeros_like_state(state)
-    alpha_ckpt.load(back, store=store_dir, root=root)
+    alpha_ckpt.restore(back, store=store_dir, root=root)
     assert_bit_equal(state, back)
 
 
@@ -250,7 +250,7 @@ def test_a_nan_in_the_last_of_several_shards_refuses_the_save_and_commits_none_o
     assert os.listdir(os.path.join(store_dir, "tmp")) == []
 
 
-def test_a_generation_is_named_root_and_the_old_digest_spelling_still_works_with_a_deprecation_warning(store_dir):
+def test_a_generation_is_named_root_and_restored_by_restore_and_the_old_spellings_still_work_with_a_warning(store_dir):
     state = {"w": torch.arange(4.0)}
     root = alpha_ckpt.save(state, store=store_dir, run="r", step="s", update=1, cursor=0, epoch=0)
     out = {"w": torch.zeros(4)}
@@ -260,10 +260,12 @@ def test_a_generation_is_named_root_and_the_old_digest_spelling_still_works_with
     with pytest.warns(DeprecationWarning):
         alpha_ckpt.verify(store_dir, digest=root)
     alpha_ckpt.verify(store_dir, root=root)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError), pytest.warns(DeprecationWarning):
         alpha_ckpt.load(out, store=store_dir, root=root, digest=root)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError), pytest.warns(DeprecationWarning):
         alpha_ckpt.load(out, store=store_dir)
+    with pytest.warns(DeprecationWarning):  # load: restore's old name
+        assert alpha_ckpt.load(out, store=store_dir, root=root).root == root
 
 
 def test_save_async_results_carry_the_root_save_returns(store_dir):

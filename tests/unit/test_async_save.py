@@ -32,7 +32,7 @@ def test_values_changed_after_the_snapshot_do_not_reach_the_checkpoint(tmp_path,
     state["half"].mul_(2)
     root = handle.result().root
     restored = _empty_like(state)
-    alpha_ckpt.load(restored, store=store, root=root)
+    alpha_ckpt.restore(restored, store=store, root=root)
     assert torch.equal(restored["model"]["w"], expected["w"])
     assert torch.equal(restored["half"], expected["half"])
     assert handle.stall_s >= 0 and handle.save_s >= handle.snapshot_s

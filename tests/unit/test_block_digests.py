@@ -13,7 +13,7 @@ from alpha_ckpt import Refusal, RefusalCode
 from alpha_ckpt.format import (BLOCK_BYTES, PREFIX_LEN, CapturePrefix, RegionDecl, block_digests, encode_head,
                                joined_digest)
 from alpha_ckpt.planner import Piece, WantedSlice
-from alpha_ckpt.restore import PreparedRestore, open_generation, validate_object_bytes, verify_generation
+from alpha_ckpt.reader import PreparedRestore, open_generation, validate_object_bytes, verify_generation
 from alpha_ckpt.store import Store
 from alpha_ckpt.writer import publish_slices, word_bytes
 

@@ -163,7 +163,7 @@ def test_another_identity_an_older_epoch_and_a_flipped_byte_are_refused_on_every
 def test_a_newest_generation_damaged_where_only_rank_1_reads_makes_every_rank_fall_back_together(tmp_path):
     store = tmp_path / "s"
     roots = run_ranks(2, train_and_save, str(store), 2, (1, 2), tmp=tmp_path)[0]["roots"]
-    from alpha_ckpt.restore import open_generation
+    from alpha_ckpt.reader import open_generation
     with Store(store, create=False) as s, open_generation(s, roots[1]) as g:
         rank1_shard = s.object_path(g.manifest.shards[1].digest)  # rank 1's own words: only rank 1 reads them
     os.chmod(rank1_shard, 0o644)
@@ -243,7 +243,7 @@ def test_four_ranks_each_read_only_their_share_and_fall_back_together_when_the_n
     assert [r["manifests"] for r in restored] == [1, 2, 3, 2]
 
     # Damage what only rank 3 reads in the newest generation: rank 3's own shard.
-    from alpha_ckpt.restore import open_generation
+    from alpha_ckpt.reader import open_generation
     with Store(store, create=False) as s, open_generation(s, roots[1]) as g:
         [group3] = [m for m in g.manifests if m.publisher.role == 3]
         victim = s.object_path(group3.shards[0].digest)
@@ -296,7 +296,7 @@ def test_every_rank_writes_its_own_words_and_its_share_of_large_replicas_and_any
     for rank, r in enumerate(saved):
         assert own[rank] <= r["wrote"] <= own[rank] + (256 << 10), (rank, r["wrote"], own[rank])
     if publisher == "tree":
-        from alpha_ckpt.restore import open_generation
+        from alpha_ckpt.reader import open_generation
         with Store(store, create=False) as s:
             root = s.newest_ref("spread", "train").root
             with open_generation(s, root) as g:
@@ -360,7 +360,7 @@ def test_a_piece_larger_than_the_cut_size_is_written_as_several_shards_and_resto
     assert all(r["equal"] for r in saved)
     # Its writer knows the cut replica's digest from the writes (joined); only the other rank hashes it.
     assert sorted(r["hashed_whole"] for r in saved) == [0, 1]
-    from alpha_ckpt.restore import open_generation
+    from alpha_ckpt.reader import open_generation
     with Store(store, create=False) as s, open_generation(s, s.newest_ref("cut", "train").root) as g:
         slices = [(g.manifest.regions[sl.ordinal].name, sl.lo, sl.hi, sl.raw)
                   for _, head in g.shards.values() for sl in head.slices]

@@ -7,7 +7,7 @@ import torch
 
 from alpha_ckpt import Checkpointer
 from alpha_ckpt.collective.schedule import Schedule
-from alpha_ckpt.restore import verify_generation
+from alpha_ckpt.reader import verify_generation
 from alpha_ckpt.store import RefRecord, Store
 from ranks import run_ranks
 

@@ -8,7 +8,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 import alpha_ckpt
 from alpha_ckpt import Checkpointer
 from alpha_ckpt.state.placement import box_ranges, contiguous_words
-from alpha_ckpt.restore import open_generation, payload_bytes
+from alpha_ckpt.reader import open_generation, payload_bytes
 from alpha_ckpt.store import Store
 from ranks import run_ranks
 from sharded_training import differing, fsdp2_gpt, full_state, train
@@ -88,7 +88,7 @@ def test_an_fsdp2_checkpoint_loads_whole_in_one_process_and_exports_full_tensors
     model, optim = fsdp2_gpt(1)
     train(model, optim, 1, 9)
     state = _state(model, optim, 0)
-    alpha_ckpt.load(state, store=store, digest=root)  # one process, no process group: the logical tensors
+    alpha_ckpt.restore(state, store=store, digest=root)  # one process, no process group: the logical tensors
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     assert differing(full_state(model, optim), want) == []
     out = tmp_path / "gpt.safetensors"

@@ -28,9 +28,9 @@ def test_cuda_state_round_trips_into_cuda_and_cpu_tensors(tmp_path, dtype):
     root = alpha_ckpt.save(state, store=tmp_path, run="gpu", step="fit", update=1, cursor=2, epoch=0)
     on_gpu = {k: torch.zeros_like(v) for k, v in state.items()}
     on_gpu["transposed"] = torch.zeros(64, 48, dtype=dtype, device="cuda").t()
-    alpha_ckpt.load(on_gpu, store=tmp_path, root=root)
+    alpha_ckpt.restore(on_gpu, store=tmp_path, root=root)
     on_cpu = {k: torch.zeros(v.shape, dtype=dtype) for k, v in state.items()}
-    alpha_ckpt.load(on_cpu, store=tmp_path, root=root)
+    alpha_ckpt.restore(on_cpu, store=tmp_path, root=root)
     for k, v in state.items():
         assert on_gpu[k].device.type == "cuda"
         assert torch.equal(on_gpu[k], v), k
@@ -43,6 +43,6 @@ def test_nan_on_the_gpu_is_refused_and_the_gpu_destination_untouched(tmp_path):
     root = alpha_ckpt.save(state, store=tmp_path, run="gpu", step="fit", update=1, cursor=2, epoch=0)
     dest = {"w": torch.full((1000,), 5.0, device="cuda")}
     with pytest.raises(Refusal) as info:
-        alpha_ckpt.load(dest, store=tmp_path, root=root)
+        alpha_ckpt.restore(dest, store=tmp_path, root=root)
     assert info.value.code == RefusalCode.NON_FINITE and "word 777" in info.value.message
     assert torch.equal(dest["w"], torch.full((1000,), 5.0, device="cuda"))

@@ -19,7 +19,7 @@ from alpha_ckpt import RefusalCode
 from alpha_ckpt.dcp import StorageReader, StorageWriter, box_words, decode_metadata, encode_metadata
 from alpha_ckpt.errors import Refusal
 from alpha_ckpt.format import MAGIC
-from alpha_ckpt.restore import verify_generation
+from alpha_ckpt.reader import verify_generation
 from alpha_ckpt.store import Store
 from cli_in_process import alpha_ckpt_cli
 from ranks import run_ranks

@@ -9,7 +9,7 @@ import torch
 
 import alpha_ckpt
 from alpha_ckpt.errors import Refusal, RefusalCode
-from alpha_ckpt.restore import open_generation, verify_generation
+from alpha_ckpt.reader import open_generation, verify_generation
 from alpha_ckpt.writer import ShardCarry
 from conftest import save_forged
 
@@ -40,7 +40,7 @@ def test_a_frozen_region_costs_zero_bytes_written_in_later_generations(tmp_path)
     assert carry.bytes_carried >= 2 * table
     for step, root in enumerate(roots, start=1):
         restored = {"embedding": torch.empty(4096, 128), "head": torch.empty(64, 8), "step": torch.tensor(0)}
-        counters = alpha_ckpt.load(restored, store=store, root=root)
+        counters = alpha_ckpt.restore(restored, store=store, root=root)
         assert counters.update == step and torch.equal(restored["embedding"], _state(0)["embedding"])
         assert torch.equal(restored["head"], _state(step)["head"])
 
@@ -192,9 +192,9 @@ def test_an_intact_object_holding_nan_is_reused_not_set_aside(tmp_path):
 
 
 def test_a_store_handle_reads_back_only_objects_it_did_not_write_or_check_itself(tmp_path, monkeypatch):
-    from alpha_ckpt import restore, writer
+    from alpha_ckpt import reader, writer
     checked = []
-    real = restore.validate_object_file
+    real = reader.validate_object_file
     monkeypatch.setattr(writer, "validate_object_file", lambda obj, what="object": checked.append(obj.digest)
                         or real(obj, what))  # what the writer gives the store to check an existing object with
     store_dir, state = tmp_path / "store", {"w": torch.randn(4096)}

@@ -141,7 +141,7 @@ def _refused_untouched(store_dir, root, destination, *names):
     writable = [(k, v) for k, v in _leaves(destination) if v.device.type != "meta"]
     before = [v.clone() for _, v in writable]
     with pytest.raises(Refusal) as info:
-        alpha_ckpt.load(destination, store=store_dir, root=root)
+        alpha_ckpt.restore(destination, store=store_dir, root=root)
     assert info.value.code == RefusalCode.COVERAGE
     assert all(repr(n) in info.value.message for n in names), info.value.message
     for (k, v), old in zip(writable, before):
@@ -185,7 +185,7 @@ def test_tied_weights_of_a_gpt_style_model_restore_in_place(store_dir):
     assert set(state) == {"wte.weight", "ln.weight", "ln.bias", "lm_head.weight"}
     root = alpha_ckpt.save(state, store=store_dir, **KW)
     fresh = _TiedLM(seed=2)
-    alpha_ckpt.load(fresh.state_dict(), store=store_dir, root=root)
+    alpha_ckpt.restore(fresh.state_dict(), store=store_dir, root=root)
     assert fresh.lm_head.weight is fresh.wte.weight and torch.equal(fresh.wte.weight, saved.wte.weight)
     assert torch.equal(fresh.ln.bias, saved.ln.bias)
 

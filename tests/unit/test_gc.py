@@ -13,7 +13,7 @@ from alpha_ckpt import cli
 from alpha_ckpt.errors import StoreUsageError
 from alpha_ckpt.gc import apply_gc, plan_gc
 from alpha_ckpt.testing import simulate
-from alpha_ckpt.restore import validate_object_file, verify_generation
+from alpha_ckpt.reader import validate_object_file, verify_generation
 from alpha_ckpt.store import Store
 
 
@@ -53,7 +53,7 @@ def test_retention_keeps_the_newest_generations_and_removes_what_only_older_ones
 
 
 def _objects_of(store, root):
-    from alpha_ckpt.restore import open_generation
+    from alpha_ckpt.reader import open_generation
     with open_generation(store, root, wanted=[]) as g:
         return {m.digest for m in g.manifests} | {s.digest for m in g.manifests for s in m.shards}
 

@@ -9,7 +9,7 @@ import alpha_ckpt
 from alpha_ckpt import Refusal, RefusalCode, durable
 from alpha_ckpt.format import CapturePrefix
 from alpha_ckpt.gc import apply_gc, plan_gc
-from alpha_ckpt.restore import latest_generation, verify_generation
+from alpha_ckpt.reader import latest_generation, verify_generation
 from alpha_ckpt.store import Store
 from alpha_ckpt.writer import ShardCarry
 from conftest import save_forged
@@ -197,7 +197,7 @@ def test_gc_remembers_what_it_validated_and_validates_again_when_an_object_chang
 
 
 def _reaches(store, root, digest):
-    from alpha_ckpt.restore import open_generation
+    from alpha_ckpt.reader import open_generation
     with open_generation(store, root, wanted=[]) as g:
         return digest in {s.digest for m in g.manifests for s in m.shards}
 

@@ -12,7 +12,7 @@ import alpha_ckpt
 from alpha_ckpt import Refusal, RefusalCode, durable
 from alpha_ckpt.format import ShardRef, encode_head
 from alpha_ckpt.planner import WantedSlice
-from alpha_ckpt.restore import open_generation, restore_slices, validate_object_bytes
+from alpha_ckpt.reader import open_generation, restore_slices, validate_object_bytes
 from alpha_ckpt.writer import write_manifest
 from alpha_ckpt.store import Store
 from conftest import save_forged
@@ -134,7 +134,7 @@ def test_a_refusal_in_the_first_slice_of_many_ends_the_restore(store_dir):
     state["t0"][5] = float("nan")
     root = save_forged(state, store_dir, update=0)
     with pytest.raises(Refusal) as info:
-        alpha_ckpt.load({k: torch.zeros_like(v) for k, v in state.items()}, store=store_dir, root=root)
+        alpha_ckpt.restore({k: torch.zeros_like(v) for k, v in state.items()}, store=store_dir, root=root)
     assert info.value.code == RefusalCode.NON_FINITE and "word 5 " in info.value.message
 
 

@@ -16,7 +16,7 @@ import alpha_ckpt
 from alpha_ckpt import durable
 from alpha_ckpt.errors import DurableWriteError, PublishConflict
 from alpha_ckpt.format import CapturePrefix
-from alpha_ckpt.restore import verify_generation
+from alpha_ckpt.reader import verify_generation
 from alpha_ckpt.store import Store
 
 ERRNOS = [errno.EIO, errno.ENOSPC, errno.EDQUOT, errno.EINVAL]

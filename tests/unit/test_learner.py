@@ -80,7 +80,7 @@ def test_three_updates_a_checkpoint_and_two_more_equal_five_uninterrupted(tmp_pa
     root = alpha_ckpt.save(first.tensors(), store=tmp_path, run=config.run, step=config.step, update=first.update,
                            cursor=first.cursor, epoch=0)
     resumed = LearnerState.initial(config)
-    counters = alpha_ckpt.load(resumed.tensors(), store=tmp_path, root=root)
+    counters = alpha_ckpt.restore(resumed.tensors(), store=tmp_path, root=root)
     resumed.update, resumed.cursor = counters.update, counters.cursor
     resumed = oracle.run(config, 5, oracle.parse_placements("2", 5), resumed)
     assert state_digest(resumed.tensors(), resumed.update, resumed.cursor) == \

@@ -15,7 +15,7 @@ import alpha_ckpt
 from alpha_ckpt import Checkpointer, RefusalCode, cli
 from alpha_ckpt.errors import Refusal
 from alpha_ckpt.format import CapturePrefix, canonical_json, digest_bytes
-from alpha_ckpt.restore import verify_generation
+from alpha_ckpt.reader import verify_generation
 from alpha_ckpt.store import RefRecord, Store, check_fence
 from ranks import run_ranks
 

@@ -10,7 +10,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 import alpha_ckpt
 from alpha_ckpt import Checkpointer, RefusalCode
-from alpha_ckpt.restore import open_generation
+from alpha_ckpt.reader import open_generation
 from alpha_ckpt.state.capture import capture_state
 from alpha_ckpt.state.rules import PlacementRules
 from alpha_ckpt.store import Store
@@ -151,7 +151,7 @@ def test_a_statefuldataloader_with_its_default_generator_resumes_bit_identical_t
     loader = _loader()
     state = {"rng": alpha_ckpt.RNGState(), "data": loader} if rng_first else \
         {"data": loader, "rng": alpha_ckpt.RNGState()}
-    alpha_ckpt.load(state, store=str(tmp_path / "s"), root=root)
+    alpha_ckpt.restore(state, store=str(tmp_path / "s"), root=root)
     after = []
     for batch in loader:  # the rest of the interrupted epoch, then new epochs as the script makes them
         after.append((batch.tolist(), torch.rand(()).item(), random.random()))

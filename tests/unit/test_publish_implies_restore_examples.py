@@ -38,7 +38,7 @@ def test_a_zero_size_numpy_array_saves_and_restores(tmp_path):
     root = alpha_ckpt.save({"a": np.zeros((0, 3), np.float32)}, store=tmp_path / "one", run="r", step="s", update=1,
                            cursor=0, epoch=0)
     dest = {"a": np.ones((0, 3), np.float32)}
-    alpha_ckpt.load(dest, store=tmp_path / "one", root=root)
+    alpha_ckpt.restore(dest, store=tmp_path / "one", root=root)
     assert dest["a"].shape == (0, 3)
 
 

@@ -318,5 +318,5 @@ def test_metadata_that_would_read_back_as_another_value_is_a_usage_error_before_
         Checkpointer(str(tmp_path / "store"), run="r", metadata={"betas": (0.9, 0.95)})
     root = alpha_ckpt.save({"w": torch.ones(2)}, store=tmp_path / "store", run="r", step="train", update=1,
                            cursor=0, epoch=0, metadata={"betas": [0.9, 0.95]})
-    assert alpha_ckpt.load({"w": torch.zeros(2)}, store=tmp_path / "store", root=root).metadata == \
+    assert alpha_ckpt.restore({"w": torch.zeros(2)}, store=tmp_path / "store", root=root).metadata == \
         {"betas": [0.9, 0.95]}

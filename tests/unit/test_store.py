@@ -7,7 +7,7 @@ import alpha_ckpt
 from alpha_ckpt import PublishConflict, Refusal, RefusalCode
 from alpha_ckpt.format import CapturePrefix, RegionDecl
 from alpha_ckpt.planner import Piece
-from alpha_ckpt.restore import open_generation
+from alpha_ckpt.reader import open_generation
 from alpha_ckpt.writer import word_bytes, write_manifest
 from alpha_ckpt.store import Store
 from alpha_ckpt.store.posix import PosixRefDir

@@ -70,7 +70,7 @@ def test_state_dicts_as_they_come_resume_bit_identically(tmp_path, uninterrupted
     resumed = Trainer(seed=99)  # another seed: every bit must come from the checkpoint
     destination = _state_dicts(resumed)
     destination["extra"] = {}
-    alpha_ckpt.load(destination, store=tmp_path, root=root)
+    alpha_ckpt.restore(destination, store=tmp_path, root=root)
     for key in ("numpy_rng", "python_rng", "extra"):
         assert_identical(destination[key], expected_values[key], key)
     assert_identical(list(destination["optim"]["state"]), list(expected["optim"]["state"]))  # int keys stay int
@@ -93,7 +93,7 @@ def test_stateful_objects_resume_bit_identically_into_fresh_objects(tmp_path, un
                            allow_nonfinite=MASKS)
     resumed = Trainer(seed=5)
     assert not resumed.optim.state  # a freshly built optimizer: its state is created from the checkpoint
-    alpha_ckpt.load(objects(resumed), store=tmp_path, root=root)
+    alpha_ckpt.restore(objects(resumed), store=tmp_path, root=root)
     resumed.step = 3
     assert_identical(_snapshot(resumed), expected)
     for group, saved_group in zip(resumed.optim.param_groups, t.optim.param_groups):
@@ -113,7 +113,7 @@ def test_values_keep_their_types_and_bits(store_dir):
     state = {"w": torch.ones(2), "values": values}
     root = alpha_ckpt.save(state, store=store_dir, run="r", step="s", update=1, cursor=0, epoch=0)
     destination = {"w": torch.zeros(2), "values": None}
-    alpha_ckpt.load(destination, store=store_dir, root=root)
+    alpha_ckpt.restore(destination, store=store_dir, root=root)
     assert_identical(destination["values"], values)
 
 
@@ -123,7 +123,7 @@ def test_unsigned_tensors_and_numpy_arrays_round_trip(store_dir, dtype):
     array = np.arange(6, dtype=np.uint32).reshape(2, 3) * 1000003
     root = alpha_ckpt.save({"t": tensor, "a": array}, store=store_dir, run="r", step="s", update=1, cursor=0, epoch=0)
     destination = {"t": torch.zeros_like(tensor), "a": np.zeros_like(array)}
-    alpha_ckpt.load(destination, store=store_dir, root=root)
+    alpha_ckpt.restore(destination, store=store_dir, root=root)
     assert_identical(destination["t"], tensor)
     assert_identical(destination["a"], array)
 
@@ -136,7 +136,7 @@ def _saved_pair(store_dir):
 def test_the_same_names_in_another_order_restore(store_dir):
     root, state = _saved_pair(store_dir)
     destination = {"step": 0, "model": {"b": torch.zeros(3), "w": torch.zeros(2, 3)}}
-    alpha_ckpt.load(destination, store=store_dir, root=root)
+    alpha_ckpt.restore(destination, store=store_dir, root=root)
     assert torch.equal(destination["model"]["w"], state["model"]["w"]) and destination["step"] == 4
 
 
@@ -151,7 +151,7 @@ def test_a_missing_an_extra_and_a_reshaped_entry_are_refused_by_name(store_dir, 
     change(destination)
     before = copy.deepcopy(destination)
     with pytest.raises(Refusal) as info:
-        alpha_ckpt.load(destination, store=store_dir, root=root)
+        alpha_ckpt.restore(destination, store=store_dir, root=root)
     assert info.value.code == RefusalCode.COVERAGE
     assert named in info.value.message
     assert_identical(destination, before)  # refused before a byte was copied
@@ -161,7 +161,7 @@ def test_a_refusal_names_the_first_ten_entries_and_counts_them(store_dir):
     root = alpha_ckpt.save({f"p{i:02d}": torch.ones(1) for i in range(15)}, store=store_dir, run="r", step="s",
                            update=1, cursor=0, epoch=0)
     with pytest.raises(Refusal) as info:
-        alpha_ckpt.load({"other": torch.ones(1)}, store=store_dir, root=root)
+        alpha_ckpt.restore({"other": torch.ones(1)}, store=store_dir, root=root)
     message = info.value.message
     assert "15 in the checkpoint" in message and "p09" in message and "p10" not in message and "5 more" in message
 
@@ -180,7 +180,7 @@ def test_a_declared_inf_buffer_round_trips_through_save_load_verify_and_export(s
     alpha_ckpt.verify(store_dir, root)
     assert alpha_ckpt.latest(store_dir, "r", "s") == root
     fresh = Trainer(seed=1).model.state_dict()
-    alpha_ckpt.load({"model": fresh}, store=store_dir, root=root)
+    alpha_ckpt.restore({"model": fresh}, store=store_dir, root=root)
     assert_identical(fresh, t.model.state_dict())
     assert cli.main(["export", "--store", str(store_dir), root, "--to", str(tmp_path / "m.safetensors")]) == 0
     exported = load_file(tmp_path / "m.safetensors")
@@ -211,7 +211,7 @@ def test_the_allowance_is_part_of_the_checkpoint_identity(store_dir):
                            allow_nonfinite=("m",))
     again = alpha_ckpt.save({"m": torch.zeros(2), "w": torch.ones(2)}, store=store_dir, run="r", step="s", update=2,
                             cursor=0, epoch=0)
-    from alpha_ckpt.restore import open_generation
+    from alpha_ckpt.reader import open_generation
     with Store(store_dir, create=False) as s, open_generation(s, root) as g1, open_generation(s, again) as g2:
         assert [r.nonfinite for r in g1.manifest.regions] == [True, False]
         assert g1.manifest.schema_digest != g2.manifest.schema_digest
@@ -250,7 +250,7 @@ def test_latest_names_what_it_skipped(store_dir, caplog):
     good = alpha_ckpt.save({"w": torch.ones(4)}, store=store_dir, run="r", step="s", update=1, cursor=0, epoch=0)
     bad = alpha_ckpt.save({"w": torch.ones(4) * 2}, store=store_dir, run="r", step="s", update=2, cursor=0, epoch=0)
     with Store(store_dir, create=False) as s:
-        from alpha_ckpt.restore import open_generation
+        from alpha_ckpt.reader import open_generation
         with open_generation(s, bad) as g:
             victim = s.object_path(next(iter(g.shards)))
     import os
@@ -276,7 +276,7 @@ def test_async_save_captures_values_at_the_call(store_dir):
         state["w"].add_(1)
         root = handle.result().root
     destination = {"w": torch.zeros(3), "meta": {}}
-    alpha_ckpt.load(destination, store=store_dir, root=root)
+    alpha_ckpt.restore(destination, store=store_dir, root=root)
     assert destination["meta"] == {"step": 1} and torch.equal(destination["w"], torch.ones(3))
 
 
@@ -285,8 +285,8 @@ def test_a_manifest_without_a_skeleton_loads_by_dotted_name(store_dir):
     state = {"model": {"w": torch.arange(4.0), "b": torch.ones(2)}, "n": torch.tensor(3)}
     root = save_forged(state, store_dir)
     destination = {"n": torch.tensor(0), "model": {"b": torch.zeros(2), "w": torch.zeros(4)}}
-    alpha_ckpt.load(destination, store=store_dir, root=root)
+    alpha_ckpt.restore(destination, store=store_dir, root=root)
     assert_identical(destination, {"n": torch.tensor(3), "model": {"b": torch.ones(2), "w": torch.arange(4.0)}})
     with pytest.raises(Refusal) as info:
-        alpha_ckpt.load({"model": {"w": torch.zeros(4)}, "n": torch.tensor(0)}, store=store_dir, root=root)
+        alpha_ckpt.restore({"model": {"w": torch.zeros(4)}, "n": torch.tensor(0)}, store=store_dir, root=root)
     assert info.value.code == RefusalCode.COVERAGE and "model.b" in info.value.message

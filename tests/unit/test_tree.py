@@ -10,7 +10,7 @@ from alpha_ckpt.format import CapturePrefix, ChildRef
 from alpha_ckpt.planner import Hierarchy
 from alpha_ckpt.testing import simulate
 from alpha_ckpt.publish.tree import Commitment, check_commitment
-from alpha_ckpt.restore import open_generation, verify_generation
+from alpha_ckpt.reader import open_generation, verify_generation
 from alpha_ckpt.store import Store
 from alpha_ckpt.testing.forge import publish_ref_unfenced
 from alpha_ckpt.writer import write_manifest
@@ -172,5 +172,5 @@ def test_no_restore_path_unpickles_or_calls_torch_load(tmp_path, monkeypatch):
     import alpha_ckpt
     root = alpha_ckpt.save({"w": torch.ones(5)}, store=store, run="p", step="s", update=1, cursor=1, epoch=0)
     back = {"w": torch.zeros(5)}
-    alpha_ckpt.load(back, store=store, digest=root)
+    alpha_ckpt.restore(back, store=store, digest=root)
     assert torch.equal(back["w"], torch.ones(5))

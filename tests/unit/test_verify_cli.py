@@ -189,6 +189,6 @@ def test_latest_skips_a_damaged_newer_generation_and_names_it(store_dir):
 
 
 def _shard_of(store, root, digest):
-    from alpha_ckpt.restore import open_generation
+    from alpha_ckpt.reader import open_generation
     with open_generation(store, root) as g:
         return digest in g.shards

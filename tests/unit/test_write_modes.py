@@ -57,7 +57,7 @@ def test_direct_and_buffered_writes_give_identical_objects(tmp_path, monkeypatch
     assert store.write_modes.stats()["gbps"]["direct"], "the direct path was not taken"
     restored = {"a": torch.empty(1_000_003), "b": torch.empty(3, 5, dtype=torch.bfloat16),
                 "c": torch.empty(777, dtype=torch.int64)}
-    alpha_ckpt.load(restored, store=store, root=root_d)
+    alpha_ckpt.restore(restored, store=store, root=root_d)
     assert all(torch.equal(restored[k], v) for k, v in _state().items())
 
 
@@ -147,7 +147,7 @@ def test_a_saves_shards_are_written_as_many_at_once_as_write_threads_says(tmp_pa
     # the six 1.2 MB tensors' shards in one batch, written `threads` at a time
     assert any(n >= 6 and t == threads for n, t in batches), batches
     restored = {k: torch.empty_like(v) for k, v in _many_shards().items()}
-    alpha_ckpt.load(restored, store=store, root=root)
+    alpha_ckpt.restore(restored, store=store, root=root)
     assert all(torch.equal(restored[k], v) for k, v in _many_shards().items())
 
 

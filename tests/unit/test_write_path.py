@@ -14,7 +14,7 @@ import torch
 
 import alpha_ckpt
 from alpha_ckpt import heap, writer
-from alpha_ckpt.restore import open_generation
+from alpha_ckpt.reader import open_generation
 from alpha_ckpt.store import Store
 
 
@@ -72,7 +72,7 @@ def test_a_save_larger_than_one_shard_file_is_several_files_and_restores_bit_for
             generation.close()
     assert len(sizes) == 2 and max(sizes) <= writer.DEFAULT_MAX_SHARD_BYTES + (1 << 20)  # payload cut, plus heads
     dest = {"embedding": torch.zeros(words)}
-    alpha_ckpt.load(dest, store=tmp_path, root=root)
+    alpha_ckpt.restore(dest, store=tmp_path, root=root)
     assert torch.equal(dest["embedding"], source["embedding"])
 
 
@@ -87,7 +87,7 @@ def test_the_collector_is_paused_inside_save_and_load_and_runs_again_after(tmp_p
     assert gc.isenabled()
     root = alpha_ckpt.save({"w": torch.randn(8)}, store=tmp_path, run="r", step="s", update=1, cursor=1, epoch=0)
     assert seen == [False] and gc.isenabled()
-    alpha_ckpt.load({"w": torch.zeros(8)}, store=tmp_path, root=root)
+    alpha_ckpt.restore({"w": torch.zeros(8)}, store=tmp_path, root=root)
     assert gc.isenabled()
 
 
