@@ -24,7 +24,6 @@ import blake3
 import torch
 import torch.distributed as dist
 
-from .. import durable
 from ..collective import Checkpointer
 from ..progress import emit, format_bytes, is_tty
 from ..errors import DurableWriteError, PublishFailed, Refusal, RefusalCode
@@ -39,8 +38,7 @@ from ..state import capture_state
 from ..state.placement import Partitioned
 from ..gc import discard_completed_step
 from ..reader import open_generation
-from ..store import Store, write_all
-from ..store.layout import OUTPUTS, TMP
+from ..store import Store
 from ..usage import OneLineArgumentParser, UsageError, check_store_writable
 from .usage import check_job_args
 from .. import hooks
@@ -332,25 +330,8 @@ class Owner:
                                      {"run": self.config.run, "step": self.config.step,
                                       "update": str(self.state.update)})
         name = output_name(data)
-        root_fd = self.store.layout.open_root()
-        try:
-            out_fd = durable.make_dir_durable(root_fd, OUTPUTS)
-            run_fd = durable.make_dir_durable(out_fd, self.config.run)
-            step_fd = durable.make_dir_durable(run_fd, self.config.step)
-            tmp_fd = os.open(TMP, os.O_RDONLY | os.O_DIRECTORY, dir_fd=root_fd)
-            try:
-                if not durable.entry_exists(step_fd, name):
-                    durable.durable_commit(tmp_dir=tmp_fd, dest_dir=step_fd, write=lambda fd: write_all(fd, data),
-                                           name=name, kind="output")
-            except FileExistsError:
-                pass  # published meanwhile: same name, same content
-            finally:
-                for fd in (tmp_fd, step_fd, run_fd, out_fd):
-                    os.close(fd)
-        finally:
-            os.close(root_fd)
         # Absolute: the line is read by whoever ran the job, maybe from another directory.
-        return os.path.abspath(self.store.layout.output_path(self.config.run, self.config.step, name))
+        return self.store.put_output(self.config.run, self.config.step, name, data)
 
 
 def canonical_safetensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:

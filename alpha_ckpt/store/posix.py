@@ -99,6 +99,22 @@ class PosixBackend:
             os.close(fd)
             os.unlink(name, dir_fd=self._tmp_fd)
 
+    def put_output(self, run: str, step: str, name: str, data: bytes) -> None:
+        """Publish ``data`` as ``outputs/<run>/<step>/<name>`` once, durably; a file of that name
+        already there is kept (outputs are named by their content)."""
+        out_fd = durable.make_dir_durable(self.root_fd, L.OUTPUTS)
+        run_fd = durable.make_dir_durable(out_fd, run)
+        step_fd = durable.make_dir_durable(run_fd, step)
+        try:
+            if not durable.entry_exists(step_fd, name):
+                durable.durable_commit(tmp_dir=self._tmp_fd, dest_dir=step_fd, write=lambda fd: write_all(fd, data),
+                                       name=name, kind="output")
+        except FileExistsError:
+            pass  # published meanwhile: same name, same content
+        finally:
+            for fd in (step_fd, run_fd, out_fd):
+                os.close(fd)
+
     # ------------------------------------------------------------ objects
 
     def _fan_dir(self, digest: str, create: bool) -> int:

@@ -67,6 +67,15 @@ class Store:
         """Write and remove a file where every publish starts (OSError if the store cannot be written)."""
         self.backend.probe_write()
 
+    def put_output(self, run: str, step: str, name: str, data: bytes) -> str:
+        """Publish a step's declared output (e.g. a fitted model) as ``name`` under the run/step, once
+        and durably; return its absolute path. ``name`` should be derived from ``data`` (a digest), so
+        the same output is never written twice."""
+        for value, what in ((run, "run"), (step, "step"), (name, "output name")):
+            check_name(value, what)
+        self.backend.put_output(run, step, name, data)
+        return os.path.abspath(self.layout.output_path(run, step, name))
+
     # ------------------------------------------------------------ objects
 
     def has_object(self, digest: str) -> bool:

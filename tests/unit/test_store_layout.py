@@ -9,7 +9,10 @@ import ast
 import os
 import pathlib
 
+import pytest
+
 import alpha_ckpt
+from alpha_ckpt.errors import Refusal
 from alpha_ckpt.store import Store, StoreLayout
 from alpha_ckpt.store import layout as L
 
@@ -94,10 +97,8 @@ def test_the_layout_names_where_a_store_keeps_each_thing(tmp_path):
             os.path.join(store.root, n) for n in ("tmp", "pending", "quarantine", "pins", "verified", "outputs/r/s")}
 
 
-# Modules outside the store package that still open a store's directories themselves, each with why.
-OPENS_STORE_DIRECTORIES = {
-    "alpha_ckpt/job/owner.py": "the job writes its declared outputs under STORE/outputs/ itself",
-}
+# Modules outside the store package that still open a store's directories themselves, each with why (none).
+OPENS_STORE_DIRECTORIES: dict[str, str] = {}
 
 
 def test_no_module_outside_the_store_package_opens_a_stores_directories():
@@ -111,3 +112,15 @@ def test_no_module_outside_the_store_package_opens_a_stores_directories():
                 found.add(path.relative_to(PACKAGE.parent).as_posix())
     assert found == set(OPENS_STORE_DIRECTORIES), \
         "only the store package opens a store's directories (ask the Store or its backend)"
+
+
+def test_an_output_is_published_once_under_its_run_and_step_and_a_second_put_keeps_the_first(tmp_path):
+    with Store(tmp_path / "s") as store:
+        path = store.put_output("r", "s", "model-ab.safetensors", b"fitted")
+        assert path == os.path.abspath(store.layout.output_path("r", "s", "model-ab.safetensors"))
+        assert store.put_output("r", "s", "model-ab.safetensors", b"fitted") == path
+        with open(path, "rb") as f:
+            assert f.read() == b"fitted"
+        assert os.listdir(store.layout.tmp_dir()) == []
+        with pytest.raises(Refusal):
+            store.put_output("r", "s", "../escape", b"x")
