@@ -73,6 +73,13 @@ class SaveHandle:
         ``.root`` is the root digest :func:`alpha_ckpt.save` would have returned."""
         return self._future.result(timeout)
 
+    @property
+    def root(self) -> str:
+        """The root digest, once durable (waits, and raises the save's failure), as every save result
+        of alpha_ckpt has it (:class:`~alpha_ckpt.collective.result.SaveResult` too)."""
+        published = self.result()
+        return published if isinstance(published, str) else published.root
+
 
 class AsyncSaver:
     """Snapshots into reused host buffers and runs one publish at a time on a background thread."""

@@ -273,4 +273,5 @@ def test_save_async_results_carry_the_root_save_returns(store_dir):
     with Store(store_dir, create=True) as store:
         handle = alpha_ckpt.save_async(state, store=store, run="r", step="s", update=1, cursor=0, epoch=0)
         root = handle.result().root
+        assert handle.root == root  # .root, as a Checkpointer's SaveResult has it
     assert alpha_ckpt.latest(store_dir, "r", "s") == root
