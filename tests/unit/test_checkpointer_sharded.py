@@ -88,7 +88,7 @@ def test_an_fsdp2_checkpoint_loads_whole_in_one_process_and_exports_full_tensors
     model, optim = fsdp2_gpt(1)
     train(model, optim, 1, 9)
     state = _state(model, optim, 0)
-    alpha_ckpt.restore(state, store=store, digest=root)  # one process, no process group: the logical tensors
+    alpha_ckpt.restore(state, store=store, root=root)  # one process, no process group: the logical tensors
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     assert differing(full_state(model, optim), want) == []
     out = tmp_path / "gpt.safetensors"

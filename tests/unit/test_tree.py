@@ -172,5 +172,5 @@ def test_no_restore_path_unpickles_or_calls_torch_load(tmp_path, monkeypatch):
     import alpha_ckpt
     root = alpha_ckpt.save({"w": torch.ones(5)}, store=store, run="p", step="s", update=1, cursor=1, epoch=0)
     back = {"w": torch.zeros(5)}
-    alpha_ckpt.restore(back, store=store, digest=root)
+    alpha_ckpt.restore(back, store=store, root=root)
     assert torch.equal(back["w"], torch.ones(5))
