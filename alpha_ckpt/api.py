@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from .async_save import AsyncSaver, SaveHandle
-from .errors import RefusalCode
+from .errors import OldSpellingWarning, RefusalCode
 from .format import CapturePrefix
 from .reader import Counters, latest_generation, load_state, verify_generation
 from .state import CapturedState, capture_state
@@ -35,7 +35,7 @@ def _root(root: str | None, digest: str | None, call: str) -> str:
         if root is not None:
             raise TypeError(f"{call}() takes root= or its old spelling digest=, not both")
         warnings.warn(f"{call}(digest=...) is deprecated: pass root= (the generation's root digest)",
-                      DeprecationWarning, stacklevel=3)
+                      OldSpellingWarning, stacklevel=3)
         return digest
     if root is None:
         raise TypeError(f"{call}() needs root= (the generation's root digest)")
@@ -139,7 +139,7 @@ def load(state: Mapping[str, Any], *, store: Store | str | os.PathLike, root: st
          digest: str | None = None) -> Counters:
     """Deprecated spelling of :func:`restore` (and ``digest=`` of ``root=``), kept for one release."""
     warnings.warn("alpha_ckpt.load is deprecated: call alpha_ckpt.restore(state, store=..., root=...)",
-                  DeprecationWarning, stacklevel=2)
+                  OldSpellingWarning, stacklevel=2)
     return restore(state, store=store, root=_root(root, digest, "load"))
 
 

@@ -94,3 +94,8 @@ class UsageError(ValueError):
 
 class StoreUsageError(UsageError):
     """A caller passed a bad name or argument (not a property of a checkpoint)."""
+
+
+class OldSpellingWarning(DeprecationWarning):
+    """An old spelling (``load``, ``digest=``, ``Checkpointer()`` without a store) still accepted for one
+    release; the message names the new one."""

@@ -62,7 +62,7 @@ import torch.distributed as dist
 
 from ..async_save import AsyncSaver
 from ..device import check_devices, current_device
-from ..errors import Refusal, RefusalCode, StoreUsageError, UsageError
+from ..errors import OldSpellingWarning, Refusal, RefusalCode, StoreUsageError, UsageError
 from ..format import CapturePrefix, block_digests
 from ..gc import retain_newest
 from ..heap import cyclic_gc_paused
@@ -127,7 +127,7 @@ class Checkpointer:
                 raise UsageError(f"Checkpointer: options= or keyword options, not both ({', '.join(sorted(given))})")
         elif store is None or run is None:
             warnings.warn("Checkpointer() without store= and run= reads alpha-run's settings: call "
-                          "Checkpointer.from_launcher_env() instead", DeprecationWarning, stacklevel=2)
+                          "Checkpointer.from_launcher_env() instead", OldSpellingWarning, stacklevel=2)
             options = _launcher_options(given)
         else:
             options = CheckpointerOptions(**given)
