@@ -33,6 +33,10 @@ EVERY = "ALPHA_CKPT_EVERY"
 MTBF = "ALPHA_CKPT_MTBF"
 CHECKPOINT_COST = "ALPHA_CKPT_CHECKPOINT_COST"
 LAUNCHER_PID = "ALPHA_CKPT_LAUNCHER_PID"  # set by alpha-run for every process it starts
+# torch's switch for its c10d rendezvous: each round (a restart is one) gives the ranks a store of
+# their own instead of the agent's, which outlives attempts and still holds the previous attempt's
+# gloo addresses (a restarted rank would connect to a dead peer and wait).
+SEPARATE_RANK_STORE = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 
 def script_environment(args: Any, run: str) -> dict[str, str]:
@@ -52,9 +56,9 @@ def script_environment(args: Any, run: str) -> dict[str, str]:
 
 @contextlib.contextmanager
 def exported(launcher_pid: int, script: Mapping[str, str] | None = None) -> Iterator[None]:
-    """The launcher's environment while it starts its workers: its pid (and a script's settings);
-    what was there before is put back after."""
-    values = {LAUNCHER_PID: str(launcher_pid), **(script or {})}
+    """The launcher's environment while it starts its workers: its pid, a store of their own for the
+    ranks of each rendezvous round (and a script's settings); what was there before is put back after."""
+    values = {LAUNCHER_PID: str(launcher_pid), SEPARATE_RANK_STORE[0]: SEPARATE_RANK_STORE[1], **(script or {})}
     before = {name: os.environ.get(name) for name in values}
     os.environ.update(values)
     try:

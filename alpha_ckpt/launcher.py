@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import socket
 import sys
 
@@ -107,7 +108,7 @@ def torchrun_argv(args) -> list[str]:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             out += [flag, str(value)]
-    if args.standalone:
+    if args.standalone or restarts_on_one_node(args):
         out.append("--standalone")
     worker = [args.config, "--store", args.store, "--updates", str(args.updates),
               "--checkpoint-every", str(args.checkpoint_every), "--save", args.save, "--in-flight", args.in_flight,
@@ -162,6 +163,12 @@ def check_launch_args(args) -> None:
         raise UsageError(f"--node-rank must be in [0, {max_nodes}), not {args.node_rank}")
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts must not be negative, not {args.max_restarts}")
+    if args.max_restarts > 0 and static_rendezvous(args):
+        # The static rendezvous keeps one store for every attempt: a restarted rank can read the
+        # previous attempt's addresses there and wait on a dead peer (gloo) until the timeout.
+        raise UsageError("--max-restarts needs torch's c10d rendezvous, not the static one (--master-addr/"
+                         "--master-port): on one node drop those flags; on several pass --rdzv-backend c10d "
+                         "--rdzv-endpoint HOST:PORT")
     if args.master_port is not None and not 0 < args.master_port < 65536:
         raise UsageError(f"--master-port must be in [1, 65535], not {args.master_port}")
     if (args.master_port is not None and args.node_rank == 0 and not args.standalone
@@ -177,6 +184,20 @@ def check_launch_args(args) -> None:
         raise UsageError(f"--rdzv-backend must be one of {', '.join(sorted(known))}, not {args.rdzv_backend!r}")
     if args.branch_from is not None and args.run is None:
         raise UsageError("--branch-from needs --run NEW_RUN")
+
+
+def static_rendezvous(args) -> bool:
+    """torchrun's static rendezvous: --master-addr/--master-port, or --rdzv-backend static."""
+    return (not args.standalone and args.rdzv_endpoint is None and args.rdzv_backend in (None, "static")
+            and (args.master_addr is not None or args.master_port is not None or args.rdzv_backend == "static"
+                 or args.nnodes != "1"))
+
+
+def restarts_on_one_node(args) -> bool:
+    """--max-restarts on one node with no rendezvous named: torch's c10d rendezvous on a free local port
+    (torchrun --standalone), whose every restart is a new round with a new store for the ranks."""
+    return (args.max_restarts > 0 and args.nnodes == "1" and not args.standalone and args.rdzv_endpoint is None
+            and args.rdzv_backend is None and args.master_addr is None and args.master_port is None)
 
 
 def port_taken(port: int) -> bool:
@@ -280,8 +301,12 @@ def main(argv=None) -> int:
             return EXIT_REFUSED
         # A usage error (a script's argparse) stops the first rank; the agent then
         # signals the rest, so only the first failure tells the cause.
-        if EXIT_USAGE in codes and exc.get_first_failure()[1].exitcode == EXIT_USAGE:
+        rank, first = exc.get_first_failure()
+        if EXIT_USAGE in codes and first.exitcode == EXIT_USAGE:
             return EXIT_USAGE
+        print(f"alpha-run: rank {rank} failed ({describe_exit(first.exitcode)})"
+              + (f"; no restart left of --max-restarts {args.max_restarts}" if args.max_restarts else "")
+              + "; retry with --resume latest", file=sys.stderr)
         return EXIT_RETRY
     except DistNetworkError as exc:
         if "EADDRINUSE" not in str(exc):
@@ -294,6 +319,16 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     return EXIT_OK
+
+
+def describe_exit(code: int) -> str:
+    """A worker's exit status as torch reports it: a negative code is the signal that killed it."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 def entry() -> None:

@@ -60,6 +60,9 @@ LAUNCHER_ONLY_CASES = [
     pytest.param(["--node-rank", "-1"], id="node-rank-negative"),
     pytest.param(["--node-rank", "1"], id="node-rank-beyond-nnodes"),
     pytest.param(["--max-restarts", "-1"], id="max-restarts-negative"),
+    pytest.param(["--max-restarts", "2", "--master-port", "29533"], id="max-restarts-with-static-rendezvous"),
+    pytest.param(["--max-restarts", "2", "--nnodes", "2", "--master-addr", "10.0.0.1"],
+                 id="max-restarts-with-static-rendezvous-on-two-nodes"),
     pytest.param(["--master-port", "70000"], id="master-port-out-of-range"),
     pytest.param(["--rdzv-endpoint", "host:port"], id="rdzv-endpoint-bad-port"),
     pytest.param(["--rdzv-backend", "carrier-pigeon"], id="rdzv-backend-unknown"),
@@ -211,3 +214,18 @@ def test_the_script_runner_keeps_a_scripts_exit_status_runs_its_atexit_handlers_
     assert done.returncode == expected
     assert marker.read_text() == "ran"
     assert done.stdout == "out\n"
+
+
+@pytest.mark.parametrize("flags, standalone", [
+    pytest.param(["--max-restarts", "3"], True, id="restarts-on-one-node-use-c10d-on-a-free-port"),
+    pytest.param([], False, id="no-restarts-keep-torchruns-default"),
+    pytest.param(["--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400"], False,
+                 id="a-named-c10d-rendezvous-is-kept"),
+])
+def test_restarts_on_one_node_run_a_rendezvous_whose_every_round_has_a_new_store(flags, standalone):
+    from alpha_ckpt import launch_env, launcher
+    args = launcher.parse(["--nproc", "2", *flags, CONFIG])
+    assert ("--standalone" in launcher.torchrun_argv(args)) is standalone
+    with launch_env.exported(1):  # every round of torch's c10d rendezvous gives the ranks a store of their own
+        import os
+        assert os.environ[launch_env.SEPARATE_RANK_STORE[0]] == launch_env.SEPARATE_RANK_STORE[1]
