@@ -86,7 +86,13 @@ class RefDir(Protocol):
         """Publish ``body`` as ref ``generation`` if that number is free, durably; FileExistsError if not."""
 
     def cas_head(self, expected: int, body: bytes) -> bool:
-        """Publish ``body`` as generation ``expected + 1`` if no one took it: True, else False."""
+        """Publish ``body`` as generation ``expected + 1`` if no one took it: True, else False.
+        (Implementations subclassing RefDir get this from :meth:`put`'s if-absent publish.)"""
+        try:
+            self.put(expected + 1, body)
+            return True
+        except FileExistsError:
+            return False
 
     def delete(self, generation: int) -> bool:
         """Remove ref ``generation`` durably (False: it was gone)."""
@@ -97,9 +103,11 @@ class RefDir(Protocol):
 
     def close(self) -> None: ...
 
-    def __enter__(self) -> "RefDir": ...
+    def __enter__(self) -> "RefDir":
+        return self
 
-    def __exit__(self, *exc) -> None: ...
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class StorageBackend(Protocol):

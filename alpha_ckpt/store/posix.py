@@ -18,7 +18,7 @@ from .. import durable
 from ..errors import DurableWriteError, Refusal, RefusalCode, StoreUsageError
 from ._posix import _DIR_FLAGS, _check_plain_dir, _entry_kind, _file_key, _log, _plain_subdirs, write_all
 from . import layout as L
-from .backend import PutResult, RefUnreadable
+from .backend import PutResult, RefDir, RefUnreadable
 from .layout import StoreLayout, fan_of, ref_name
 from .objects import FAN_NAME_RE, ObjectFile, Validate
 from .refs import MAX_REF_BYTES, REF_NAME_RE
@@ -351,13 +351,19 @@ class PosixBackend:
 
     # ------------------------------------------------------------ refs
 
-    def ref_dir(self, run: str, step: str, create: bool) -> "PosixRefDir | None":
+    def _open_refs(self) -> int | None:
+        """refs/ as a directory descriptor; None when the store has none."""
         try:
-            refs = os.open(L.REFS, _DIR_FLAGS, dir_fd=self.root_fd)
+            return os.open(L.REFS, _DIR_FLAGS, dir_fd=self.root_fd)
         except FileNotFoundError:
             return None
         except OSError as exc:
             raise _not_a_directory(L.REFS, exc)
+
+    def ref_dir(self, run: str, step: str, create: bool) -> "PosixRefDir | None":
+        refs = self._open_refs()
+        if refs is None:
+            return None
         try:
             if create:
                 run_fd = durable.make_dir_durable(refs, run)
@@ -385,12 +391,9 @@ class PosixBackend:
     def runs(self) -> list[tuple[str, str]]:
         """Every (run, step) with a refs directory; symlinks and odd names are skipped."""
         out = []
-        try:
-            refs = os.open(L.REFS, _DIR_FLAGS, dir_fd=self.root_fd)
-        except FileNotFoundError:
+        refs = self._open_refs()
+        if refs is None:
             return out
-        except OSError as exc:
-            raise _not_a_directory(L.REFS, exc)
         try:
             for run in sorted(_plain_subdirs(refs)):
                 run_fd = os.open(run, _DIR_FLAGS, dir_fd=refs)
@@ -403,7 +406,7 @@ class PosixBackend:
         return out
 
 
-class PosixRefDir:
+class PosixRefDir(RefDir):
     """refs/RUN/STEP held open: one file per generation, named by :func:`~alpha_ckpt.store.layout.ref_name`."""
 
     def __init__(self, backend: PosixBackend, dir_fd: int):
@@ -413,12 +416,6 @@ class PosixRefDir:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-
-    def __enter__(self) -> "PosixRefDir":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def numbers(self) -> list[int]:
         return sorted(int(name) for name in os.listdir(self.fd) if REF_NAME_RE.match(name))
@@ -455,13 +452,6 @@ class PosixRefDir:
     def put(self, generation: int, body: bytes) -> None:
         durable.durable_commit(tmp_dir=self._backend.tmp_fd, dest_dir=self.fd, write=lambda fd: write_all(fd, body),
                                name=ref_name(generation), kind="ref")
-
-    def cas_head(self, expected: int, body: bytes) -> bool:
-        try:
-            self.put(expected + 1, body)
-            return True
-        except FileExistsError:
-            return False
 
     def delete(self, generation: int) -> bool:
         try:

@@ -10,10 +10,11 @@ import pytest
 from alpha_ckpt.errors import Refusal, RefusalCode
 from alpha_ckpt.format import digest_bytes
 from alpha_ckpt.store import ObjectFile, PosixBackend, PutResult, RefUnreadable, StorageBackend, StoreLayout
+from alpha_ckpt.store.backend import RefDir
 from alpha_ckpt.store.write_mode import DEFAULT_WRITE_THREADS
 
 
-class MemoryRefDir:
+class MemoryRefDir(RefDir):
     def __init__(self, refs: dict[int, bytes], aside: dict[str, bytes]):
         self._refs, self._aside = refs, aside
 
@@ -31,13 +32,6 @@ class MemoryRefDir:
             raise FileExistsError(generation)
         self._refs[generation] = bytes(body)
 
-    def cas_head(self, expected: int, body: bytes) -> bool:
-        try:
-            self.put(expected + 1, body)
-            return True
-        except FileExistsError:
-            return False
-
     def delete(self, generation: int) -> bool:
         return self._refs.pop(generation, None) is not None
 
@@ -48,12 +42,6 @@ class MemoryRefDir:
         return body is not None
 
     def close(self) -> None:
-        pass
-
-    def __enter__(self) -> "MemoryRefDir":
-        return self
-
-    def __exit__(self, *exc) -> None:
         pass
 
 
