@@ -61,6 +61,23 @@ def young_daly(cost_s: float, mtbf_s: float) -> IntervalPlan:
     return IntervalPlan(cost_s, mtbf_s, interval, cost_s / interval if interval else 0.0, interval / 2.0)
 
 
+def saves_per_durable(memory: IntervalPlan, durable: IntervalPlan, memory_spacing_s: float | None = None) -> int:
+    """K, with a memory tier: one save in K goes to the durable store (the others to memory only).
+
+    Young/Daly per tier: the memory tier's interval ``sqrt(2 x C_memory x M)`` spaces the saves
+    (``memory_spacing_s``: that interval as applied, in whole updates; default the interval itself),
+    the durable tier's ``sqrt(2 x C_durable x M_durable)`` the durable ones, so K is their ratio
+    rounded half up, at least 1. A memory save costing as much as a durable one gains nothing (a
+    durable save also holds the generation in memory): K = 1.
+    """
+    if memory.cost_s >= durable.cost_s:
+        return 1
+    spacing = memory.interval_s if memory_spacing_s is None else memory_spacing_s
+    if not spacing > 0:  # a memory save measured to cost nothing at all: nothing to space the durable ones by
+        return 1
+    return max(1, math.floor(durable.interval_s / spacing + 0.5))
+
+
 def _human(seconds: float) -> str:
     if seconds >= 120:
         return f"{seconds / 60:.1f} min"

@@ -32,12 +32,14 @@ EVENTS: dict[str, frozenset[str]] = {
     # A script's Checkpointer under alpha-run: what restore(state) resumed from, once, from rank 0.
     "restored": frozenset({"run", "step", "update", "root", "bytes_read"}),
     "fresh_start": frozenset({"run", "step"}),
+    # A script's Checkpointer: each save, from rank 0, with the tier it went to (memory or durable).
+    "checkpoint_saved": frozenset({"run", "step", "update", "root", "tier", "seconds"}),
     # The forecasting job, from owner 0.
     "publish": frozenset({"run", "step", "root", "mode", "owners", "update", "generation", "bytes",
                           "bytes_written", "seconds", "stall_s"}),
     "checkpoint_skipped": frozenset({"update", "reason"}),
     "checkpoint_interval": frozenset({"cost_s", "mtbf_s", "interval_s", "cost_source", "update_s", "every_updates",
-                                     "update"}),
+                                     "update", "tier"}),
     "checkpoints_discarded": frozenset({"run", "step", "generations", "objects", "pinned"}),
 }
 

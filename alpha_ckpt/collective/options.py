@@ -60,7 +60,24 @@ class CheckpointerOptions:
     mtbf: float | str | None = None
     """``every="auto"``: the mean time between failures (seconds, or ``"6h"``)."""
     checkpoint_cost: float | str | None = None
-    """``every="auto"``: the checkpoint cost assumed until one is measured."""
+    """``every="auto"``: the checkpoint cost assumed until one is measured (with ``memory``: a durable save's)."""
+    memory: bool | str | None = None
+    """The memory tier: None or False: none, every save goes to the store; True: each rank holds the
+    generations in host memory, in alpha-run's directory for it or the default one, replicated to
+    ``replicas`` peers, and one save in ``durable_every`` also goes to the store; a str: the directory
+    (tmpfs) holding the ranks' holders."""
+    replicas: int = 1
+    """With ``memory``: the peer ranks that hold a copy of each rank's objects besides itself (at least 1, so
+    every object is held by at least two ranks)."""
+    durable_every: int | None = None
+    """With ``memory``: one save in this many also goes to the durable store (the first save, then the K-th
+    after each durable one). None: planned with ``every="auto"``, else 5 (a whole-job or node loss redoes at
+    most five saves' work while the store's write is paid once in five saves). Without ``memory``: None or 1
+    (every save is durable)."""
+    mtbf_durable: float | str | None = None
+    """``every="auto"`` with ``memory``: the mean time between the failures the memory tier does not survive
+    (a node's or the whole job's loss; seconds, or ``"30d"``), which with a durable save's cost plans
+    ``durable_every``. None: ten times ``mtbf``."""
     keep: int | None = None
     """Retention: after each publish rank 0 keeps the ``keep`` newest complete generations (at least 2), or
     all (None)."""
@@ -95,9 +112,20 @@ class CheckpointerOptions:
             set_("per_rank", pattern_list(self.per_rank, "per_rank"))
             set_("from_rank0", pattern_list(self.from_rank0, "from_rank0"))
             PlacementRules.of(self.per_rank, self.from_rank0)
-            Schedule(self.every, self.mtbf, self.checkpoint_cost)
+            self.schedule()
         except (Refusal, ValueError, TypeError) as exc:
             raise UsageError(f"Checkpointer: {exc}") from None
+        if isinstance(self.memory, os.PathLike):
+            set_("memory", os.fspath(self.memory))
+        if self.memory is False:
+            set_("memory", None)
+        if not (self.memory is None or self.memory is True or (isinstance(self.memory, str) and self.memory)):
+            raise UsageError(f"memory is None, True or the directory of the ranks' holders, not {self.memory!r}")
+        replicas = self.replicas
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+            raise UsageError(f"replicas is the number of peer copies of every object, at least 1, not {replicas!r}")
+        if self.memory is None and replicas != 1:
+            raise UsageError("replicas goes with memory= (the peers that hold a rank's objects in memory)")
         if self.publisher not in ("star", "tree"):
             raise UsageError(f"publisher is 'star' or 'tree', not {self.publisher!r}")
         if isinstance(self.fanout, bool) or not isinstance(self.fanout, int) or self.fanout < 1:
@@ -137,7 +165,8 @@ class CheckpointerOptions:
         return PlacementRules.of(self.per_rank, self.from_rank0)
 
     def schedule(self) -> Schedule:
-        return Schedule(self.every, self.mtbf, self.checkpoint_cost)
+        return Schedule(self.every, self.mtbf, self.checkpoint_cost, memory=self.memory not in (None, False),
+                        durable_every=self.durable_every, mtbf_durable=self.mtbf_durable)
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(CheckpointerOptions))

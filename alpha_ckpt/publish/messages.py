@@ -183,10 +183,15 @@ class Verdict(Record):
 
 @dataclass(frozen=True)
 class Interval(Record):
-    """Rank 0's checkpoint interval for ``every="auto"``: a number of updates, or None (not planned yet)."""
+    """Rank 0's checkpoint interval for ``every="auto"``: a number of updates, or None (not planned yet).
+
+    ``durable_every``: with the memory tier, one save in that many goes to the durable store (planned
+    with the interval, so every rank names the same tier); None without the tier. A record without the
+    field reads as None, so the field's addition keeps the version."""
 
     KIND: ClassVar[str] = "interval"
     every: int | None
+    durable_every: int | None = None
 
 
 @dataclass(frozen=True)
