@@ -125,6 +125,15 @@ def test_k_grows_as_a_memory_save_gets_cheaper_than_a_durable_one():
     assert planned_k(0.2, mtbf_durable=3600) == 10  # sqrt(20 / 0.2): the same mtbf for both tiers
 
 
+@settings(max_examples=200, deadline=None)
+@given(costs=st.lists(st.floats(0.001, 200), min_size=2, max_size=2, unique=True), durable_cost=st.floats(0.01, 100),
+       mtbf=st.floats(1, 1e6), factor=st.floats(0.1, 100))
+def test_a_cheaper_memory_save_never_plans_a_smaller_k(costs, durable_cost, mtbf, factor):
+    cheaper, dearer = sorted(costs)
+    durable = young_daly(durable_cost, factor * mtbf)
+    assert saves_per_durable(young_daly(cheaper, mtbf), durable) >= saves_per_durable(young_daly(dearer, mtbf), durable)
+
+
 @pytest.mark.parametrize("memory_cost", [20.0, 25.0])
 def test_k_is_one_when_a_memory_save_costs_as_much_as_a_durable_one(memory_cost):
     assert planned_k(memory_cost) == 1
