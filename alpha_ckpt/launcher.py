@@ -35,6 +35,7 @@ import sys
 
 from .format import NAME_RE
 from . import launch_env
+from .inplace import check_in_place_args, run_in_place
 from .job.usage import check_job_args
 from .usage import OneLineArgumentParser, UsageError, check_checkpoint_flags, check_store_writable
 
@@ -98,6 +99,8 @@ def parser() -> OneLineArgumentParser:
     p.add_argument("--commit-timeout", type=float, default=60.0,
                    help="tree: seconds a parent waits for its children's commitments (default 60)")
     p.add_argument("--timeout", type=float, default=120.0, help="process-group timeout in seconds (default 120)")
+    p.add_argument("--in-place", action="store_true", help="with --max-restarts on one node: replace only a failed "
+                   "rank; the others recover in their processes (the script calls alpha_ckpt.run_resilient)")
     return p
 
 
@@ -279,11 +282,15 @@ def main(argv=None) -> int:
             check_job_args(args, config_overrides(args))
         else:
             check_script_args(args)
+        check_in_place_args(args)
         check_launch_args(args)
         check_store_writable(args.store)
     except UsageError as exc:
         print(f"alpha-run: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if args.in_place:  # this launcher's own agent (alpha_ckpt/inplace.py), not torch's
+        with launch_env.exported(os.getpid(), script_environment(args)):
+            return run_in_place(args)
     from torch.distributed import DistNetworkError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -1,0 +1,213 @@
+"""alpha-run --in-place: restarts that replace the failed rank only; the survivors keep their processes.
+
+torch's elastic agent answers a failed rank by stopping every rank and starting
+the whole world again (python, import torch, the model, the rendezvous). This
+agent, on one node, starts the ``nproc`` ranks of a training script as
+alpha-run's script runner does (``python -m alpha_ckpt.script_runner SCRIPT
+ARGS``, bound to the launcher by :mod:`alpha_ckpt.lifeline`, with the
+environment torchrun gives a worker), and watches them:
+
+- a rank that exits with a failure while restarts remain begins rendezvous
+  round ``r + 1``: a fresh rendezvous store (a ``torch.distributed.TCPStore``
+  on a free port, so no rank can read a previous round's gloo addresses), the
+  round announced in the control store, and ONE replacement process with the
+  failed rank's number. The survivors learn of it through the control store
+  (:mod:`alpha_ckpt.resilient`, ``alpha_ckpt.run_resilient``), leave their
+  broken process groups and join the new round in the same process.
+- a rank of an earlier round that fails before it joined the current one fell
+  with the failure that began the round (a script that does not call
+  ``run_resilient`` dies with its peer): it is replaced in the same round, and
+  no restart is counted for it.
+- exit 3 (a refusal) or 2 (a usage error) stops every rank and is the exit
+  status: a restart would meet the same verdict.
+- restarts run out: every rank is stopped, one line names the failed rank, exit 75.
+- every rank exits 0: exit 0.
+
+The control store (``ALPHA_CKPT_INPLACE_CONTROL``, ``host:port``) holds ``round``
+(the newest round), ``round/R`` (its JSON: the rendezvous port, the failed rank
+and its exit status) and ``joined/R/RANK`` (written by a rank once it joined
+round R's group). Every wait of a rank on it is bounded by ``--timeout``
+(``ALPHA_CKPT_INPLACE_TIMEOUT``).
+
+The checks of the flags (:func:`check_in_place_args`) import no torch.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from .errors import UsageError
+
+CONTROL = "ALPHA_CKPT_INPLACE_CONTROL"  # host:port of the launcher's control store
+TIMEOUT = "ALPHA_CKPT_INPLACE_TIMEOUT"  # seconds: every wait of a rank for a round
+HOST = "127.0.0.1"  # one node: every store listens on the loopback interface
+ROUND_KEY = "round"
+POLL_S = 0.02  # how often the agent looks at its ranks: a death is seen within this
+STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this
+EXIT_USAGE, EXIT_REFUSED, EXIT_RETRY, EXIT_INTERRUPTED = 2, 3, 75, 130
+
+
+def round_key(r: int) -> str:
+    return f"{ROUND_KEY}/{r}"
+
+
+def joined_key(r: int, rank: int) -> str:
+    return f"joined/{r}/{rank}"
+
+
+def check_in_place_args(args) -> None:
+    """--in-place: a training script, one node, --max-restarts >= 1, the agent's own rendezvous."""
+    if not args.in_place:
+        return
+    if args.config.endswith(".toml") and not args.module:
+        raise UsageError("--in-place runs a training script that calls alpha_ckpt.run_resilient, not the built-in job")
+    if args.max_restarts < 1:
+        raise UsageError("--in-place needs --max-restarts N (N >= 1): it says what to do when a rank fails")
+    if args.nnodes != "1" or args.node_rank != 0:
+        raise UsageError("--in-place runs on one node: drop --nnodes/--node-rank")
+    given = [flag for flag, value in (("--master-addr", args.master_addr), ("--master-port", args.master_port),
+                                      ("--rdzv-endpoint", args.rdzv_endpoint), ("--rdzv-backend", args.rdzv_backend),
+                                      ("--rdzv-id", args.rdzv_id), ("--standalone", args.standalone or None))
+             if value is not None]
+    if given:
+        raise UsageError(f"--in-place hosts its own rendezvous on a free local port: drop {', '.join(given)}")
+
+
+def worker_command(args) -> list[str]:
+    """``python -m alpha_ckpt.script_runner`` with the script (or -m module) and its own arguments."""
+    target = ["-m", args.config] if args.module else [os.path.abspath(args.config)]
+    return [sys.executable, "-m", "alpha_ckpt.script_runner", *target, *args.script_args]
+
+
+def worker_environment(base: dict, *, rank: int, world: int, round_: int, port: int, control_port: int,
+                       run_id: str, max_restarts: int, timeout: float) -> dict[str, str]:
+    """The environment torchrun gives a worker on one node, and the control store's address."""
+    env = dict(base)
+    env.update({
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+        "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world),
+        "ROLE_NAME": "default", "MASTER_ADDR": HOST, "MASTER_PORT": str(port),
+        "TORCHELASTIC_RESTART_COUNT": str(round_), "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
+        "TORCHELASTIC_RUN_ID": run_id,
+        # Every rank is a client of the round's store, which this agent hosts (as under torchrun).
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        CONTROL: f"{HOST}:{control_port}", TIMEOUT: str(timeout),
+    })
+    if world > 1 and "OMP_NUM_THREADS" not in base:
+        env["OMP_NUM_THREADS"] = "1"  # as torchrun: ranks on one host must not oversubscribe its cores
+    return env
+
+
+@dataclass
+class Ranks:
+    """What the agent knows of its ranks: the process of each, and the round it was started in."""
+    procs: dict = field(default_factory=dict)  # rank -> Popen
+    started_in: dict = field(default_factory=dict)  # rank -> round its process was started in
+    done: set = field(default_factory=set)  # ranks that exited 0
+
+
+def run_in_place(args, env: dict | None = None) -> int:
+    """Start ``args.nproc`` ranks of ``args``' script and keep them going (the module docstring); the exit status."""
+    import subprocess
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from .launcher import describe_exit
+    world, timeout = args.nproc, float(args.timeout)
+    base = dict(os.environ if env is None else env)
+    run_id = uuid.uuid4().hex[:12]
+    store_timeout = timedelta(seconds=timeout)
+    control = TCPStore(HOST, 0, world + 1, True, timeout=store_timeout, wait_for_workers=False)
+    rendezvous = {}  # round -> its TCPStore (the server lives while the object does)
+    state = Ranks()
+    interrupted: list[int] = []
+
+    def begin_round(r: int, failed: int | None, code: int | None) -> int:
+        rendezvous[r] = TCPStore(HOST, 0, world, True, timeout=store_timeout, wait_for_workers=False)
+        control.set(round_key(r), json.dumps({"round": r, "port": rendezvous[r].port, "failed_rank": failed,
+                                              "exit": code}))
+        control.set(ROUND_KEY, str(r))
+        # A rank still joining an older round would wait there for a peer that is gone: closing the
+        # older stores answers its wait at once, and it joins the newest round instead.
+        for old in [k for k in rendezvous if k < r]:
+            del rendezvous[old]
+        return rendezvous[r].port
+
+    def start(rank: int, r: int) -> None:
+        state.procs[rank] = subprocess.Popen(
+            worker_command(args),
+            env=worker_environment(base, rank=rank, world=world, round_=r, port=rendezvous[r].port,
+                                   control_port=control.port, run_id=run_id, max_restarts=args.max_restarts,
+                                   timeout=timeout),
+            start_new_session=True)  # a Ctrl-C reaches this agent, which stops the ranks in order
+        state.started_in[rank] = r
+
+    def on_signal(signum, _frame):
+        interrupted.append(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    r, restarts = 0, 0
+    try:
+        begin_round(0, None, None)
+        for rank in range(world):
+            start(rank, 0)
+        while True:
+            if interrupted:
+                return EXIT_INTERRUPTED
+            exited = [(rank, proc.returncode) for rank, proc in list(state.procs.items()) if proc.poll() is not None]
+            # A rank killed by a signal first: the others' failures in the same look may follow from it.
+            for rank, code in sorted(exited, key=lambda item: (item[1] >= 0, item[0])):
+                del state.procs[rank]
+                if code == 0:
+                    state.done.add(rank)
+                    continue
+                if code in (EXIT_REFUSED, EXIT_USAGE):
+                    return code
+                if state.started_in[rank] < r and not control.check([joined_key(r, rank)]):
+                    start(rank, r)  # fell with the failure that began round r: replaced in it, not counted
+                    continue
+                if restarts >= args.max_restarts:
+                    print(f"alpha-run: rank {rank} failed ({describe_exit(code)}); no restart left of "
+                          f"--max-restarts {args.max_restarts}; retry with --resume latest", file=sys.stderr)
+                    return EXIT_RETRY
+                restarts += 1
+                r += 1
+                begin_round(r, rank, code)
+                print(f"alpha-run: rank {rank} failed ({describe_exit(code)}); round {r}: rank {rank} restarted, "
+                      f"the others recover in place (restart {restarts} of {args.max_restarts})", file=sys.stderr)
+                start(rank, r)
+            if not state.procs:
+                return EXIT_OK
+            time.sleep(POLL_S)
+    finally:
+        stop(list(state.procs.values()))
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+EXIT_OK = 0
+
+
+def stop(procs: list) -> None:
+    """SIGTERM to each process group this agent started, SIGKILL to what is left after :data:`STOP_GRACE_S`."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = [p for p in procs if p.poll() is None]
+        for proc in alive:
+            try:
+                os.killpg(proc.pid, sig)  # the rank and what it started (its own session)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + STOP_GRACE_S
+        while alive and time.monotonic() < deadline:
+            alive = [p for p in alive if p.poll() is None]
+            time.sleep(POLL_S)
+        if not alive:
+            return
+    for proc in procs:
+        proc.wait()
