@@ -33,6 +33,7 @@ The checks of the flags (:func:`check_in_place_args`) import no torch.
 """
 from __future__ import annotations
 
+import enum
 import json
 import os
 import signal
@@ -49,7 +50,7 @@ HOST = "127.0.0.1"  # one node: every store listens on the loopback interface
 ROUND_KEY = "round"
 POLL_S = 0.02  # how often the agent looks at its ranks: a death is seen within this
 STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this
-EXIT_USAGE, EXIT_REFUSED, EXIT_RETRY, EXIT_INTERRUPTED = 2, 3, 75, 130
+EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_RETRY, EXIT_INTERRUPTED = 0, 2, 3, 75, 130
 
 
 def round_key(r: int) -> str:
@@ -101,6 +102,26 @@ def worker_environment(base: dict, *, rank: int, world: int, round_: int, port: 
     if world > 1 and "OMP_NUM_THREADS" not in base:
         env["OMP_NUM_THREADS"] = "1"  # as torchrun: ranks on one host must not oversubscribe its cores
     return env
+
+
+class Action(enum.Enum):
+    DONE = "done"  # exit 0: this rank finished
+    STOP = "stop"  # a refusal or a usage error: stop every rank, exit with its code
+    REPLACE = "replace"  # fell with the failure that began the current round: replaced in it, no restart counted
+    NEW_ROUND = "new_round"  # a failure of its own: round r + 1 and one replacement
+    EXHAUSTED = "exhausted"  # a failure and no restart left: stop every rank, exit 75
+
+
+def on_exit(code: int, *, started_in: int, round_: int, joined: bool, restarts: int, max_restarts: int) -> Action:
+    """What the agent does when a rank exits with ``code``: the rank's process was started in round
+    ``started_in``, the current round is ``round_``, ``joined``: the rank joined the current round's group."""
+    if code == 0:
+        return Action.DONE
+    if code in (EXIT_REFUSED, EXIT_USAGE):
+        return Action.STOP
+    if started_in < round_ and not joined:
+        return Action.REPLACE
+    return Action.NEW_ROUND if restarts < max_restarts else Action.EXHAUSTED
 
 
 @dataclass
@@ -164,24 +185,26 @@ def run_in_place(args, env: dict | None = None) -> int:
             # A rank killed by a signal first: the others' failures in the same look may follow from it.
             for rank, code in sorted(exited, key=lambda item: (item[1] >= 0, item[0])):
                 del state.procs[rank]
-                if code == 0:
+                action = on_exit(code, started_in=state.started_in[rank], round_=r,
+                                 joined=code != 0 and control.check([joined_key(r, rank)]),
+                                 restarts=restarts, max_restarts=args.max_restarts)
+                if action is Action.DONE:
                     state.done.add(rank)
-                    continue
-                if code in (EXIT_REFUSED, EXIT_USAGE):
+                elif action is Action.STOP:
                     return code
-                if state.started_in[rank] < r and not control.check([joined_key(r, rank)]):
-                    start(rank, r)  # fell with the failure that began round r: replaced in it, not counted
-                    continue
-                if restarts >= args.max_restarts:
+                elif action is Action.REPLACE:
+                    start(rank, r)
+                elif action is Action.EXHAUSTED:
                     print(f"alpha-run: rank {rank} failed ({describe_exit(code)}); no restart left of "
                           f"--max-restarts {args.max_restarts}; retry with --resume latest", file=sys.stderr)
                     return EXIT_RETRY
-                restarts += 1
-                r += 1
-                begin_round(r, rank, code)
-                print(f"alpha-run: rank {rank} failed ({describe_exit(code)}); round {r}: rank {rank} restarted, "
-                      f"the others recover in place (restart {restarts} of {args.max_restarts})", file=sys.stderr)
-                start(rank, r)
+                else:
+                    restarts, r = restarts + 1, r + 1
+                    begin_round(r, rank, code)
+                    print(f"alpha-run: rank {rank} failed ({describe_exit(code)}); round {r}: rank {rank} restarted, "
+                          f"the others recover in place (restart {restarts} of {args.max_restarts})",
+                          file=sys.stderr)
+                    start(rank, r)
             if not state.procs:
                 return EXIT_OK
             time.sleep(POLL_S)
@@ -190,8 +213,6 @@ def run_in_place(args, env: dict | None = None) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
 
-
-EXIT_OK = 0
 
 
 def stop(procs: list) -> None:

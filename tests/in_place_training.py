@@ -6,7 +6,7 @@
 AdamW with two param groups, a warmup scheduler, a DistributedSampler's data
 position and every rank's own generators (Python, NumPy, torch), a checkpoint
 after every step. ``--kill-rank K --kill-at S``: rank K SIGKILLs itself after
-step S's checkpoint in each of the first ``--kills`` rounds. Every call of
+step S + R's checkpoint in round R, for each of the first ``--kills`` rounds. Every call of
 main() appends one JSON line per rank to DIR/events-RANK.jsonl (pid, round,
 the step it resumed at), the killed rank the time it died, and each call the
 time its first step after the restore completed. Rank 0 prints the final
@@ -105,6 +105,24 @@ class DataPosition:
         self._start()
 
 
+def rank_ordered_mean(group, bucket):
+    """DDP's gradient mean, summed in rank order: bit-identical whatever the bucket layout.
+
+    DDP lays out its first step's buckets by parameter order and every later step's by the order the
+    gradients became ready; a ring allreduce's summation order follows an element's place in its
+    bucket, so on more than 2 ranks the first step after a restart would round differently.
+    """
+    tensor, world = bucket.buffer(), dist.get_world_size(group)
+    parts = [torch.empty_like(tensor) for _ in range(world)]
+
+    def mean(_):
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total += part
+        return total.div_(world)
+    return dist.all_gather(parts, tensor, group=group, async_op=True).get_future().then(mean)
+
+
 def parse():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=8)
@@ -131,6 +149,7 @@ def main():
     round_ = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     torch.manual_seed(0)
     model = DistributedDataParallel(GPT())
+    model.register_comm_hook(None, rank_ordered_mean)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optim = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
@@ -157,7 +176,7 @@ def main():
             first = False
             record(rank, call=CALLS[0], first_step_done=time.time())
         ckpt.save(state, update=progress["step"], cursor=progress["step"] * 4 * world)
-        if rank == ARGS.kill_rank and progress["step"] == ARGS.kill_at and round_ < ARGS.kills:
+        if rank == ARGS.kill_rank and progress["step"] == ARGS.kill_at + round_ and round_ < ARGS.kills:
             record(rank, call=CALLS[0], killed_at=time.time())
             os.kill(os.getpid(), signal.SIGKILL)
 
