@@ -11,7 +11,8 @@ environment torchrun gives a worker), and watches them:
   round ``r + 1``: a fresh rendezvous store (a ``torch.distributed.TCPStore``
   on a free port, so no rank can read a previous round's gloo addresses), the
   round announced in the control store, and ONE replacement process with the
-  failed rank's number. The survivors learn of it through the control store
+  failed rank's number: the warm spare (:func:`spare_main`, started once every
+  rank joined the round, torch already imported) when there is one. The survivors learn of it through the control store
   (:mod:`alpha_ckpt.resilient`, ``alpha_ckpt.run_resilient``), leave their
   broken process groups and join the new round in the same process.
 - a rank of an earlier round that fails before it joined the current one fell
@@ -59,6 +60,10 @@ def round_key(r: int) -> str:
 
 def joined_key(r: int, rank: int) -> str:
     return f"joined/{r}/{rank}"
+
+
+def spare_key(number: int) -> str:
+    return f"spare/{number}"
 
 
 def check_in_place_args(args) -> None:
@@ -148,6 +153,8 @@ def run_in_place(args, env: dict | None = None) -> int:
     rendezvous = {}  # round -> its TCPStore (the server lives while the object does)
     state = Ranks()
     interrupted: list[int] = []
+    spare: list = []  # at most one (Popen, number): the next replacement, torch imported, no rank yet
+    spares_started: list[int] = []
 
     def begin_round(r: int, failed: int | None, code: int | None) -> int:
         rendezvous[r] = TCPStore(HOST, 0, world, True, timeout=store_timeout, wait_for_workers=False)
@@ -160,14 +167,34 @@ def run_in_place(args, env: dict | None = None) -> int:
             del rendezvous[old]
         return rendezvous[r].port
 
+    def environment(rank: int, r: int) -> dict[str, str]:
+        return worker_environment(base, rank=rank, world=world, round_=r, port=rendezvous[r].port,
+                                  control_port=control.port, run_id=run_id, max_restarts=args.max_restarts,
+                                  timeout=timeout)
+
     def start(rank: int, r: int) -> None:
-        state.procs[rank] = subprocess.Popen(
-            worker_command(args),
-            env=worker_environment(base, rank=rank, world=world, round_=r, port=rendezvous[r].port,
-                                   control_port=control.port, run_id=run_id, max_restarts=args.max_restarts,
-                                   timeout=timeout),
-            start_new_session=True)  # a Ctrl-C reaches this agent, which stops the ranks in order
+        env = environment(rank, r)
+        if spare and spare[0][0].poll() is None:
+            proc, number = spare.pop()
+            control.set(spare_key(number), json.dumps({k: v for k, v in env.items() if base.get(k) != v}))
+            state.procs[rank] = proc
+        else:
+            # a Ctrl-C reaches this agent, which stops the ranks in order
+            state.procs[rank] = subprocess.Popen(worker_command(args), env=env, start_new_session=True)
         state.started_in[rank] = r
+
+    def start_spare() -> None:
+        """A process that imports torch and alpha_ckpt now and becomes the next replacement (:func:`spare_main`)."""
+        number = len(spares_started)
+        env = {**base, CONTROL: f"{HOST}:{control.port}", TIMEOUT: str(timeout)}
+        if world > 1 and "OMP_NUM_THREADS" not in base:
+            env["OMP_NUM_THREADS"] = "1"  # read when torch is imported: the rank's value, before its rank is known
+        command = [sys.executable, "-m", "alpha_ckpt.inplace", "--spare", str(number), *worker_command(args)[3:]]
+        spares_started.append(number)
+        spare.append((subprocess.Popen(command, env=env, start_new_session=True), number))
+
+    def everyone_joined(r: int) -> bool:
+        return control.check([joined_key(r, rank) for rank in range(world)])
 
     def on_signal(signum, _frame):
         interrupted.append(signum)
@@ -207,9 +234,14 @@ def run_in_place(args, env: dict | None = None) -> int:
                     start(rank, r)
             if not state.procs:
                 return EXIT_OK
+            # The next replacement starts once every rank joined this round, not to slow the start or
+            # a recovery, and only while a restart remains (a script without run_resilient never joins).
+            if (not spare and restarts < args.max_restarts and len(spares_started) <= restarts
+                    and everyone_joined(r)):
+                start_spare()
             time.sleep(POLL_S)
     finally:
-        stop(list(state.procs.values()))
+        stop(list(state.procs.values()) + [proc for proc, _ in spare])
         for s, handler in previous.items():
             signal.signal(s, handler)
 
@@ -232,3 +264,44 @@ def stop(procs: list) -> None:
             return
     for proc in procs:
         proc.wait()
+
+
+def spare_main(argv: list[str]) -> None:
+    """``python -m alpha_ckpt.inplace --spare N SCRIPT ARGS``: the next replacement, started before it is needed.
+
+    It binds its life to the launcher, imports what every replacement imports first (torch,
+    torch.distributed, torch._dynamo, which DistributedDataParallel's constructor imports, and
+    alpha_ckpt's Checkpointer), then waits until the launcher hands it a rank's environment, and
+    runs the script as :mod:`alpha_ckpt.script_runner` does.
+    """
+    from .lifeline import bind_to_named_launcher
+    bind_to_named_launcher()
+    number, script = argv[1], argv[2:]
+    from datetime import timedelta
+
+    import torch.distributed  # noqa: F401 - imported here, off the recovery's path
+    from torch.distributed import TCPStore
+    try:
+        import torch._dynamo  # noqa: F401
+    except ImportError:
+        pass
+    from . import collective, resilient  # noqa: F401
+    host, port = os.environ[CONTROL].rsplit(":", 1)
+    control = TCPStore(host, int(port), is_master=False, timeout=timedelta(days=365))
+    control.wait([spare_key(int(number))])  # the launcher's death ends this process (the lifeline)
+    os.environ.update(json.loads(control.get(spare_key(int(number))).decode()))
+    del control
+    from .script_runner import _leave_group, exit_now
+    from .script_runner import main as run_script
+    from .testing.faults import install_from_environment
+    install_from_environment()
+    try:
+        status = run_script(script)
+    except SystemExit as exc:
+        _leave_group()
+        status = exc.code
+    exit_now(status)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--spare"]:
+    spare_main(sys.argv[1:])

@@ -41,6 +41,11 @@ from .inplace import CONTROL, ROUND_KEY, TIMEOUT, joined_key, round_key
 
 logger = logging.getLogger("alpha_ckpt")
 
+# Every default group this process joined, kept until it exits (alpha-run's ranks leave by os._exit, without
+# destructors). Otherwise the group dies with the last object holding it, DDP's Reducer freed as main()
+# returns: ~ProcessGroupGloo joins its worker thread while this thread holds the GIL, and a worker still
+# freeing a finished work's tensors waits for the GIL: both wait forever (seen with torch 2.13).
+_JOINED_GROUPS: list = []
 PEER_FAILURE_GRACE_S = 10.0  # how long a failed rank waits for the launcher to name a peer's failure
 DEFAULT_TIMEOUT_S = 120.0  # alpha-run's --timeout default
 
@@ -53,6 +58,7 @@ def run_resilient(main: Callable[[], Any], *, backend: str | None = None) -> Any
     if control is None:
         if not dist.is_initialized():
             dist.init_process_group(backend)
+        _JOINED_GROUPS.append(dist.group.WORLD)
         return main()
     timeout = float(os.environ.get(TIMEOUT) or DEFAULT_TIMEOUT_S)
     rounds = Rounds(control, timeout)
@@ -138,5 +144,6 @@ class Rounds:
                     raise
                 r = newer
                 continue
+            _JOINED_GROUPS.append(dist.group.WORLD)
             self.control.set(joined_key(r, rank), str(os.getpid()))
             return r

@@ -9,7 +9,8 @@ after every step. ``--kill-rank K --kill-at S``: rank K SIGKILLs itself after
 step S + R's checkpoint in round R, for each of the first ``--kills`` rounds. Every call of
 main() appends one JSON line per rank to DIR/events-RANK.jsonl (pid, round,
 the step it resumed at), the killed rank the time it died, and each call the
-time its first step after the restore completed. Rank 0 prints the final
+time its first step after the restore completed, and the times it was imported, started main() (the
+group joined) and restored. Rank 0 prints the final
 state's SHA-256 as one JSON line.
 """
 import argparse
@@ -135,18 +136,22 @@ def parse():
 
 ARGS = parse()
 CALLS = [0]
+IMPORTED = time.time()  # python started, torch and this script imported
 
 
 def record(rank, **event):
     if ARGS.events:
         with open(os.path.join(ARGS.events, f"events-{rank}.jsonl"), "a") as f:
-            f.write(json.dumps({"rank": rank, "pid": os.getpid(), **event}) + "\n")
+            f.write(json.dumps({"rank": rank, "pid": os.getpid(), "t": time.time(), **event}) + "\n")
 
 
 def main():
     CALLS[0] += 1
     rank, world = dist.get_rank(), dist.get_world_size()
     round_ = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if CALLS[0] == 1:
+        record(rank, imported=IMPORTED)
+    record(rank, call=CALLS[0], main_started=time.time())  # the process group joined
     torch.manual_seed(0)
     model = DistributedDataParallel(GPT())
     model.register_comm_hook(None, rank_ordered_mean)
@@ -162,7 +167,7 @@ def main():
     state = {"model": model, "optim": optim, "sched": sched, "data": alpha_ckpt.PerRank(data),
              "rng": alpha_ckpt.PerRank(alpha_ckpt.RNGState()), "progress": alpha_ckpt.PerRank(progress)}
     ckpt.restore(state)
-    record(rank, call=CALLS[0], round=round_, resumed_at=progress["step"])
+    record(rank, call=CALLS[0], round=round_, resumed_at=progress["step"], restored=time.time())
     first = True
     while progress["step"] < ARGS.steps:
         seq = next(data)

@@ -105,7 +105,9 @@ def test_a_refusal_under_in_place_exits_3_without_a_restart(tmp_path):
     proc = alpha_run("--nproc", 2, "--max-restarts", 3, "--in-place", "--store", tmp_path / "s",
                      "--resume-from", "0" * 64, SCRIPT, "--steps", STEPS, "--events", tmp_path / "ev", cwd=tmp_path)
     assert proc.returncode == 3, proc.stderr[-3000:]
-    assert not list((tmp_path / "ev").glob("*"))  # no rank got past the refused restore, none was started again
+    recorded = events(tmp_path / "ev")
+    assert not [e for seen in recorded.values() for e in seen if "resumed_at" in e]  # none got past the restore
+    assert all(len({e["pid"] for e in seen}) == 1 for seen in recorded.values())  # none was started again
     assert time.monotonic() - started < 120
 
 
