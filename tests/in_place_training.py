@@ -131,6 +131,7 @@ def parse():
     p.add_argument("--kill-at", type=int, default=0)
     p.add_argument("--kills", type=int, default=1, help="rounds in which the rank kills itself")
     p.add_argument("--events", default=None)
+    p.add_argument("--step-seconds", type=float, default=0.0, help="sleep after every step (compute, simulated)")
     return p.parse_args()
 
 
@@ -181,6 +182,7 @@ def main():
             first = False
             record(rank, call=CALLS[0], first_step_done=time.time())
         ckpt.save(state, update=progress["step"], cursor=progress["step"] * 4 * world)
+        time.sleep(ARGS.step_seconds)
         if rank == ARGS.kill_rank and progress["step"] == ARGS.kill_at + round_ and round_ < ARGS.kills:
             record(rank, call=CALLS[0], killed_at=time.time())
             os.kill(os.getpid(), signal.SIGKILL)
