@@ -137,6 +137,7 @@ class _closing:
 
 
 def _wait_all(works: list) -> None:
+    """Wait for every posted send and receive (each is posted before any is waited on)."""
     for work in works:
         if work is not None:
             work.wait()
@@ -155,20 +156,19 @@ def _run_window(transfers: Sequence[Transfer], start: int, stop: int, holder: St
                 incoming.append(cleanup.enter_context(_closing(_Incoming(index, t))))
 
         # Phase 1: each source announces what it has; tags keep every message of the list apart.
-        works = [dist.isend(torch.tensor([o.announced], dtype=torch.int64), group=group, group_dst=o.transfer.dst,
-                            tag=2 * o.index) for o in outgoing]
-        works += [dist.irecv(i.announced, group=group, group_src=i.transfer.src, tag=2 * i.index) for i in incoming]
-        _wait_all(works)
+        announcements = [torch.tensor([o.announced], dtype=torch.int64) for o in outgoing]
+        _wait_all([dist.isend(a, group=group, group_dst=o.transfer.dst, tag=2 * o.index)
+                   for a, o in zip(announcements, outgoing)] +
+                  [dist.irecv(i.announced, group=group, group_src=i.transfer.src, tag=2 * i.index) for i in incoming])
 
         # Phase 2: the copies both sides now know will travel (the planned size; none for an empty object).
         sending = [o for o in outgoing if o.announced == o.transfer.size]
         receiving = [i for i in incoming if int(i.announced.item()) == i.transfer.size]
-        works = [dist.isend(_tensor_of(o.obj.view()), group=group, group_dst=o.transfer.dst, tag=2 * o.index + 1)
-                 for o in sending if o.transfer.size]
-        works += [dist.irecv(i.allocate(), group=group, group_src=i.transfer.src, tag=2 * i.index + 1)
-                  for i in receiving if i.transfer.size]
-        _wait_all(works)
-        del works  # the works hold the buffers: released before the maps under them close
+        buffers = [(o, _tensor_of(o.obj.view())) for o in sending if o.transfer.size]
+        _wait_all([dist.isend(b, group=group, group_dst=o.transfer.dst, tag=2 * o.index + 1) for o, b in buffers] +
+                  [dist.irecv(i.allocate(), group=group, group_src=i.transfer.src, tag=2 * i.index + 1)
+                   for i in receiving if i.transfer.size])
+        del buffers  # views of the sent maps: gone before the maps close
 
         for o in outgoing:
             if o.announced == UNREADABLE:
