@@ -15,7 +15,7 @@ import logging
 import mmap
 import os
 import warnings
-from contextlib import ExitStack
+from contextlib import ExitStack, closing
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -123,19 +123,6 @@ class _Incoming:
             self.fd = -1
 
 
-class _closing:
-    """A context that closes its thing (both kinds above have close(), neither is a context itself)."""
-
-    def __init__(self, thing):
-        self.thing = thing
-
-    def __enter__(self):
-        return self.thing
-
-    def __exit__(self, *exc) -> None:
-        self.thing.close()
-
-
 def _wait_all(works: list) -> None:
     """Wait for every posted send and receive (each is posted before any is waited on)."""
     for work in works:
@@ -151,9 +138,9 @@ def _run_window(transfers: Sequence[Transfer], start: int, stop: int, holder: St
         for index in range(start, stop):
             t = transfers[index]
             if t.src == rank:
-                outgoing.append(cleanup.enter_context(_closing(_Outgoing(index, t, holder))))
+                outgoing.append(cleanup.enter_context(closing(_Outgoing(index, t, holder))))
             elif t.dst == rank:
-                incoming.append(cleanup.enter_context(_closing(_Incoming(index, t))))
+                incoming.append(cleanup.enter_context(closing(_Incoming(index, t))))
 
         # Phase 1: each source announces what it has; tags keep every message of the list apart.
         announcements = [torch.tensor([o.announced], dtype=torch.int64) for o in outgoing]
