@@ -32,6 +32,9 @@ IN_FLIGHT = "ALPHA_CKPT_IN_FLIGHT"
 EVERY = "ALPHA_CKPT_EVERY"
 MTBF = "ALPHA_CKPT_MTBF"
 CHECKPOINT_COST = "ALPHA_CKPT_CHECKPOINT_COST"
+MEMORY = "ALPHA_CKPT_MEMORY"  # the memory tier's directory for this launch (alpha-run --memory), removed at its exit
+REPLICAS = "ALPHA_CKPT_REPLICAS"
+DURABLE_EVERY = "ALPHA_CKPT_DURABLE_EVERY"
 LAUNCHER_PID = "ALPHA_CKPT_LAUNCHER_PID"  # set by alpha-run for every process it starts
 # torch's switch for its c10d rendezvous: each round (a restart is one) gives the ranks a store of
 # their own instead of the agent's, which outlives attempts and still holds the previous attempt's
@@ -90,11 +93,27 @@ def launcher_settings() -> dict[str, Any]:
                             (IN_FLIGHT, "in_flight", str)):
         if env.get(name):
             out[key] = _typed(name, env[name], kind)
+    if env.get(MEMORY):
+        out["memory"] = env[MEMORY]
+        for name, key in ((REPLICAS, "replicas"), (DURABLE_EVERY, "durable_every")):
+            if env.get(name):
+                out[key] = _typed(name, env[name], int)
     if env.get(EVERY):
         out["every"] = "auto" if env[EVERY] == "auto" else _typed(EVERY, env[EVERY], int)
         out["mtbf"] = env.get(MTBF) or None
         out["checkpoint_cost"] = env.get(CHECKPOINT_COST) or None
     return out
+
+
+def memory_directory() -> str | None:
+    """The memory tier's directory alpha-run made for this launch (``--memory``), or None."""
+    return os.environ.get(MEMORY) or None
+
+
+def ranks_per_node() -> int | None:
+    """torch's LOCAL_WORLD_SIZE (ranks on this node), as torchrun and alpha-run set it, or None."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
 
 
 def pop_launcher_pid() -> int | None:
