@@ -422,9 +422,10 @@ def on_restart(args, branch_into: tuple[str, str] | None, attempt: int, failure:
     cause = ("another node joined or left" if failure.rank is None and failure.exitcode is None else
              f"rank {failure.rank if failure.rank is not None else '?'} failed"
              + (f" ({describe_exit(failure.exitcode)})" if failure.exitcode is not None else ""))
-    what = {None: f"branching from {str(args.branch_from)[:16]}... again", "latest": "resuming the newest generation"}
-    print(f"alpha-run: {cause}; restart {attempt} of {args.max_restarts}, "
-          f"{what.get(resume, f'resuming {str(resume)[:16]}...')}", file=sys.stderr, flush=True)
+    what = {None: f"branches from {str(args.branch_from)[:16]}... again", "latest": "resumes the newest generation"}
+    # The restarts that run out end with the one line that starts "alpha-run: rank R failed".
+    print(f"alpha-run: restart {attempt} of {args.max_restarts} after {cause}: it "
+          f"{what.get(resume, f'resumes {str(resume)[:16]}...')}", file=sys.stderr, flush=True)
 
 
 def resume_after_restart(resume_from: str | None, *, root_epoch: int | None, newest_epoch: int | None) -> str:
