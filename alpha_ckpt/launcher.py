@@ -456,7 +456,7 @@ def restart_resume(store_root: str, *, resume_from: str | None, branch_from: str
             record = store.find_ref(resume_from)
             newest = None if record is None else max(
                 (r.prefix.epoch for r in store.history(record.run, record.step).records), default=None)
-    except (OSError, Refusal):
+    except (OSError, Refusal, ValueError):
         # The store cannot be read now: the first attempt's choice, which its restore checks again.
         return resume_from if branch_from is None else None
     return resume_after_restart(resume_from, root_epoch=None if record is None else record.prefix.epoch,
