@@ -126,3 +126,27 @@ def test_a_restart_after_resume_from_goes_back_to_root_until_its_continuation_pu
                    kill="1:9:0", cwd=tmp_path))
     assert (on["update"], on["epoch"]) == (10, 3)
     assert [g["update"] for g in generations(store) if g["epoch"] == 2] == [8]
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(300)
+def test_two_nodes_restart_together_into_the_newest_generation(tmp_path, straight):
+    # Each node's launcher chooses from the same store once its ranks stopped, and both choose alike.
+    port = _free_port()
+    env = dict(os.environ, ALPHA_CKPT_KILL_OWNER="1:3:0")
+    nodes = [subprocess.Popen([sys.executable, "-m", "alpha_ckpt.launcher", "--nnodes", "2", "--node-rank", str(n),
+                               "--nproc", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                               "--rdzv-id", "restarts", "--max-restarts", "1", "--store", str(tmp_path / "s"), *SMALL,
+                               "--updates", "6", "--checkpoint-every", "2", "--timeout", "30", CONFIG],
+                              cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for n in (0, 1)]
+    outs = [node.communicate(timeout=240) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    done = json.loads(outs[0][0].strip().splitlines()[-1])
+    assert done["state_digest"] == straight["state_digest"] and (done["update"], done["epoch"]) == (6, 1)
