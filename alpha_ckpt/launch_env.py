@@ -66,6 +66,11 @@ def script_environment(args: Any, run: str) -> dict[str, str]:
         for flag, name in (("mtbf", MTBF), ("checkpoint_cost", CHECKPOINT_COST)):
             if getattr(args, flag):
                 env[name] = getattr(args, flag)
+    if getattr(args, "memory", False):
+        env[MEMORY] = args.memory_dir
+        env[REPLICAS] = str(args.replicas)
+        if args.durable_every is not None:
+            env[DURABLE_EVERY] = str(args.durable_every)
     return env
 
 

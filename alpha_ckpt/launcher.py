@@ -38,9 +38,11 @@ import contextlib
 import dataclasses
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from typing import Callable, Iterator
 
@@ -103,6 +105,12 @@ def parser() -> OneLineArgumentParser:
     resume.add_argument("--resume", choices=["latest"], help="continue the newest complete generation")
     resume.add_argument("--branch-from", metavar="ROOT_DIGEST",
                         help="start a new run (--run, no generations yet) from another run's generation")
+    p.add_argument("--memory", action="store_true",
+                   help="a script: hold every save in host memory too, copied to --replicas peer ranks; one save in "
+                        "--durable-every goes to the store (the tier lives while alpha-run does)")
+    p.add_argument("--replicas", type=int, default=1, help="--memory: peer copies of every object (default 1)")
+    p.add_argument("--durable-every", type=int, metavar="K",
+                   help="--memory: one save in K also goes to the store (default 5)")
     p.add_argument("--publisher", choices=["star", "tree"], default="star",
                    help="star: owner 0 gathers and publishes; tree: bounded fan-out manifest tree")
     p.add_argument("--fanout", type=int, default=8, help="tree: children per owner at most (default 8)")
@@ -262,6 +270,10 @@ def check_script_args(args) -> None:
         return
     if not os.path.isfile(args.config):
         raise UsageError(f"script {args.config}: no such file")
+    if (args.replicas != 1 or args.durable_every is not None) and not args.memory:
+        raise UsageError("--replicas and --durable-every go with --memory")
+    if args.replicas < 1 or (args.durable_every is not None and args.durable_every < 1):
+        raise UsageError("--replicas and --durable-every are at least 1")
     if args.updates is not None or args.set or args.branch_from or args.discard_checkpoints:
         raise UsageError("--updates, --set, --branch-from and --discard-checkpoints belong to the built-in job; a "
                          "script takes its own arguments after its path")
@@ -288,6 +300,9 @@ def main(argv=None) -> int:
                 raise UsageError(f"unrecognized arguments after the job config: {' '.join(args.script_args)}")
             if args.updates is None:
                 raise UsageError("the job needs --updates (the committed update count to reach)")
+            if args.memory or args.replicas != 1 or args.durable_every is not None:
+                raise UsageError("--memory, --replicas and --durable-every are for training scripts (the job "
+                                 "publishes every generation to the store)")
             config = check_job_args(args, config_overrides(args))
             branch_into = (config.run, config.step) if args.branch_from else None
         else:
@@ -303,6 +318,9 @@ def main(argv=None) -> int:
     from torch.distributed.run import run
     # Each owner binds its life to this process (alpha_ckpt/lifeline.py); torch copies
     # this environment into every owner it starts, restarts included.
+    if args.memory:  # the memory tier's holders: in host memory, for as long as this launch lives
+        args.memory_dir = tempfile.mkdtemp(prefix=f"alpha-ckpt-memory-{os.getpid()}-",
+                                           dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     try:
         with launch_env.exported(os.getpid(), None if is_job(args) else script_environment(args)), \
                 restarting_agent(lambda attempt, failure: on_restart(args, branch_into, attempt, failure)):
@@ -332,6 +350,9 @@ def main(argv=None) -> int:
         return EXIT_INTERRUPTED
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    finally:
+        if args.memory:
+            shutil.rmtree(args.memory_dir, ignore_errors=True)
     return EXIT_OK
 
 
