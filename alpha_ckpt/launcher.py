@@ -319,8 +319,9 @@ def main(argv=None) -> int:
     # Each owner binds its life to this process (alpha_ckpt/lifeline.py); torch copies
     # this environment into every owner it starts, restarts included.
     if args.memory:  # the memory tier's holders: in host memory, for as long as this launch lives
-        args.memory_dir = tempfile.mkdtemp(prefix=f"alpha-ckpt-memory-{os.getpid()}-",
-                                           dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        parent = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        remove_orphaned_tiers(parent)
+        args.memory_dir = tempfile.mkdtemp(prefix=f"{MEMORY_PREFIX}{os.getpid()}-", dir=parent)
     try:
         with launch_env.exported(os.getpid(), None if is_job(args) else script_environment(args)), \
                 restarting_agent(lambda attempt, failure: on_restart(args, branch_into, attempt, failure)):
@@ -354,6 +355,31 @@ def main(argv=None) -> int:
         if args.memory:
             shutil.rmtree(args.memory_dir, ignore_errors=True)
     return EXIT_OK
+
+
+MEMORY_PREFIX = "alpha-ckpt-memory-"  # + the launcher's pid: a tier whose launcher is gone is removed
+
+
+def remove_orphaned_tiers(parent: str) -> None:
+    """Remove the memory tiers of launchers that died without removing theirs (SIGKILL): host memory."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(MEMORY_PREFIX):].split("-", 1)[0]
+        if not name.startswith(MEMORY_PREFIX) or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # its launcher still runs
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # another user's launcher
+        path = os.path.join(parent, name)
+        if os.stat(path).st_uid == os.getuid():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 # Worker exits that a restart would only repeat: a refusal (the same store gives the same verdict)

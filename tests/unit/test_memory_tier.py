@@ -138,3 +138,24 @@ def test_each_holder_keeps_only_the_two_newest_memory_generations(tmp_path):
     assert max(held[2:]) <= 1.5 * held[1]  # bounded: two generations' worth, not one more per save
     for rank in range(2):
         assert len(_memory_refs(memory, rank)) == 2
+
+
+def test_alpha_run_removes_the_memory_tiers_of_launchers_that_died_and_keeps_the_living_ones(tmp_path):
+    from alpha_ckpt.launcher import MEMORY_PREFIX, remove_orphaned_tiers
+    import subprocess
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid names no process now
+    (tmp_path / f"{MEMORY_PREFIX}{dead.pid}-abc" / "rank-00000").mkdir(parents=True)
+    (tmp_path / f"{MEMORY_PREFIX}{os.getpid()}-def").mkdir()
+    (tmp_path / "something-else").mkdir()
+    remove_orphaned_tiers(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"{MEMORY_PREFIX}{os.getpid()}-def",
+                                                                  "something-else"])
+
+
+@pytest.mark.parametrize("flags", [["--replicas", "2"], ["--durable-every", "3"], ["--memory", "--replicas", "0"]])
+def test_memory_flags_without_the_tier_or_out_of_range_are_usage_errors(tmp_path, flags):
+    from alpha_ckpt.launcher import main
+    script = tmp_path / "train.py"
+    script.write_text("print('never runs')\n")
+    assert main(["--nproc", "2", "--store", str(tmp_path / "s"), *flags, str(script)]) == 2
