@@ -123,6 +123,14 @@ def _holds_any(record: ShardRef, wanted: Mapping[int, Sequence[tuple[int, int]]]
                for (o, lo, hi) in record.slices for w_lo, w_hi in wanted.get(o, ()))
 
 
+def records_holding(records: Sequence[ShardRef], wanted: Sequence[WantedSlice]) -> list[ShardRef]:
+    """The shard records that hold a word of ``wanted``, in order."""
+    by_ordinal: dict[int, list[tuple[int, int]]] = {}
+    for w in wanted:
+        by_ordinal.setdefault(w.ordinal, []).append((w.lo, w.hi))
+    return [r for r in records if _holds_any(r, by_ordinal)]
+
+
 def open_generation(store: Store, root: str, ref: RefRecord | None = None, *,
                     role: int | Sequence[int] | Callable[[ManifestHead], Sequence[int]] | None = None,
                     wanted: Sequence[WantedSlice] | None = None, manifest: ManifestHead | None = None) -> Generation:
@@ -159,10 +167,7 @@ def open_generation(store: Store, root: str, ref: RefRecord | None = None, *,
         groups, records = [manifest], list(manifest.shards)
     every_record = records
     if wanted is not None:
-        by_ordinal: dict[int, list[tuple[int, int]]] = {}
-        for w in wanted:
-            by_ordinal.setdefault(w.ordinal, []).append((w.lo, w.hi))
-        records = [r for r in records if _holds_any(r, by_ordinal)]
+        records = records_holding(records, wanted)
     shards: dict[str, tuple[ObjectFile, ShardHead]] = {}
     try:
         for record in records:

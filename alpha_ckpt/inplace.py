@@ -82,6 +82,11 @@ def check_in_place_args(args) -> None:
              if value is not None]
     if given:
         raise UsageError(f"--in-place hosts its own rendezvous on a free local port: drop {', '.join(given)}")
+    if args.resume_from is not None:
+        # Every rank's main() restores what the environment names, in every round: ROOT again, behind
+        # what the rounds before published.
+        raise UsageError("--in-place resumes the newest generation in every round: use --resume latest, "
+                         "not --resume-from")
 
 
 def worker_command(args) -> list[str]:

@@ -2,6 +2,7 @@
 
     alpha-run --nproc 2 --store ./ckpt examples/train_gpt_ddp.py --steps 12
     alpha-run --nproc 2 --store ./ckpt --resume latest examples/train_gpt_ddp.py --steps 12   # after a crash
+    alpha-run --nproc 2 --store ./ckpt --memory --max-restarts 2 examples/train_gpt_ddp.py --steps 12 --fail-at 7
 
 Dropout, AdamW with two param groups, a warmup LambdaLR, a DataLoader over a
 DistributedSampler, and augmentation that draws from each rank's Python,
@@ -12,7 +13,9 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import random
+import signal
 
 import numpy as np
 import torch
@@ -106,12 +109,17 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--save-every", type=int, default=2)
+    parser.add_argument("--fail-at", type=int, default=None,
+                        help="to see a recovery: the last rank kills itself after this step, in the first attempt")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
     torch.manual_seed(0)
-    model = DistributedDataParallel(GPT())
+    # find_unused_parameters=True keeps DDP's gradient buckets in one layout for the whole run: by
+    # default DDP re-lays them out after its first iteration, and on 3 or more ranks the sums then
+    # round differently in a restarted process's first step (a layout no state_dict records).
+    model = DistributedDataParallel(GPT(), find_unused_parameters=True)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optim = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
@@ -138,7 +146,12 @@ def main():
         progress["step"] += 1
         progress["losses"].append(loss.item())
         if progress["step"] % args.save_every == 0 or progress["step"] == args.steps:
-            ckpt.save(state, update=progress["step"], cursor=progress["step"] * 4 * world)  # --- and this one
+            # --- and this one (the last save goes to the store even with the memory tier: it is host memory)
+            ckpt.save(state, update=progress["step"], cursor=progress["step"] * 4 * world,
+                      durable=progress["step"] == args.steps)
+        if progress["step"] == args.fail_at and rank == world - 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT",
+                                                                                     "0") == "0":
+            os.kill(os.getpid(), signal.SIGKILL)
 
     digest = hashlib.sha256()
     for t in list(model.state_dict().values()) + [v for s in optim.state_dict()["state"].values() for v in s.values()]:

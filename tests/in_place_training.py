@@ -131,6 +131,7 @@ def parse():
     p.add_argument("--kill-at", type=int, default=0)
     p.add_argument("--kills", type=int, default=1, help="rounds in which the rank kills itself")
     p.add_argument("--events", default=None)
+    p.add_argument("--model-name", default="gpt-in-place", help="the identity's model: another refuses the store's")
     p.add_argument("--step-seconds", type=float, default=0.0, help="sleep after every step (compute, simulated)")
     return p.parse_args()
 
@@ -164,7 +165,7 @@ def main():
     data = DataPosition(Tokens(), rank, world, batch=4)
     torch.manual_seed(100 + rank), random.seed(100 + rank), np.random.seed(100 + rank)
     progress = {"step": 0}
-    ckpt = alpha_ckpt.Checkpointer.from_launcher_env(identity={"model": "gpt-in-place"}, allow_nonfinite=["*.mask"])
+    ckpt = alpha_ckpt.Checkpointer.from_launcher_env(identity={"model": ARGS.model_name}, allow_nonfinite=["*.mask"])
     state = {"model": model, "optim": optim, "sched": sched, "data": alpha_ckpt.PerRank(data),
              "rng": alpha_ckpt.PerRank(alpha_ckpt.RNGState()), "progress": alpha_ckpt.PerRank(progress)}
     ckpt.restore(state)

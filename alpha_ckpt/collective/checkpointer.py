@@ -49,6 +49,7 @@ in :mod:`.agreement`; the publishers behind one interface in
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -66,10 +67,12 @@ from ..errors import OldSpellingWarning, Refusal, RefusalCode, StoreUsageError, 
 from ..format import CapturePrefix, block_digests
 from ..gc import retain_newest
 from ..heap import cyclic_gc_paused
+from .. import launch_env
 from ..launch_env import launcher_settings
 from ..manifest import encode_identity
 from ..planner import Hierarchy
-from ..publish.messages import Candidate, Candidates, Descriptor, Interval, Outcome
+from ..memory.tier import MemoryTier, memory_directory, replica_stride
+from ..publish.messages import Candidate, Candidates, Completion, Descriptor, Interval, Outcome
 from ..publish.publisher import Contribution, Publisher
 from ..publish.star import StarPublisher
 from ..publish.tree import TreePublisher
@@ -81,8 +84,10 @@ from ..writer import ShardCarry, word_view
 from . import agreement  # agreement.agree_layout, looked up at each call (a probe may time it)
 from .agreement import agreed_regions, describe, own_parts, replica_digests
 from .options import CheckpointerOptions
+from .recovery import RecoveryClock
 from .result import SaveResult, completed
-from .resume import DAMAGE, Choice, announce, prepare
+from .resume import DAMAGE, Choice, announce, announce_save, prepare, shards_read
+from .schedule import DURABLE, MEMORY
 from .verdict import agree, any_rank
 
 logger = logging.getLogger("alpha_ckpt")
@@ -110,7 +115,8 @@ class Checkpointer:
                  metadata: Mapping[str, Any] | None = _DEFAULT, bindings: Callable[[Any], None] | None = None,
                  bind_devices: bool = _DEFAULT, per_rank: Sequence[str] | str = _DEFAULT,
                  from_rank0: Sequence[str] | str = _DEFAULT, resume: str | None = _DEFAULT,
-                 options: CheckpointerOptions | None = None):
+                 memory: bool | str | None = _DEFAULT, replicas: int = _DEFAULT, durable_every: int | None = _DEFAULT,
+                 mtbf_durable: float | str | None = _DEFAULT, options: CheckpointerOptions | None = None):
         """The keyword arguments are :class:`CheckpointerOptions`' (documented there); or pass ``options=``.
         ``group``: the torch.distributed group (default: the default group). ``bindings``: a program's own
         check of a generation's root manifest, run by rank 0 before any rank reads a shard (it raises a
@@ -120,7 +126,8 @@ class Checkpointer:
                                        identity=identity, allow_nonfinite=allow_nonfinite, every=every, mtbf=mtbf,
                                        checkpoint_cost=checkpoint_cost, keep=keep, metadata=metadata,
                                        bind_devices=bind_devices, per_rank=per_rank, from_rank0=from_rank0,
-                                       resume=resume).items()
+                                       resume=resume, memory=memory, replicas=replicas,
+                                       durable_every=durable_every, mtbf_durable=mtbf_durable).items()
                  if v is not _DEFAULT and (v is not None or k == "resume")}  # None: the default, but resume=None
         if options is not None:
             if given:
@@ -132,6 +139,8 @@ class Checkpointer:
         else:
             options = CheckpointerOptions(**given)
         self.options = options
+        self._recovery = RecoveryClock(launch_env.restart_context())  # marks this process's recovery, if it is one
+        self._restore_started = time.monotonic()
         self.run, self.step = options.run, options.step
         self.rules = options.rules()  # entries placed by name (alpha_ckpt/state/rules.py), recorded in every root manifest
         # A program's own bindings: recorded in every root manifest (metadata=) and checked by rank 0
@@ -174,10 +183,19 @@ class Checkpointer:
         self._control = dist.new_group(ranks=ranks, backend="gloo") if nccl else group
         self._saver = AsyncSaver(in_flight=in_flight) if save == "async" else None
         self._save_group = dist.new_group(ranks=ranks, backend="gloo") if save == "async" else None
+        # The memory tier, on a gloo group of its own: its copies between peers never interleave with
+        # the training's collectives or a background publish's messages.
+        self.memory: MemoryTier | None = None
+        tier_group = dist.new_group(ranks=ranks, backend="gloo") if options.memory is not None else None
+        if options.memory is not None:
+            directory = memory_directory(options, self.store.root)
+            self.memory = MemoryTier(directory, rank=self.rank, world=self.world, copies=1 + options.replicas,
+                                     stride=replica_stride(self.world), group=tier_group,
+                                     identity=self.identity)
         # Never closed: at exit, while the interpreter is still whole, the save thread is joined and the
         # groups made here are destroyed (gloo work outliving the interpreter aborts a finished script).
         self._release = weakref.finalize(self, _release, self._saver,
-                                         [g for g in (self._save_group, self._control if nccl else None) if g])
+                                         [g for g in (self._save_group, tier_group, self._control if nccl else None) if g])
         self.device = current_device(torch.device("cuda", torch.cuda.current_device()) if nccl
                                      else torch.device("cpu"))
         self._publisher: Publisher = (
@@ -200,6 +218,7 @@ class Checkpointer:
         Call it at every update, on every rank. With ``every="auto"`` it is collective while no
         interval is planned yet (rank 0 plans as soon as a cost is known, measured or assumed).
         """
+        self._recovery.first_step(self.run, self.step, self.rank, self.options.announce)
         due = self.schedule.due(update)
         if due:
             self._due_asked = True
@@ -211,7 +230,7 @@ class Checkpointer:
 
     @cyclic_gc_paused()
     def save(self, state: Mapping[str, Any], *, update: int, cursor: int = 0,
-             defer_snapshot: bool = False) -> SaveResult:
+             defer_snapshot: bool = False, durable: bool = False) -> SaveResult:
         """Collective: publish ``state`` as ``update`` of this run/step; a :class:`SaveResult` in every mode.
 
         Sync: returns once the generation is durable; ``.root`` is its root digest, the same on
@@ -221,8 +240,11 @@ class Checkpointer:
         save called while the previous one is still in flight is skipped on every rank
         (``.skipped``). ``defer_snapshot=True`` (async): the tensors are copied on the save
         thread; call :meth:`wait_snapshot` before changing any of them (before the next
-        optimizer step).
+        optimizer step). With the memory tier (``memory=``), a save goes to host memory on this
+        rank and its peers, and one in ``durable_every`` also to the store; ``durable=True``
+        sends this one to the store too (the last save of a job: the tier is host memory).
         """
+        self._recovery.first_step(self.run, self.step, self.rank, self.options.announce)
         prefix = CapturePrefix(self.run, self.step, update, cursor, self.epoch)
         if self._saver is not None and self._saver.in_flight == "skip" and self._any_rank(self._saver.busy()):
             self.skipped += 1  # every rank skips, or none: the publish is collective
@@ -230,6 +252,8 @@ class Checkpointer:
             self._due_asked = False
             return SaveResult(skipped=True)
         t0 = time.monotonic()
+        tier = DURABLE if durable else self.schedule.next_tier()  # the same on every rank
+        durable = tier == DURABLE
         refused = None
         try:
             captured = capture_state(state, self.rank, self.world, self.rules)
@@ -244,7 +268,7 @@ class Checkpointer:
             captured, regions = None, ()
         tensors = [t for _, t in captured.named] if captured is not None else []
         if self._saver is None:
-            result = completed(self._exchange(prefix, captured, regions, tensors, self._control, refused),
+            result = completed(self._exchange(prefix, captured, regions, tensors, self._control, refused, durable),
                                dict(self.last_save))
             cost = time.monotonic() - t0
         else:
@@ -252,18 +276,25 @@ class Checkpointer:
 
             @cyclic_gc_paused()
             def publish(snapshot):
-                root = self._exchange(prefix, captured, regions, snapshot, self._save_group, refused)
+                root = self._exchange(prefix, captured, regions, snapshot, self._save_group, refused, durable)
                 stats.update(self.last_save)  # this save's, before a later save replaces last_save
                 return root
             handle = self._saver.submit(tensors, publish, defer_snapshot=defer_snapshot)
             result = SaveResult(handle=handle, stats=stats) if handle is not None else SaveResult(skipped=True)
             self._fence = result if defer_snapshot and handle is not None else None
             cost = result.stall_s
-        self.schedule.saved(cost)
+        self.schedule.saved(cost, tier)
+        if self.options.announce and self.rank == 0 and not result.skipped:
+            announce_save(self.run, self.step, update, tier, result, cost)
         if self.schedule.auto and self._due_asked:
             self._replan(update)  # after a save the schedule asked for (not after one the script adds)
         self._due_asked = False
         return result
+
+    @property
+    def last_recovery(self) -> dict | None:
+        """The ``recovered`` event's fields of this process's recovery, once its first step is done (or None)."""
+        return self._recovery.last
 
     @property
     def snapshotting(self) -> SaveResult | None:
@@ -289,19 +320,18 @@ class Checkpointer:
         if self.rank == 0:
             pending = self._saver.pending if self._saver is not None else None
             floor = pending.save_s if pending is not None and pending.done() else 0.0  # async: one save long
-            decision = Interval(self.schedule.decide(update, floor))
+            decision = self.schedule.decision(update, floor)
             if decision.every is not None:
-                logger.info("checkpoint every %d updates: %s", decision.every, self.schedule.plan.describe())
+                logger.info("checkpoint every %d updates: %s", decision.every, self.schedule.describe())
         decision = Interval.from_json(broadcast_json(decision.to_json() if decision else None, self._global(0),
                                                      self._control))
-        if decision.every is not None:
-            self.schedule.apply(update, decision.every)
+        self.schedule.apply_interval(update, decision)
 
     def _any_rank(self, flag: bool) -> bool:
         return any_rank(flag, self._control)
 
     def _exchange(self, prefix: CapturePrefix, captured, regions, tensors, group,
-                  refused: BaseException | None = None) -> str:
+                  refused: BaseException | None = None, durable: bool = True) -> str:
         """Agree on one layout (rank 0 checks every capture), then publish it by star or tree.
 
         Every rank hashes each replica once: the one that writes it while writing, the others
@@ -323,24 +353,44 @@ class Checkpointer:
         layout = agreement.agree_layout(descriptor, group, self.rank, self.store, self.world)
         regions = agreed_regions(layout)
         # Only digests of replicas travel, never their bytes; a diverged one refuses before any ref.
+        tier = DURABLE if durable else MEMORY  # a durable save is held in memory too, with the memory tier
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="alpha-ckpt-replicas") as pool:
             others = pool.submit(lambda: {name: block_digests(view)[0] for name, view in hashed})
-            completion = self._publisher.publish(Contribution(
+            contribution = Contribution(
                 prefix, regions, layout, own_parts(regions, own),
                 self._metadata(layout) if self.rank == 0 else {},
-                lambda digests: replica_digests(regions, wrote, digests, others.result()), self.follows, group))
+                lambda digests: replica_digests(regions, wrote, digests, others.result()), self.follows, group)
+            in_memory = self._publish_in_memory(contribution) if self.memory is not None else None
+            completion = self._publisher.publish(contribution) if durable else in_memory
         completion.outcome.raise_failure()
-        if self.rank == 0:
+        if durable and self.rank == 0:
             self.follows = completion.generation
+        if in_memory is not None and not in_memory.outcome.ok and durable:
+            logger.warning("update %d is durable but not held in memory: %s", prefix.update, in_memory.outcome.message)
         # Every rank learns what the publish wrote in all (the tree's ranks write their own shards).
         total = torch.tensor([self.store.bytes_written - written], dtype=torch.int64)
         dist.all_reduce(total, group=group)
         self.last_save = {"root": completion.root, "update": prefix.update, "generation": completion.generation,
-                          "bytes": completion.bytes, "bytes_written": int(total.item()),
+                          "bytes": completion.bytes, "bytes_written": int(total.item()), "tier": tier,
                           "seconds": time.monotonic() - started}
-        if self.rank == 0:
+        if self.memory is not None and self.memory.last is not None:
+            self.last_save.update(memory_ok=bool(in_memory and in_memory.outcome.ok),
+                                  memory_bytes_sent=self.memory.last.bytes_sent,
+                                  memory_held_bytes=self.memory.held_bytes())
+        if durable and self.rank == 0:
             self._retain()
         return completion.root
+
+    def _publish_in_memory(self, contribution: Contribution):
+        """The same contribution into this rank's holder, then copies to peers (the tier's refs once they stand);
+        a failed completion when the generation does not count in memory."""
+        completion = self.memory.publisher().publish(dataclasses.replace(contribution, follows=None))
+        if not completion.outcome.ok:
+            return completion
+        report = self.memory.replicate(contribution.prefix, completion, owners=self.world)
+        if report.failure is not None:
+            return Completion.failed(Outcome(False, f"the memory tier: {report.failure}"))
+        return completion
 
     def _metadata(self, layout) -> dict:
         """The root manifest's metadata: the script's, the identity, the ranks' devices, the saved layout."""
@@ -373,6 +423,7 @@ class Checkpointer:
         copies a byte, when anything is wrong. ``branch=True`` starts this run (epoch 0; it
         must have no generation yet) from generation ``root`` of another run.
         """
+        self._restore_started = time.monotonic()
         if root is _FROM_OPTIONS:
             root = self.options.resume
         elif isinstance(root, SaveResult):
@@ -383,6 +434,10 @@ class Checkpointer:
             raise ValueError("branch=True needs the root digest of the generation to branch from")
         choice = Choice(self.store, self.run, self.step)
         candidates = self._candidates(choice, root, branch)
+        if self.memory is not None and root == "latest" and not branch:
+            counters = self._restore_from_memory(state, candidates, per_rank)
+            if counters is not None:
+                return counters
         for i, candidate in enumerate(candidates):
             refusal, fill, counters = None, None, None
             if candidate.root is not None:  # rank 0 checks this one's bindings now, not every candidate's up front
@@ -410,11 +465,69 @@ class Checkpointer:
                     continue  # damaged: every rank falls back to the next older generation together
                 raise
             fill()
+            self.last_restore.update(tier="durable", bytes_from_peers=0, bytes_from_store=self.last_restore["bytes_read"])
             self.epoch = 0 if branch else counters.epoch + 1
+            self.schedule.restored()
             self._announce(counters)
             return counters
         self._announce(None)
         return None
+
+    def _restore_from_memory(self, state: Mapping[str, Any], candidates: list[Candidate],
+                             per_rank: str) -> Counters | None:
+        """Collective: restore the newest generation the memory tier holds, if it is newer than the store's
+        newest (or the same), every copy verified first; None: the durable store's turn (nothing newer in
+        memory, or something missing or damaged anywhere: every rank falls back together)."""
+        offer = self.memory.newest(self.run, self.step)
+        if offer is None:
+            return None
+        newer = None
+        if self.rank == 0:
+            durable = self.store.find_ref(candidates[0].root) if candidates and candidates[0].root else None
+            newer = durable is None or durable.root == offer.root or \
+                (offer.epoch, offer.update) > (durable.prefix.epoch, durable.prefix.update)
+        if not broadcast_json(newer, self._global(0), self.group):
+            return None
+        holder = self.memory.holder
+        report = self.memory.assemble(offer, lambda manifest: shards_read(state, manifest, rank=self.rank,
+                                                                           world=self.world, per_rank=per_rank))
+        if report.failure is not None:
+            if self.rank == 0:
+                logger.warning("memory tier: update %d cannot be recovered from memory (%s); restoring from the "
+                               "store", offer.update, report.failure)
+            return None
+        bound = Choice(holder, self.run, self.step).bound(
+            offer.root, identity=self.identity, bindings=self.bindings, bind_devices=self.bind_devices,
+            device=self.device) if self.rank == 0 else None
+        candidate = Candidate.from_json(broadcast_json(bound.to_json() if bound else None, self._global(0),
+                                                       self.group))
+        refusal, fill, counters = None, None, None
+        try:
+            if candidate.refusal is not None:
+                raise Refusal(candidate.refusal.code, candidate.refusal.message)
+            if self.bind_devices:
+                check_devices((candidate.devices or [])[self.rank:self.rank + 1] or [None], [self.device], True)
+            fill, counters, self.last_restore = prepare(holder, state, offer.root, rank=self.rank,
+                                                        world=self.world, per_rank=per_rank)
+        except Refusal as exc:
+            refusal = exc
+        try:
+            agree(refusal, self.group)
+        except Refusal as agreed:
+            if fill is not None:
+                fill(go=False)
+            if candidate.binding or agreed.code not in DAMAGE:
+                raise
+            if self.rank == 0:
+                logger.warning("memory tier: update %d refused (%s); restoring from the store", offer.update, agreed)
+            return None
+        fill()
+        self.last_restore.update(tier="memory", bytes_from_peers=report.bytes_received, bytes_from_store=0,
+                                 assemble_seconds=report.seconds)
+        self.epoch = counters.epoch + 1
+        self.schedule.restored()
+        self._announce(counters)
+        return counters
 
     def _candidates(self, choice: Choice, root: Any, branch: bool) -> list[Candidate]:
         """Rank 0 decides what to try, in order; every rank gets the same list."""
@@ -431,7 +544,10 @@ class Checkpointer:
                                                    self.group)).candidates()
 
     def _announce(self, counters: Counters | None) -> None:
-        """With the option ``announce`` (alpha-run's scripts): rank 0 says what the script resumed."""
+        """With the option ``announce`` (alpha-run's scripts): rank 0 says what the script resumed.
+        A restarted rank's clock marks the end of its restore (the ``recovered`` event follows its first step)."""
+        self._recovery.restored(counters, self.last_restore if counters else None,
+                                time.monotonic() - self._restore_started, self.group)
         if self.options.announce:
             announce(self.run, self.step, counters, self.last_restore["bytes_read"] if counters else 0,
                      self.rank, self.group)
@@ -441,6 +557,8 @@ class Checkpointer:
         try:
             self.wait()
         finally:
+            if self.memory is not None:
+                self.memory.close(discard=True)  # the script is done: its memory generations go with it
             self._release()  # joins the save thread, destroys this Checkpointer's own groups (once)
             if self._own_store:
                 self.store.close()

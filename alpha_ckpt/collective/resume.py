@@ -27,10 +27,12 @@ from ..manifest import encode_identity, identity_matches
 from ..planner import WantedSlice, owners_holding
 from ..progress import emit, format_bytes, is_tty
 from ..publish.messages import Candidate, short
+from ..generation import records_holding
 from ..reader import Counters, latest_order, open_generation, prepare_fill
 from ..state.load import plan_load
 from ..state.rules import recorded_per_rank
 from ..store import RefRecord, Store
+from .schedule import save_event_fields
 
 logger = logging.getLogger("alpha_ckpt")
 
@@ -120,9 +122,7 @@ def prepare(store: Store, state: Mapping[str, Any], root: str, *, rank: int, wor
         manifest = head.manifest
     if manifest.state is None:
         raise Refusal(RefusalCode.FORMAT, f"{what} records no state skeleton (it was not written by save)")
-    plan = plan_load(state, manifest.state, manifest.regions, rank=rank, world=world,
-                     per_rank=per_rank, per_rank_entries=recorded_per_rank(manifest.metadata))
-    wanted = [WantedSlice(o, lo, hi, i) for i, (o, _, lo, hi) in enumerate(plan.targets)]
+    plan, wanted = _plan(state, manifest, rank=rank, world=world, per_rank=per_rank)
     # A tree: only the group manifests on the paths to the roles that hold this rank's words.
     generation = open_generation(store, root, role=lambda m: roles_holding(m, wanted), wanted=wanted,
                                  manifest=manifest)
@@ -142,6 +142,25 @@ def prepare(store: Store, state: Mapping[str, Any], root: str, *, rank: int, wor
         finally:
             generation.close()
     return fill_and_close, Counters(p.run, p.step, p.update, p.cursor, p.epoch, manifest.metadata, root), read
+
+
+def _plan(state: Mapping[str, Any], manifest, *, rank: int, world: int, per_rank: str):
+    """What this rank restores of the generation ``manifest`` heads: the load plan and the words it wants."""
+    plan = plan_load(state, manifest.state, manifest.regions, rank=rank, world=world,
+                     per_rank=per_rank, per_rank_entries=recorded_per_rank(manifest.metadata))
+    return plan, [WantedSlice(o, lo, hi, i) for i, (o, _, lo, hi) in enumerate(plan.targets)]
+
+
+def shards_read(state: Mapping[str, Any], manifest, *, rank: int, world: int, per_rank: str) -> set[str]:
+    """The shards (digests) a restore of a star generation reads on this rank: those holding a word it
+    restores. Empty when the state does not match the generation (the restore then refuses as it would)."""
+    if manifest.state is None:
+        return set()
+    try:
+        _, wanted = _plan(state, manifest, rank=rank, world=world, per_rank=per_rank)
+    except Refusal:
+        return set()
+    return {r.digest for r in records_holding(manifest.shards, wanted)}
 
 
 def roles_holding(manifest, wanted: Sequence[WantedSlice]) -> list[int] | None:
@@ -186,3 +205,14 @@ def announce(run: str, step: str, counters: Counters | None, bytes_read: int, ra
         emit("restored" if counters is not None else "fresh_start", buffer, **fields)
         line = buffer.getvalue().rstrip("\n")
     os.write(sys.stderr.fileno(), (line + "\n").encode("utf-8", "replace"))  # one write: ranks share stderr
+
+
+def announce_save(run: str, step: str, update: int, tier: str, result: Any, cost_s: float) -> None:
+    """Rank 0 of an alpha-run script, after each save: one ``checkpoint_saved`` JSON event saying which tier
+    it went to (a log collector's; a terminal gets none: a line per save would bury the script's own)."""
+    if is_tty(sys.stderr):
+        return
+    root = result.root if result.done() else None  # an asynchronous save's root is not known yet
+    buffer = io.StringIO()
+    emit("checkpoint_saved", buffer, **save_event_fields(run, step, update, root, tier, cost_s))
+    os.write(sys.stderr.fileno(), buffer.getvalue().encode("utf-8", "replace"))

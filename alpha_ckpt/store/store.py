@@ -151,6 +151,27 @@ class Store:
         self.check_digest(digest)
         return self.layout.object_path(digest)
 
+    def delete_object(self, digest: str) -> bool:
+        """Remove an object durably (False if it was gone). Only for a store whose every reader is its owner
+        (a memory holder): in a shared store, gc removes objects, sparing what a publish in flight names."""
+        return self.backend.delete_object(self.check_digest(digest))
+
+    def object_size(self, digest: str) -> int:
+        """An object's size in bytes (0 if it is gone)."""
+        try:
+            with self.backend.open_object(self.check_digest(digest), "object") as obj:
+                return obj.size
+        except (FileNotFoundError, Refusal):
+            return 0
+
+    def delete_ref(self, run: str, step: str, generation: int) -> bool:
+        """Remove ref ``generation`` of (run, step) (False if gone): a memory holder's retention."""
+        refs = self._refs_dir(run, step, create=False)
+        if refs is None:
+            return False
+        with refs:
+            return refs.delete(generation)
+
     def iter_objects(self, on_hostile: Callable[[str, str], None] | None = None) -> Iterator[str]:
         """Every object's name, in order (see :meth:`PosixBackend.list_objects`): anything under
         objects/ that is no object of this store is skipped, and ``on_hostile(path, why)`` hears of it."""

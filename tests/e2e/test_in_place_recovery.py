@@ -100,10 +100,13 @@ def test_restarts_that_run_out_exit_75_naming_the_failed_rank(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_a_refusal_under_in_place_exits_3_without_a_restart(tmp_path):
+    first = alpha_run("--nproc", 2, "--store", tmp_path / "s", SCRIPT, "--steps", 2, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
     (tmp_path / "ev").mkdir()
     started = time.monotonic()
-    proc = alpha_run("--nproc", 2, "--max-restarts", 3, "--in-place", "--store", tmp_path / "s",
-                     "--resume-from", "0" * 64, SCRIPT, "--steps", STEPS, "--events", tmp_path / "ev", cwd=tmp_path)
+    # Another model's generation is the newest: every rank's restore refuses it.
+    proc = alpha_run("--nproc", 2, "--max-restarts", 3, "--in-place", "--store", tmp_path / "s", SCRIPT,
+                     "--steps", STEPS, "--model-name", "another", "--events", tmp_path / "ev", cwd=tmp_path)
     assert proc.returncode == 3, proc.stderr[-3000:]
     recorded = events(tmp_path / "ev")
     assert not [e for seen in recorded.values() for e in seen if "resumed_at" in e]  # none got past the restore
@@ -119,6 +122,7 @@ def test_a_refusal_under_in_place_exits_3_without_a_restart(tmp_path):
     ["--in-place", "--max-restarts", "1", "--rdzv-endpoint", "localhost:29400"],
     ["--in-place", "--max-restarts", "1", "--standalone"],
     ["--in-place", "--max-restarts", "1", "--nnodes", "2"],
+    ["--in-place", "--max-restarts", "1", "--resume-from", "0" * 64],
 ])
 def test_in_place_usage_errors_exit_2_before_any_rank_starts(tmp_path, flags):
     proc = alpha_run("--nproc", 2, "--store", tmp_path / "s", *flags, SCRIPT, cwd=tmp_path, timeout=100)

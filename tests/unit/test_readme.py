@@ -138,9 +138,13 @@ RUN_BY_E2E = {"train_gpt_ddp", "train_fsdp2"}
 
 
 def _readme_run_params():
-    return [pytest.param(commands, id=Path(commands[0][-3]).stem,
-                         marks=[pytest.mark.full] if Path(commands[0][-3]).stem in RUN_BY_E2E else [])
-            for commands in _readme_runs()]
+    params = []
+    for commands in _readme_runs():
+        script = Path(next(a for a in commands[0] if a.endswith(".py"))).stem
+        recovery = "--fail-at" in commands[0]  # the fast-recovery example: run in every set
+        params.append(pytest.param(commands, id=script + ("-recovery" if recovery else ""),
+                                   marks=[pytest.mark.full] if script in RUN_BY_E2E and not recovery else []))
+    return params
 
 
 @pytest.mark.timeout(600)

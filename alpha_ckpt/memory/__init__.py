@@ -1,0 +1,1 @@
+"""The memory tier: generations held in host memory by every rank and replicated to peer ranks."""

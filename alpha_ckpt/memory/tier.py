@@ -1,0 +1,342 @@
+"""The memory tier: every save held in host memory, on this rank and on peers, under the store's digests.
+
+Each rank has a *holder*: an ordinary :class:`~alpha_ckpt.store.Store` rooted
+in host memory (a tmpfs directory, ``/dev/shm`` by default), one per rank. A
+holder outlives its rank's process (a restarted rank finds it) but not the
+node, and alpha-run removes the tier when it exits, so a whole-job loss
+resumes from the durable store.
+
+Call order, on every rank, inside one save (the ranks already agreed on the
+layout)::
+
+    publisher = tier.publisher()                   # the star publisher, minus the ref
+    completion = publisher.publish(contribution)   # every rank's shards into its own holder
+    tier.replicate(prefix, completion, owners)     # copies to peers; then the ref, on every holder
+
+and inside one restore, before the durable candidates::
+
+    offer = tier.offer(run, step)                  # rank 0: the newest generation any holder names
+    outcome = tier.assemble(offer, wanted)         # every rank pulls what its restore reads
+    ... collective.resume.prepare(tier.holder, ...) # the one validator, on this rank's holder
+
+A memory generation counts (its ref is written) only once every object it
+names is held by at least two ranks, every copy checked against its name. A
+recovery hashes every copy it will use before any rank copies a byte;
+anything missing or damaged anywhere makes every rank fall back to the
+durable store together.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import blake3
+import torch
+import torch.distributed as dist
+
+from .. import launch_env
+
+from ..errors import DurableWriteError, Refusal, UsageError
+from ..format import CapturePrefix, ShardRef
+from ..generation import open_generation
+from ..manifest import check_root_manifest
+from ..payloads import validate_object_file
+from ..publish.messages import Completion, Outcome, Record
+from ..publish.star import StarPublisher
+from ..publish.wire import broadcast_json, gather_json
+from ..store import RefRecord, Store
+from ..writer import write_manifest
+from .plan import plan_fetch, plan_replication, under_held
+from .transfer import run_transfers
+
+logger = logging.getLogger("alpha_ckpt")
+
+DEFAULT_PARENT = "/dev/shm"
+KEEP_GENERATIONS = 2  # memory generations each holder keeps: the newest, and the one a failed save leaves standing
+MIN_HOLDERS = 2       # a memory generation counts only when every object it names has this many holders
+
+
+@dataclass(frozen=True)
+class MemoryGeneration(Record):
+    """Rank 0 to every rank after a memory publish, or at a recovery: one generation's objects."""
+
+    KIND = "memory-generation"
+    root: str
+    root_size: int
+    objects: list = field(default_factory=list)  # [[digest, size], ...]: the shards the root names
+    holders: list = field(default_factory=list)  # recovery: the ranks whose holders name the root
+    epoch: int = 0
+    update: int = 0
+
+
+@dataclass
+class TierReport:
+    """What one memory save or recovery did on this rank (and, summed over the ranks, on all)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+    failure: str | None = None
+
+
+class _HolderPublisher(StarPublisher):
+    """The star publisher writing into a holder, without a ref: the tier writes refs once the copies stand.
+    Rank 0 keeps, per root, the shards its root manifest names (the tier replicates exactly those)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.named: dict[str, list] = {}
+
+    def _publish_root(self, c, shard_refs: list[ShardRef]) -> Completion:
+        try:
+            root, size = write_manifest(self.store, c.prefix, c.regions, shard_refs, self.world, dict(c.metadata),
+                                        state=c.layout.state,
+                                        check=lambda m: check_root_manifest(m, shard_refs, "memory root manifest",
+                                                                            identity=self.identity,
+                                                                            metadata=dict(c.metadata)))
+        except Refusal as refusal:
+            return Completion.failed(Outcome.of(refusal))
+        except (OSError, ValueError, DurableWriteError) as exc:
+            return Completion.failed(Outcome(False, str(exc)))
+        self.named[root] = [[s.digest, s.size] for s in shard_refs]
+        return Completion(Outcome.success(), root, 0, size)  # generation 0: no ref yet; bytes: the root's size
+
+
+def memory_directory(options: Any, store_root: str) -> str:
+    """The tier's directory: the one given, alpha-run's for this launch (``--memory``), or one under
+    /dev/shm named by the store, run and step (so a restarted rank finds its holder again)."""
+    if isinstance(options.memory, str):
+        return os.path.abspath(options.memory)
+    launched = launch_env.memory_directory()
+    if launched is not None:
+        return launched
+    parent = DEFAULT_PARENT if os.path.isdir(DEFAULT_PARENT) else tempfile.gettempdir()
+    key = blake3.blake3(f"{os.path.abspath(store_root)}\0{options.run}\0{options.step}".encode()).hexdigest()[:16]
+    return os.path.join(parent, f"alpha-ckpt-{os.getuid()}", key)
+
+
+def replica_stride(world: int) -> int:
+    """Copies go ``stride`` ranks away: the ranks of one node apart when the job spans nodes (so a copy is
+    on another node), the next rank on one node."""
+    per_node = launch_env.ranks_per_node()
+    return per_node if per_node and world > per_node and world % per_node == 0 else 1
+
+
+def holder_directory(parent: str, rank: int) -> str:
+    """Where rank ``rank`` keeps its holder under the tier's directory."""
+    return os.path.join(parent, f"rank-{rank:05d}")
+
+
+class MemoryTier:
+    """This rank's holder and the tier's collective steps over ``group`` (a gloo group of the tier's own)."""
+
+    def __init__(self, directory: str, *, rank: int, world: int, copies: int, stride: int = 1, group: Any = None,
+                 identity: Any = None):
+        if world < MIN_HOLDERS:
+            raise UsageError(f"the memory tier keeps copies on peer ranks: it needs at least {MIN_HOLDERS} ranks, "
+                             f"this group has {world}")
+        if copies < MIN_HOLDERS:
+            raise UsageError(f"the memory tier needs at least one copy on a peer (replicas >= 1)")
+        self.directory = directory
+        self.rank, self.world, self.copies, self.stride, self.group = rank, world, copies, stride, group
+        os.makedirs(directory, exist_ok=True)
+        self.holder = Store(holder_directory(directory, rank), create=True, write_mode="buffered")
+        self.identity = identity
+        self.last: TierReport | None = None
+        self._publisher = _HolderPublisher(self.holder, rank, world, identity=identity)
+
+    def close(self, discard: bool = False) -> None:
+        """Release the holder; ``discard``: remove it too (the script is done with the tier)."""
+        self.holder.close()
+        if discard:
+            shutil.rmtree(self.holder.root, ignore_errors=True)
+
+    def publisher(self) -> StarPublisher:
+        return self._publisher
+
+    # ------------------------------------------------------------------ save
+
+    def replicate(self, prefix: CapturePrefix, completion: Completion, owners: int) -> TierReport:
+        """Collective, after a memory publish: copies until every object has ``copies`` holders, then the ref
+        on every holder (only if every object has at least two verified holders), then retention."""
+        started = time.monotonic()
+        generation = None
+        if self.rank == 0:
+            generation = MemoryGeneration(completion.root, completion.bytes, self._publisher.named.pop(completion.root, []))
+        generation = MemoryGeneration.from_json(broadcast_json(generation.to_json() if generation else None,
+                                                               self._global(0), self.group))
+        objects = [(generation.root, generation.root_size)] + [(d, int(s)) for d, s in generation.objects]
+        digests = [d for d, _ in objects]
+        holders = self._holdings(digests, verify=False)
+        transfers = plan_replication(objects, holders, self.world, self.copies, self.stride,
+                                     everywhere=frozenset({generation.root}))
+        moved = run_transfers(transfers, self.holder, self.rank, self.group)
+        holders = self._holdings(digests, verify=False)
+        bad = moved.damaged or moved.unavailable
+        failure = None
+        if self._any(bool(bad)):
+            failure = "a copy sent to a peer did not arrive intact"
+        elif under_held(digests, holders, MIN_HOLDERS):
+            failure = f"{len(under_held(digests, holders, MIN_HOLDERS))} objects have fewer than {MIN_HOLDERS} holders"
+        if failure is None:
+            total = sum(s for _, s in objects)
+            self._put_ref(prefix, generation.root, generation.root_size, total, owners)
+        else:
+            logger.warning("memory save of update %d does not count: %s", prefix.update, failure)
+        self._retain(prefix.run, prefix.step)
+        self.last = TierReport(moved.bytes_sent, moved.bytes_received, time.monotonic() - started, failure)
+        return self.last
+
+    def _put_ref(self, prefix: CapturePrefix, root: str, root_size: int, total: int, owners: int) -> None:
+        """This holder's ref for ``root``, numbered after its own newest (holders number independently)."""
+        for _ in range(3):
+            top = self.holder.history(prefix.run, prefix.step).top
+            record = RefRecord(prefix.run, prefix.step, top + 1, root, root_size, prefix, time.time(), total, owners)
+            try:
+                self.holder.put_ref(record)
+                return
+            except FileExistsError:
+                continue  # numbered meanwhile (this holder is this rank's alone): read the top again
+
+    def _retain(self, run: str, step: str) -> None:
+        """Keep the newest :data:`KEEP_GENERATIONS` refs of this holder and the objects they name."""
+        records = [r for r in self.holder.list_refs(run, step) if isinstance(r, RefRecord)]
+        records.sort(key=lambda r: r.generation)
+        keep, drop = records[-KEEP_GENERATIONS:], records[:-KEEP_GENERATIONS]
+        if not drop:
+            return
+        named: set[str] = set()
+        for r in keep:
+            named |= self._names(r.root)
+        for r in drop:
+            self.holder.delete_ref(run, step, r.generation)
+        for digest in list(self.holder.iter_objects()):
+            if digest not in named:
+                self.holder.delete_object(digest)
+
+    def _names(self, root: str) -> set[str]:
+        """The objects a generation names, read from this holder's copy of its root manifest."""
+        try:
+            with open_generation(self.holder, root, role=0, wanted=[]) as head:
+                return {root} | {s.digest for s in head.manifest.shards}
+        except Refusal:
+            return {root}
+
+    def held_bytes(self) -> int:
+        """Bytes this rank's holder keeps."""
+        return sum(self.holder.object_size(d) for d in self.holder.iter_objects())
+
+    # ------------------------------------------------------------------ recovery
+
+    def newest(self, run: str, step: str) -> MemoryGeneration | None:
+        """Collective: rank 0 learns every holder's refs and answers the newest generation any of them
+        names, with the ranks naming it (every rank gets the same answer)."""
+        mine = []
+        for r in self.holder.list_refs(run, step):
+            if isinstance(r, RefRecord):
+                mine.append([r.root, r.root_size, r.prefix.epoch, r.prefix.update, r.published_at])
+        heard = gather_json(mine, self._global(0), self.group)
+        answer = None
+        if self.rank == 0:
+            best, named = None, {}
+            for rank, refs in enumerate(heard):
+                for root, size, epoch, update, at in refs:
+                    named.setdefault(root, set()).add(rank)
+                    key = (epoch, update, at)
+                    if best is None or key > best[0]:
+                        best = (key, root, size)
+            if best is not None:
+                answer = MemoryGeneration(best[1], int(best[2]), holders=sorted(named[best[1]]),
+                                          epoch=int(best[0][0]), update=int(best[0][1]))
+        got = broadcast_json(answer.to_json() if answer else None, self._global(0), self.group)
+        return MemoryGeneration.from_json(got) if got is not None else None
+
+    def assemble(self, offer: MemoryGeneration, wanted: Callable[[Any], set[str]]) -> TierReport:
+        """Collective: every rank pulls, by digest, what its restore of ``offer.root`` reads (``wanted(manifest)``
+        names it), after every copy any rank holds was checked against its name. ``failure`` set: fall back."""
+        started = time.monotonic()
+        report = TierReport()
+        root = offer.root
+        # 1. the root manifest, to every rank (a new or lost holder has none)
+        fetch = plan_fetch({root: offer.root_size}, {root: frozenset(offer.holders)},
+                           {r: frozenset({root}) for r in range(self.world)})
+        moved = run_transfers(fetch.transfers, self.holder, self.rank, self.group)
+        report.bytes_received += moved.bytes_received
+        report.bytes_sent += moved.bytes_sent
+        manifest, failure = None, None
+        if fetch.missing or moved.damaged or moved.unavailable:
+            failure = "the root manifest could not be copied intact"
+        else:
+            try:
+                with open_generation(self.holder, root, role=0, wanted=[]) as head:
+                    manifest = head.manifest
+                if manifest.publisher.kind != "star":
+                    failure = "not a memory generation"
+            except Refusal as refusal:
+                failure = f"root manifest: {refusal}"
+        if self._any(failure is not None):
+            report.failure = failure or "another rank could not read the root manifest"
+            return self._done(report, started)
+        sizes = {s.digest: s.size for s in manifest.shards}
+        digests = sorted(sizes)
+        needed = wanted(manifest)
+        held, damaged = self._verified(digests)
+        flags = torch.tensor([[d in held for d in digests], [d in damaged for d in digests],
+                              [d in needed for d in digests]], dtype=torch.uint8).reshape(3, len(digests))
+        every = [torch.empty_like(flags) for _ in range(self.world)]
+        dist.all_gather(every, flags, group=self.group)
+        holders = {d: frozenset(r for r in range(self.world) if every[r][0, i]) for i, d in enumerate(digests)}
+        broken = [d for i, d in enumerate(digests) if any(every[r][1, i] for r in range(self.world))]
+        needs = {r: frozenset(d for i, d in enumerate(digests) if every[r][2, i]) for r in range(self.world)}
+        if broken:
+            report.failure = f"{len(broken)} objects have a damaged copy (first {broken[0][:16]}...)"
+            return self._done(report, started)
+        fetch = plan_fetch(sizes, holders, needs)
+        if fetch.missing:
+            report.failure = f"{len(fetch.missing)} objects are held by no rank (first {fetch.missing[0][:16]}...)"
+            return self._done(report, started)
+        moved = run_transfers(fetch.transfers, self.holder, self.rank, self.group)
+        report.bytes_received += moved.bytes_received
+        report.bytes_sent += moved.bytes_sent
+        if self._any(bool(moved.damaged or moved.unavailable)):
+            report.failure = "a copy pulled from a peer did not arrive intact"
+        return self._done(report, started)
+
+    def _done(self, report: TierReport, started: float) -> TierReport:
+        report.seconds = time.monotonic() - started
+        self.last = report
+        return report
+
+    def _verified(self, digests: Sequence[str]) -> tuple[set[str], set[str]]:
+        """The objects this holder has intact, and those it has damaged (each copy hashed whole)."""
+        held, damaged = set(), set()
+        for d in digests:
+            if not self.holder.has_object(d):
+                continue
+            try:
+                with self.holder.open_object(d, "memory copy") as obj:
+                    validate_object_file(obj, f"memory copy {d[:16]}...")
+                held.add(d)
+            except (Refusal, OSError):
+                damaged.add(d)
+        return held, damaged
+
+    def _holdings(self, digests: Sequence[str], verify: bool) -> dict[str, frozenset[int]]:
+        """Collective: which ranks hold each object."""
+        mine = torch.tensor([self.holder.has_object(d) for d in digests], dtype=torch.uint8)
+        every = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(every, mine, group=self.group)
+        return {d: frozenset(r for r in range(self.world) if every[r][i]) for i, d in enumerate(digests)}
+
+    def _any(self, flag: bool) -> bool:
+        value = torch.tensor([int(flag)], dtype=torch.int64)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(value.item())
+
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
