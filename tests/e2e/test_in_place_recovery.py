@@ -137,3 +137,17 @@ def test_in_place_refuses_the_built_in_job(tmp_path):
                      ROOT / "configs" / "forecast.toml", cwd=tmp_path, timeout=100)
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.timeout(400)
+def test_with_the_memory_tier_every_rank_recovers_in_place_from_memory_bit_identical(tmp_path, uninterrupted):
+    (tmp_path / "ev").mkdir()
+    # --durable-every 5 (the default): updates 1 and 6 go to the store, update 5 only to memory.
+    proc = alpha_run("--nproc", 2, "--max-restarts", 1, "--in-place", "--memory", "--store", tmp_path / "s", SCRIPT,
+                     "--steps", STEPS, "--kill-rank", 1, "--kill-at", 5, "--events", tmp_path / "ev", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert final_state(proc)["state_sha256"] == uninterrupted(2)
+    for rank, seen in events(tmp_path / "ev").items():
+        assert [e["resumed_at"] for e in seen if "resumed_at" in e] == [0, 5], rank  # memory's, newer than the store's
+    survivor = calls(events(tmp_path / "ev")[0])
+    assert survivor[0][0] == survivor[1][0]
