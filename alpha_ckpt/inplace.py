@@ -24,11 +24,11 @@ environment torchrun gives a worker), and watches them:
 - restarts run out: every rank is stopped, one line names the failed rank, exit 75.
 - every rank exits 0: exit 0.
 
-The control store (``ALPHA_CKPT_INPLACE_CONTROL``, ``host:port``) holds ``round``
+The control store (``launch_env.IN_PLACE_CONTROL``, ``host:port``) holds ``round``
 (the newest round), ``round/R`` (its JSON: the rendezvous port, the failed rank
 and its exit status) and ``joined/R/RANK`` (written by a rank once it joined
 round R's group). Every wait of a rank on it is bounded by ``--timeout``
-(``ALPHA_CKPT_INPLACE_TIMEOUT``).
+(``launch_env.IN_PLACE_TIMEOUT``).
 
 The checks of the flags (:func:`check_in_place_args`) import no torch.
 """
@@ -43,27 +43,15 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from . import launch_env
 from .errors import UsageError
+from .launch_env import (EXIT_INTERRUPTED, EXIT_OK, EXIT_REFUSED, EXIT_RETRY, EXIT_USAGE,
+                         IN_PLACE_CONTROL as CONTROL, IN_PLACE_TIMEOUT as TIMEOUT, ROUND_KEY, describe_exit,
+                         joined_key, round_key, spare_key)
 
-CONTROL = "ALPHA_CKPT_INPLACE_CONTROL"  # host:port of the launcher's control store
-TIMEOUT = "ALPHA_CKPT_INPLACE_TIMEOUT"  # seconds: every wait of a rank for a round
 HOST = "127.0.0.1"  # one node: every store listens on the loopback interface
-ROUND_KEY = "round"
 POLL_S = 0.02  # how often the agent looks at its ranks: a death is seen within this
 STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this
-EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_RETRY, EXIT_INTERRUPTED = 0, 2, 3, 75, 130
-
-
-def round_key(r: int) -> str:
-    return f"{ROUND_KEY}/{r}"
-
-
-def joined_key(r: int, rank: int) -> str:
-    return f"joined/{r}/{rank}"
-
-
-def spare_key(number: int) -> str:
-    return f"spare/{number}"
 
 
 def check_in_place_args(args) -> None:
@@ -149,9 +137,8 @@ def run_in_place(args, env: dict | None = None) -> int:
 
     from torch.distributed import TCPStore
 
-    from .launcher import describe_exit
     world, timeout = args.nproc, float(args.timeout)
-    base = dict(os.environ if env is None else env)
+    base = launch_env.launcher_environment() if env is None else dict(env)
     run_id = uuid.uuid4().hex[:12]
     store_timeout = timedelta(seconds=timeout)
     control = TCPStore(HOST, 0, world + 1, True, timeout=store_timeout, wait_for_workers=False)
@@ -164,7 +151,7 @@ def run_in_place(args, env: dict | None = None) -> int:
     def begin_round(r: int, failed: int | None, code: int | None) -> int:
         rendezvous[r] = TCPStore(HOST, 0, world, True, timeout=store_timeout, wait_for_workers=False)
         control.set(round_key(r), json.dumps({"round": r, "port": rendezvous[r].port, "failed_rank": failed,
-                                              "exit": code}))
+                                              "exit": code, "detected_at": time.time()}))
         control.set(ROUND_KEY, str(r))
         # A rank still joining an older round would wait there for a peer that is gone: closing the
         # older stores answers its wait at once, and it joins the newest round instead.
@@ -291,10 +278,10 @@ def spare_main(argv: list[str]) -> None:
     except ImportError:
         pass
     from . import collective, resilient  # noqa: F401
-    host, port = os.environ[CONTROL].rsplit(":", 1)
+    host, port = launch_env.in_place_settings()[0].rsplit(":", 1)
     control = TCPStore(host, int(port), is_master=False, timeout=timedelta(days=365))
     control.wait([spare_key(int(number))])  # the launcher's death ends this process (the lifeline)
-    os.environ.update(json.loads(control.get(spare_key(int(number))).decode()))
+    launch_env.adopt(json.loads(control.get(spare_key(int(number))).decode()))
     del control
     from .script_runner import _leave_group, exit_now
     from .script_runner import main as run_script

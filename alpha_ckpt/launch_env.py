@@ -23,6 +23,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import time
 from typing import Any, Iterator, Mapping
 
@@ -42,6 +43,8 @@ CHECKPOINT_COST = "ALPHA_CKPT_CHECKPOINT_COST"
 MEMORY = "ALPHA_CKPT_MEMORY"  # the memory tier's directory for this launch (alpha-run --memory), removed at its exit
 REPLICAS = "ALPHA_CKPT_REPLICAS"
 DURABLE_EVERY = "ALPHA_CKPT_DURABLE_EVERY"
+IN_PLACE_CONTROL = "ALPHA_CKPT_INPLACE_CONTROL"  # alpha-run --in-place: host:port of the launcher's control store
+IN_PLACE_TIMEOUT = "ALPHA_CKPT_INPLACE_TIMEOUT"  # seconds: every wait of a rank for a rendezvous round
 LAUNCHER_PID = "ALPHA_CKPT_LAUNCHER_PID"  # set by alpha-run for every process it starts
 # Set by alpha-run's agent just before it starts the workers of a restart (JSON, see export_restart):
 # torch's agent copies the launcher's environment into every worker it starts, so each attempt's
@@ -174,11 +177,12 @@ def restart_attempt() -> int:
 
 
 def export_restart(*, attempt: int, detected_at: float, failed_rank: int | None, failed_exit: int | None,
-                   resume: str | None) -> None:
+                   resume: str | None, started_at: float | None = None) -> None:
     """The launcher, just before its agent starts the workers of restart ``attempt``: what they will read
-    with :func:`restart_context` (one JSON value; no pickle)."""
+    with :func:`restart_context` (one JSON value; no pickle). ``started_at``: when this rank began the
+    attempt, where that is not its process's start (a rank that rejoins in its process: --in-place)."""
     os.environ[RESTART] = json.dumps({"attempt": attempt, "detected_at": detected_at, "failed_rank": failed_rank,
-                                      "failed_exit": failed_exit, "resume": resume})
+                                      "failed_exit": failed_exit, "resume": resume, "started_at": started_at})
 
 
 def restart_context() -> RestartContext | None:
@@ -203,8 +207,11 @@ def restart_context() -> RestartContext | None:
         return None
     if os.environ.get(RESTART_COUNT) is not None and attempt != restart_attempt():
         return None
+    started_at = record.get("started_at")
+    if not isinstance(started_at, (int, float)) or isinstance(started_at, bool) or not math.isfinite(started_at):
+        started_at = process_started_at()
     return RestartContext(attempt=attempt, detected_at=float(detected_at), failed_rank=failed_rank,
-                          failed_exit=failed_exit, resume=resume, process_started_at=process_started_at())
+                          failed_exit=failed_exit, resume=resume, process_started_at=float(started_at))
 
 
 def process_started_at() -> float:
@@ -241,3 +248,60 @@ def _typed(name: str, value: str, kind: type) -> Any:
         return kind(value)
     except ValueError:
         raise UsageError(f"{name}={value!r} is not a {kind.__name__}") from None
+
+
+# Exit statuses, for orchestrators (README): the same from alpha-run, its ranks and the job's owners.
+EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_RETRY, EXIT_INTERRUPTED = 0, 2, 3, 75, 130
+
+
+def describe_exit(code: int) -> str:
+    """A worker's exit status as torch reports it: a negative code is the signal that killed it."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def launcher_environment() -> dict[str, str]:
+    """The launcher's environment: what alpha-run's own agent hands every rank, before the rank's own variables."""
+    return dict(os.environ)
+
+
+def in_place_settings() -> tuple[str | None, float | None]:
+    """alpha-run --in-place: (the control store's host:port, the timeout of every wait), or (None, None)."""
+    timeout = os.environ.get(IN_PLACE_TIMEOUT)
+    return os.environ.get(IN_PLACE_CONTROL) or None, float(timeout) if timeout else None
+
+
+def rank_and_world() -> tuple[int, int]:
+    """torchrun's RANK and WORLD_SIZE of this process."""
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def enter_round(port: int, attempt: int) -> None:
+    """A rank joining rendezvous round ``attempt`` of alpha-run --in-place: the environment torchrun would give it
+    there (the round's MASTER_PORT, TORCHELASTIC_RESTART_COUNT), so what the script reads describes its round."""
+    os.environ["MASTER_PORT"], os.environ[RESTART_COUNT] = str(port), str(attempt)
+
+
+def adopt(environment: Mapping[str, str]) -> None:
+    """A warm spare taking the environment of the rank it replaces."""
+    os.environ.update(environment)
+
+
+# alpha-run --in-place: the keys of its control store (alpha_ckpt/inplace.py writes them, ranks read them).
+ROUND_KEY = "round"
+
+
+def round_key(r: int) -> str:
+    return f"{ROUND_KEY}/{r}"
+
+
+def joined_key(r: int, rank: int) -> str:
+    return f"joined/{r}/{rank}"
+
+
+def spare_key(number: int) -> str:
+    return f"spare/{number}"

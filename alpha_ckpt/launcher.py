@@ -52,7 +52,7 @@ from .inplace import check_in_place_args, run_in_place
 from .job.usage import check_job_args
 from .usage import OneLineArgumentParser, UsageError, check_checkpoint_flags, check_store_writable
 
-EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_RETRY, EXIT_INTERRUPTED = 0, 2, 3, 75, 130
+from .launch_env import EXIT_INTERRUPTED, EXIT_OK, EXIT_REFUSED, EXIT_RETRY, EXIT_USAGE, describe_exit  # noqa: F401
 
 # torchrun flags we pass through unchanged: (flag, argparse kwargs)
 _TORCHRUN_FLAGS = (
@@ -515,16 +515,6 @@ def restart_resume(store_root: str, *, resume_from: str | None, branch_from: str
         return resume_from if branch_from is None else None
     return resume_after_restart(resume_from, root_epoch=None if record is None else record.prefix.epoch,
                                 newest_epoch=newest)
-
-
-def describe_exit(code: int) -> str:
-    """A worker's exit status as torch reports it: a negative code is the signal that killed it."""
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
 
 
 def entry() -> None:

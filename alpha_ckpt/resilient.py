@@ -37,7 +37,8 @@ from datetime import timedelta
 from typing import Any, Callable
 
 from .errors import Refusal, UsageError
-from .inplace import CONTROL, ROUND_KEY, TIMEOUT, joined_key, round_key
+from . import launch_env
+from .launch_env import ROUND_KEY, joined_key, round_key
 
 logger = logging.getLogger("alpha_ckpt")
 
@@ -54,15 +55,15 @@ def run_resilient(main: Callable[[], Any], *, backend: str | None = None) -> Any
     """Call ``main()`` in the default process group; under ``alpha-run --in-place`` again after a peer's
     death, in a new group of the launcher's next round (the module docstring). ``main()``'s result."""
     import torch.distributed as dist
-    control = os.environ.get(CONTROL)
+    control, timeout = launch_env.in_place_settings()
     if control is None:
         if not dist.is_initialized():
             dist.init_process_group(backend)
         _JOINED_GROUPS.append(dist.group.WORLD)
         return main()
-    timeout = float(os.environ.get(TIMEOUT) or DEFAULT_TIMEOUT_S)
+    timeout = timeout or DEFAULT_TIMEOUT_S
     rounds = Rounds(control, timeout)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, world = launch_env.rank_and_world()
     r = rounds.newest()
     while True:
         r = rounds.join(r, rank, world, backend)
@@ -129,7 +130,10 @@ class Rounds:
         deadline = time.monotonic() + self.timeout
         while True:
             info = json.loads(self.control.get(round_key(r)).decode())
-            os.environ["MASTER_PORT"], os.environ["TORCHELASTIC_RESTART_COUNT"] = str(info["port"]), str(r)
+            launch_env.enter_round(info["port"], r)
+            if r > 0 and info.get("detected_at") is not None:  # the Checkpointer's recovery event reads it
+                launch_env.export_restart(attempt=r, detected_at=info["detected_at"], failed_rank=info.get("failed_rank"),
+                                          failed_exit=info.get("exit"), resume="latest", started_at=time.time())
             left = max(1.0, deadline - time.monotonic())
             try:
                 store = TCPStore(self.host, info["port"], world, is_master=False, timeout=timedelta(seconds=left))

@@ -151,3 +151,7 @@ def test_with_the_memory_tier_every_rank_recovers_in_place_from_memory_bit_ident
         assert [e["resumed_at"] for e in seen if "resumed_at" in e] == [0, 5], rank  # memory's, newer than the store's
     survivor = calls(events(tmp_path / "ev")[0])
     assert survivor[0][0] == survivor[1][0]
+    [recovered] = [json.loads(line) for line in proc.stderr.splitlines()
+                   if line.startswith("{") and '"event": "recovered"' in line]
+    assert recovered["tier"] == "memory" and recovered["update"] == 5 and recovered["bytes_from_store"] == 0
+    assert recovered["failed_rank"] == 1 and 0 <= recovered["restart_s"] < recovered["total_s"]

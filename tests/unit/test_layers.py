@@ -41,7 +41,7 @@ LAYERS: dict[int, tuple[str, set[str]]] = {
         {"collective", "collective.checkpointer", "collective.options", "collective.agreement", "collective.resume",
          "collective.result", "collective.schedule", "collective.verdict", "collective.recovery"}),
     6: ("clients of the library: the one-process API, DCP, export, alpha-run's generic checks",
-        {"api", "dcp", "dcp_reader", "dcp_common", "export", "usage"}),
+        {"api", "dcp", "dcp_reader", "dcp_common", "export", "usage", "resilient"}),
     7: ("the built-in job and its learner",
         {"job", "job.owner", "job.usage", "learner", "learner.config", "learner.data", "learner.digest",
          "learner.model"}),
@@ -49,7 +49,7 @@ LAYERS: dict[int, tuple[str, set[str]]] = {
         {"testing", "testing.faults", "testing.forge", "testing.simulate", "testing.oracle"}),
     9: ("where a process starts (and installs the fault points a test asks for): alpha-ckpt, alpha-run, "
         "the job's owner, a script's rank",
-        {"cli", "launcher", "job.__main__", "script_runner"}),
+        {"cli", "launcher", "job.__main__", "script_runner", "inplace"}),
     10: ("the package's public names (re-exported on first use)",
          {""}),
 }

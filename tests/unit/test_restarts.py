@@ -52,7 +52,15 @@ def test_a_restarted_worker_reads_what_the_launcher_exported_for_its_attempt(cle
 def test_the_context_is_plain_json_in_the_environment(clean_restart_env):
     restarted(clean_restart_env, 1)
     record = json.loads(launch_env.os.environ[launch_env.RESTART])
-    assert set(record) == {"attempt", "detected_at", "failed_rank", "failed_exit", "resume"}
+    assert set(record) == {"attempt", "detected_at", "failed_rank", "failed_exit", "resume", "started_at"}
+    assert record["started_at"] is None  # a new process: its start is read from the kernel
+
+
+def test_a_rank_that_rejoins_in_its_process_counts_its_restart_from_when_it_rejoined(clean_restart_env):
+    launch_env.export_restart(attempt=0, detected_at=100.0, failed_rank=1, failed_exit=-9, resume="latest",
+                              started_at=100.25)
+    context = launch_env.restart_context()
+    assert context.process_started_at == 100.25 and context.restart_s == pytest.approx(0.25)
 
 
 def test_a_context_written_for_another_attempt_is_none(clean_restart_env):
