@@ -33,7 +33,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import AbstractSet, Any, Callable, Sequence
 
 import blake3
 import torch
@@ -285,7 +285,9 @@ class MemoryTier:
         sizes = {s.digest: s.size for s in manifest.shards}
         digests = sorted(sizes)
         needed = wanted(manifest)
-        held, damaged = self._verified(digests)
+        # What this rank restores is validated by the restore itself before any rank copies (damage there
+        # refuses, and every rank falls back together); every other copy it holds is hashed now.
+        held, damaged = self._verified(digests, trusted=needed)
         flags = torch.tensor([[d in held for d in digests], [d in damaged for d in digests],
                               [d in needed for d in digests]], dtype=torch.uint8).reshape(3, len(digests))
         every = [torch.empty_like(flags) for _ in range(self.world)]
@@ -312,11 +314,15 @@ class MemoryTier:
         self.last = report
         return report
 
-    def _verified(self, digests: Sequence[str]) -> tuple[set[str], set[str]]:
-        """The objects this holder has intact, and those it has damaged (each copy hashed whole)."""
+    def _verified(self, digests: Sequence[str], trusted: AbstractSet[str] = frozenset()) -> tuple[set[str], set[str]]:
+        """The objects this holder has intact, and those it has damaged: each copy hashed whole, except the
+        ``trusted`` ones (present is enough: the restore validates them before it copies a byte)."""
         held, damaged = set(), set()
         for d in digests:
             if not self.holder.has_object(d):
+                continue
+            if d in trusted:
+                held.add(d)
                 continue
             try:
                 with self.holder.open_object(d, "memory copy") as obj:
