@@ -56,6 +56,8 @@ the save call, the save is then drained untimed:
 
   memory      ``Checkpointer(memory=DIR)``: a save that goes to host memory only (publish into
               this rank's holder, copies to one peer), synchronous
+  memory-async  the same with ``save="async"``: the stall is the snapshot, the publish and the
+              copies run on the save thread
   ours-async  ``Checkpointer(save="async")`` to the store: the stall is the snapshot
   dcp-async   ``dcp.async_save`` of get_state_dict's state, on a gloo group of its own
 
@@ -307,12 +309,12 @@ def run_stall(args: argparse.Namespace, top: str, shm_top: str) -> dict:
 def print_stall(result: dict) -> None:
     print(f"\nStall of one save ({result['world']} ranks, {result['params'] / 1e6:.1f}M params, state "
           f"{fmt_bytes(result['state_bytes_per_rank'])} per rank); median over saves of the slowest rank")
-    print(f"{'method':<12} {'stall s':>9} {'/ dcp-async':>12}")
+    print(f"{'method':<14} {'stall s':>9} {'/ dcp-async':>12}")
     for m, v in result["median_stall_s"].items():
-        print(f"{m:<12} {v:9.3f} {result['ratio_to_dcp_async'][m]:12.3f}")
+        print(f"{m:<14} {v:9.3f} {result['ratio_to_dcp_async'][m]:12.3f}")
     total_state = result["state_bytes_per_rank"] * result["world"]
     print(f"memory tier holds {fmt_bytes(result['memory_held_bytes_all_ranks'])} over {result['world']} ranks "
-          f"(last_save memory_held_bytes), /dev/shm holders {fmt_bytes(result['memory_dir_bytes'])}, "
+          f"(last_save memory_held_bytes of the memory method), its /dev/shm holders {fmt_bytes(result['memory_dir_bytes'])}, "
           f"against a state of {fmt_bytes(total_state)} over the ranks "
           f"({result['memory_held_bytes_all_ranks'] / total_state:.2f}x)")
 

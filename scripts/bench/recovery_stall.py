@@ -28,7 +28,7 @@ import alpha_ckpt  # noqa: E402
 from scripts.bench.common import balanced_orders  # noqa: E402
 from scripts.bench.recovery_train import BATCH, CONTEXT, GPT, VOCAB, width_for  # noqa: E402
 
-STALL_METHODS = ("memory", "ours-async", "dcp-async")
+STALL_METHODS = ("memory", "memory-async", "ours-async", "dcp-async")
 
 
 def tree_bytes(path: str) -> int:
@@ -78,7 +78,9 @@ def main() -> None:
                                        identity={"model": "gpt-bench"}, **options)
 
     # the first save of the memory tier goes to the store too (the warm-up below takes it)
-    memory = checkpointer("memory", memory=args.memory_dir, durable_every=1_000_000)
+    memory = checkpointer("memory", memory=os.path.join(args.memory_dir, "sync"), durable_every=1_000_000)
+    memory_async = checkpointer("memory-async", memory=os.path.join(args.memory_dir, "async"),
+                                durable_every=1_000_000, save="async")
     ours_async = checkpointer("ours-async", save="async")
     dcp_group = dist.new_group(backend="gloo")  # DCP's background collectives never meet DDP's
     dcp_pending: list = []
@@ -92,6 +94,8 @@ def main() -> None:
         t0 = time.perf_counter()
         if method == "memory":
             memory.save(state, update=n)
+        elif method == "memory-async":
+            memory_async.save(state, update=n)
         elif method == "ours-async":
             ours_async.save(state, update=n)
         else:
@@ -100,8 +104,8 @@ def main() -> None:
         stall = time.perf_counter() - t0
         train_step()
         # drained, untimed: the next save starts with nothing in flight
-        if method == "ours-async":
-            ours_async.wait()
+        if method in ("ours-async", "memory-async"):
+            (ours_async if method == "ours-async" else memory_async).wait()
         elif method == "dcp-async":
             dcp_pending.pop().result()
             shutil.rmtree(os.path.join(args.dir, "dcp", str(n)), ignore_errors=True) if rank == 0 else None
@@ -128,11 +132,11 @@ def main() -> None:
         result = {"world": world, "state_bytes_per_rank": state_bytes,
                   "params": sum(p.numel() for p in model.parameters()), "stalls_s": stalls,
                   "memory_held_bytes_all_ranks": int(held.item()), "memory_held_bytes_rank0":
-                  memory.last_save.get("memory_held_bytes"), "memory_dir_bytes": tree_bytes(args.memory_dir),
+                  memory.last_save.get("memory_held_bytes"), "memory_dir_bytes": tree_bytes(os.path.join(args.memory_dir, "sync")),
                   "memory_last_save": {k: v for k, v in memory.last_save.items() if k != "root"}}
         with open(args.out, "w") as f:
             json.dump(result, f)
-    for ckpt in (memory, ours_async):
+    for ckpt in (memory, memory_async, ours_async):
         ckpt.close()
     dist.barrier()
     dist.destroy_process_group()
