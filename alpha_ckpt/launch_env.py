@@ -7,8 +7,11 @@ every worker, restarts included), and names itself so that a worker can bind
 its life to it (:mod:`alpha_ckpt.lifeline`). This module holds the variable
 names, :func:`script_environment` (what the launcher writes),
 :func:`launcher_settings` (what :meth:`Checkpointer.from_launcher_env
-<alpha_ckpt.Checkpointer.from_launcher_env>` reads) and
-:func:`pop_launcher_pid`. No other product module reads or writes them.
+<alpha_ckpt.Checkpointer.from_launcher_env>` reads),
+:func:`pop_launcher_pid`, and a restart's context: :func:`export_restart`
+(the launcher, as its agent restarts the workers) and :func:`restart_context`
+(a restarted worker). torch's own ``TORCHELASTIC_RESTART_COUNT`` is read here
+too (:func:`restart_attempt`). No other product module reads or writes them.
 
 Only the standard library and :mod:`alpha_ckpt.errors` are imported here:
 the launcher checks its flags before torch is imported.
@@ -16,7 +19,11 @@ the launcher checks its flags before torch is imported.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
+import math
 import os
+import time
 from typing import Any, Iterator, Mapping
 
 from .errors import UsageError
@@ -36,6 +43,11 @@ MEMORY = "ALPHA_CKPT_MEMORY"  # the memory tier's directory for this launch (alp
 REPLICAS = "ALPHA_CKPT_REPLICAS"
 DURABLE_EVERY = "ALPHA_CKPT_DURABLE_EVERY"
 LAUNCHER_PID = "ALPHA_CKPT_LAUNCHER_PID"  # set by alpha-run for every process it starts
+# Set by alpha-run's agent just before it starts the workers of a restart (JSON, see export_restart):
+# torch's agent copies the launcher's environment into every worker it starts, so each attempt's
+# workers see the value of their own restart and no earlier one.
+RESTART = "ALPHA_CKPT_RESTART"
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"  # torch's: 0 in the first attempt, n in the n-th restart
 # torch's switch for its c10d rendezvous: each round (a restart is one) gives the ranks a store of
 # their own instead of the agent's, which outlives attempts and still holds the previous attempt's
 # gloo addresses (a restarted rank would connect to a dead peer and wait).
@@ -54,6 +66,11 @@ def script_environment(args: Any, run: str) -> dict[str, str]:
         for flag, name in (("mtbf", MTBF), ("checkpoint_cost", CHECKPOINT_COST)):
             if getattr(args, flag):
                 env[name] = getattr(args, flag)
+    if getattr(args, "memory", False):
+        env[MEMORY] = args.memory_dir
+        env[REPLICAS] = str(args.replicas)
+        if args.durable_every is not None:
+            env[DURABLE_EVERY] = str(args.durable_every)
     return env
 
 
@@ -62,7 +79,8 @@ def exported(launcher_pid: int, script: Mapping[str, str] | None = None) -> Iter
     """The launcher's environment while it starts its workers: its pid, a store of their own for the
     ranks of each rendezvous round (and a script's settings); what was there before is put back after."""
     values = {LAUNCHER_PID: str(launcher_pid), SEPARATE_RANK_STORE[0]: SEPARATE_RANK_STORE[1], **(script or {})}
-    before = {name: os.environ.get(name) for name in values}
+    before = {name: os.environ.get(name) for name in (*values, RESTART)}
+    os.environ.pop(RESTART, None)  # the first attempt is no restart, whatever this process inherited
     os.environ.update(values)
     try:
         yield
@@ -88,6 +106,9 @@ def launcher_settings() -> dict[str, Any]:
                          "unset); pass Checkpointer(store, run=...) instead")
     out: dict[str, Any] = {"store": env[STORE], "run": env[RUN]}
     out["resume"] = env.get(RESUME) or "latest"  # "latest" or a root digest
+    restart = restart_context()
+    if restart is not None and restart.resume is not None:
+        out["resume"] = restart.resume  # what the launcher chose for this restart (see RestartContext)
     for name, key, kind in ((PUBLISHER, "publisher", str), (FANOUT, "fanout", int),
                             (COMMIT_TIMEOUT, "commit_timeout", float), (SAVE, "save", str),
                             (IN_FLIGHT, "in_flight", str)):
@@ -114,6 +135,95 @@ def ranks_per_node() -> int | None:
     """torch's LOCAL_WORLD_SIZE (ranks on this node), as torchrun and alpha-run set it, or None."""
     value = os.environ.get("LOCAL_WORLD_SIZE", "")
     return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+@dataclasses.dataclass(frozen=True)
+class RestartContext:
+    """What a restarted worker knows of the restart that started it (:func:`restart_context`).
+
+    ``attempt``: torch's restart count (1 in the first restart). ``detected_at``: the wall-clock
+    time (``time.time()``) at which the launcher saw the failure that caused this restart.
+    ``failed_rank`` and ``failed_exit``: the global rank that failed first and its exit code (a
+    negative one is the signal that killed it), None when not known (a worker stuck in the kernel,
+    a node that joined). ``resume``: what this attempt resumes, chosen by the launcher once the
+    previous attempt's workers were stopped: "latest", a root digest (``--resume-from ROOT`` whose
+    continuation published nothing yet), or None: as the first attempt did (a branch whose new run
+    has no generation yet). ``process_started_at``: the wall-clock time at which this worker
+    process started (before its interpreter did).
+    """
+
+    attempt: int
+    detected_at: float
+    failed_rank: int | None
+    failed_exit: int | None
+    resume: str | None
+    process_started_at: float
+
+    @property
+    def restart_s(self) -> float:
+        """Seconds from the detection to this worker's start: stopping the others and the rendezvous."""
+        return self.process_started_at - self.detected_at
+
+
+def restart_attempt() -> int:
+    """torch's restart count for this worker (0: the first attempt, or not started by torch's agent)."""
+    try:
+        return max(0, int(os.environ.get(RESTART_COUNT, "0")))
+    except ValueError:
+        return 0
+
+
+def export_restart(*, attempt: int, detected_at: float, failed_rank: int | None, failed_exit: int | None,
+                   resume: str | None) -> None:
+    """The launcher, just before its agent starts the workers of restart ``attempt``: what they will read
+    with :func:`restart_context` (one JSON value; no pickle)."""
+    os.environ[RESTART] = json.dumps({"attempt": attempt, "detected_at": detected_at, "failed_rank": failed_rank,
+                                      "failed_exit": failed_exit, "resume": resume})
+
+
+def restart_context() -> RestartContext | None:
+    """This worker's :class:`RestartContext`, or None in the first attempt (or outside alpha-run).
+
+    The launcher's record counts only for the attempt it was written for: a value whose attempt is
+    not torch's restart count of this process (one it inherited from elsewhere) is none.
+    """
+    raw = os.environ.get(RESTART)
+    if not raw:
+        return None
+    try:
+        record = json.loads(raw)
+        attempt, detected_at = record["attempt"], record["detected_at"]
+        failed_rank, failed_exit, resume = record.get("failed_rank"), record.get("failed_exit"), record.get("resume")
+    except (ValueError, TypeError, KeyError):
+        return None
+    if (not isinstance(attempt, int) or isinstance(attempt, bool) or not isinstance(detected_at, (int, float))
+            or isinstance(detected_at, bool) or not math.isfinite(detected_at)
+            or not all(v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in (failed_rank, failed_exit))
+            or not (resume is None or isinstance(resume, str))):
+        return None
+    if os.environ.get(RESTART_COUNT) is not None and attempt != restart_attempt():
+        return None
+    return RestartContext(attempt=attempt, detected_at=float(detected_at), failed_rank=failed_rank,
+                          failed_exit=failed_exit, resume=resume, process_started_at=process_started_at())
+
+
+def process_started_at() -> float:
+    """The wall-clock time at which this process started: its start in the kernel's clock ticks since boot
+    (/proc/self/stat) against the time since boot now (/proc/uptime), to about 10 ms; elsewhere, when
+    this module was first imported."""
+    try:
+        with open("/proc/self/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+        with open("/proc/uptime", "rb") as uptime:
+            since_boot = float(uptime.read().split()[0])
+        now = time.time()
+        started_ticks = int(fields[19])  # field 22 of stat(5), counted after the command's ")"
+        return now - (since_boot - started_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return _IMPORTED_AT
+
+
+_IMPORTED_AT = time.time()
 
 
 def pop_launcher_pid() -> int | None:

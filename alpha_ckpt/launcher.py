@@ -23,15 +23,28 @@ line on stderr and exit 2. The owners die with this process, however it dies
 
 Exit codes: 0 done, 3 checkpoint refused, 75 retryable failure (an owner
 died, a publish failed), 2 usage error, 130 interrupted.
+
+With ``--max-restarts N`` torch's elastic agent restarts every rank when one
+fails, through :func:`restarting_agent`: a worker that exits 3 (refused) or 2
+(usage) ends the restarts at once (the next attempt would be told the same),
+and each restart's workers learn what failed, when it was seen and what they
+resume (:func:`alpha_ckpt.launch_env.restart_context`): the newest generation
+(:func:`restart_resume`).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
+import tempfile
+import time
+from typing import Callable, Iterator
 
 from .format import NAME_RE
 from . import launch_env
@@ -92,6 +105,12 @@ def parser() -> OneLineArgumentParser:
     resume.add_argument("--resume", choices=["latest"], help="continue the newest complete generation")
     resume.add_argument("--branch-from", metavar="ROOT_DIGEST",
                         help="start a new run (--run, no generations yet) from another run's generation")
+    p.add_argument("--memory", action="store_true",
+                   help="a script: hold every save in host memory too, copied to --replicas peer ranks; one save in "
+                        "--durable-every goes to the store (the tier lives while alpha-run does)")
+    p.add_argument("--replicas", type=int, default=1, help="--memory: peer copies of every object (default 1)")
+    p.add_argument("--durable-every", type=int, metavar="K",
+                   help="--memory: one save in K also goes to the store (default 5)")
     p.add_argument("--publisher", choices=["star", "tree"], default="star",
                    help="star: owner 0 gathers and publishes; tree: bounded fan-out manifest tree")
     p.add_argument("--fanout", type=int, default=8, help="tree: children per owner at most (default 8)")
@@ -251,6 +270,10 @@ def check_script_args(args) -> None:
         return
     if not os.path.isfile(args.config):
         raise UsageError(f"script {args.config}: no such file")
+    if (args.replicas != 1 or args.durable_every is not None) and not args.memory:
+        raise UsageError("--replicas and --durable-every go with --memory")
+    if args.replicas < 1 or (args.durable_every is not None and args.durable_every < 1):
+        raise UsageError("--replicas and --durable-every are at least 1")
     if args.updates is not None or args.set or args.branch_from or args.discard_checkpoints:
         raise UsageError("--updates, --set, --branch-from and --discard-checkpoints belong to the built-in job; a "
                          "script takes its own arguments after its path")
@@ -268,6 +291,7 @@ def parse(argv: list[str]):
 
 def main(argv=None) -> int:
     args = parse(list(sys.argv[1:] if argv is None else argv))
+    branch_into = None
     try:
         # The job's (or script's) own checks first: they need no torch, so a typo there answers at
         # once; torchrun's flags are checked by torch's parsers (seconds to import) next.
@@ -276,7 +300,11 @@ def main(argv=None) -> int:
                 raise UsageError(f"unrecognized arguments after the job config: {' '.join(args.script_args)}")
             if args.updates is None:
                 raise UsageError("the job needs --updates (the committed update count to reach)")
-            check_job_args(args, config_overrides(args))
+            if args.memory or args.replicas != 1 or args.durable_every is not None:
+                raise UsageError("--memory, --replicas and --durable-every are for training scripts (the job "
+                                 "publishes every generation to the store)")
+            config = check_job_args(args, config_overrides(args))
+            branch_into = (config.run, config.step) if args.branch_from else None
         else:
             check_script_args(args)
         check_launch_args(args)
@@ -290,8 +318,13 @@ def main(argv=None) -> int:
     from torch.distributed.run import run
     # Each owner binds its life to this process (alpha_ckpt/lifeline.py); torch copies
     # this environment into every owner it starts, restarts included.
+    if args.memory:  # the memory tier's holders: in host memory, for as long as this launch lives
+        parent = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        remove_orphaned_tiers(parent)
+        args.memory_dir = tempfile.mkdtemp(prefix=f"{MEMORY_PREFIX}{os.getpid()}-", dir=parent)
     try:
-        with launch_env.exported(os.getpid(), None if is_job(args) else script_environment(args)):
+        with launch_env.exported(os.getpid(), None if is_job(args) else script_environment(args)), \
+                restarting_agent(lambda attempt, failure: on_restart(args, branch_into, attempt, failure)):
             run(torchrun_args(torchrun_argv(args) if is_job(args) else script_argv(args)))
     except ChildFailedError as exc:
         codes = {failure.exitcode for failure in exc.failures.values()}
@@ -301,10 +334,10 @@ def main(argv=None) -> int:
             return EXIT_REFUSED
         # A usage error (a script's argparse) stops the first rank; the agent then
         # signals the rest, so only the first failure tells the cause.
-        rank, first = exc.get_first_failure()
+        first = first_failure(exc.failures, time.time())
         if EXIT_USAGE in codes and first.exitcode == EXIT_USAGE:
             return EXIT_USAGE
-        print(f"alpha-run: rank {rank} failed ({describe_exit(first.exitcode)})"
+        print(f"alpha-run: rank {first.rank} failed ({describe_exit(first.exitcode)})"
               + (f"; no restart left of --max-restarts {args.max_restarts}" if args.max_restarts else "")
               + "; retry with --resume latest", file=sys.stderr)
         return EXIT_RETRY
@@ -318,7 +351,163 @@ def main(argv=None) -> int:
         return EXIT_INTERRUPTED
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    finally:
+        if args.memory:
+            shutil.rmtree(args.memory_dir, ignore_errors=True)
     return EXIT_OK
+
+
+MEMORY_PREFIX = "alpha-ckpt-memory-"  # + the launcher's pid: a tier whose launcher is gone is removed
+
+
+def remove_orphaned_tiers(parent: str) -> None:
+    """Remove the memory tiers of launchers that died without removing theirs (SIGKILL): host memory."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(MEMORY_PREFIX):].split("-", 1)[0]
+        if not name.startswith(MEMORY_PREFIX) or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # its launcher still runs
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # another user's launcher
+        path = os.path.join(parent, name)
+        if os.stat(path).st_uid == os.getuid():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# Worker exits that a restart would only repeat: a refusal (the same store gives the same verdict)
+# and a usage error. The agent stops at the first attempt that has one.
+VERDICTS = frozenset({EXIT_REFUSED, EXIT_USAGE})
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """What the agent saw fail: when (``time.time()``), the global rank that failed first and its exit
+    code (negative: the signal), both None when unknown (a worker stuck in the kernel, a node joining)."""
+    detected_at: float
+    rank: int | None = None
+    exitcode: int | None = None
+
+
+def first_failure(failures: dict, detected_at: float) -> Failure:
+    """The failure that most likely caused the others, of ``failures`` (global rank -> torch's
+    ProcessFailure): the earliest (torch stamps whole seconds), and among those a worker killed by a
+    signal before one that exited (a peer that saw the connection drop exits a moment later, often
+    in the same second), SIGTERM last (the agent's own, stopping the rest), then the lowest rank."""
+    if not failures:
+        return Failure(detected_at)
+
+    def cause(item):
+        rank, failure = item
+        code = failure.exitcode
+        return failure.timestamp, 2 if code == -signal.SIGTERM else 0 if code < 0 else 1, rank
+    rank, failure = min(failures.items(), key=cause)
+    return Failure(detected_at, rank, failure.exitcode)
+
+
+@contextlib.contextmanager
+def restarting_agent(on_restart: Callable[[int, Failure], None]) -> Iterator[None]:
+    """torch's elastic agent, for the block, as alpha-run runs it: a worker exit in :data:`VERDICTS`
+    ends the restarts, and ``on_restart(attempt, failure)`` runs before the workers of each restart
+    start (the previous attempt's all stopped, the rendezvous done).
+
+    torch's launcher builds its agent inside ``launch_agent`` and offers no other way to give it
+    another class; the class it names is replaced for the block and put back after.
+    """
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.launcher import api as launcher_api
+    base = launcher_api.LocalElasticAgent
+
+    class RestartingAgent(base):
+        _failure: Failure | None = None
+        _restarting = False
+
+        def _monitor_workers(self, worker_group):
+            result = super()._monitor_workers(worker_group)
+            if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+                self._failure = first_failure(result.failures, time.time())
+                if any(failure.exitcode in VERDICTS for failure in result.failures.values()):
+                    # torch's own way to end restarts (its check of workers stuck in the kernel does so too):
+                    # with none left, its loop stops the workers and returns the failure.
+                    self._remaining_restarts = 0
+            return result
+
+        def _restart_workers(self, worker_group):
+            # After a failure, or when another node joins or leaves (then no rank of ours failed).
+            if self._failure is None:
+                self._failure = Failure(time.time())
+            self._restarting = True
+            super()._restart_workers(worker_group)
+
+        def _start_workers(self, worker_group):
+            if self._restarting:
+                attempt = worker_group.spec.max_restarts - self._remaining_restarts
+                on_restart(attempt, self._failure)
+                self._failure, self._restarting = None, False
+            return super()._start_workers(worker_group)
+
+    launcher_api.LocalElasticAgent = RestartingAgent
+    try:
+        yield
+    finally:
+        launcher_api.LocalElasticAgent = base
+
+
+def on_restart(args, branch_into: tuple[str, str] | None, attempt: int, failure: Failure) -> None:
+    """Tell the workers of restart ``attempt`` what failed and what they resume, and say it on stderr."""
+    resume = restart_resume(args.store, resume_from=args.resume_from, branch_from=args.branch_from,
+                            branch_into=branch_into)
+    launch_env.export_restart(attempt=attempt, detected_at=failure.detected_at, failed_rank=failure.rank,
+                              failed_exit=failure.exitcode, resume=resume)
+    cause = ("another node joined or left" if failure.rank is None and failure.exitcode is None else
+             f"rank {failure.rank if failure.rank is not None else '?'} failed"
+             + (f" ({describe_exit(failure.exitcode)})" if failure.exitcode is not None else ""))
+    what = {None: f"branches from {str(args.branch_from)[:16]}... again", "latest": "resumes the newest generation"}
+    # The restarts that run out end with the one line that starts "alpha-run: rank R failed".
+    print(f"alpha-run: restart {attempt} of {args.max_restarts} after {cause}: it "
+          f"{what.get(resume, f'resumes {str(resume)[:16]}...')}", file=sys.stderr, flush=True)
+
+
+def resume_after_restart(resume_from: str | None, *, root_epoch: int | None, newest_epoch: int | None) -> str:
+    """What a restart resumes (pure): the newest generation, except after ``--resume-from ROOT`` while the
+    run has no continuation of ROOT yet (no generation of an epoch newer than ROOT's, ``root_epoch``):
+    then ROOT again. The newest generation would then be one ROOT was chosen over, and once a
+    continuation published, ROOT is stale: going back to it would lose what the restarts trained.
+    An unknown epoch (ROOT not found) keeps ROOT, which its restore refuses as it did the first time."""
+    if resume_from is None:
+        return "latest"
+    if root_epoch is None or newest_epoch is None or newest_epoch <= root_epoch:
+        return resume_from
+    return "latest"
+
+
+def restart_resume(store_root: str, *, resume_from: str | None, branch_from: str | None,
+                   branch_into: tuple[str, str] | None) -> str | None:
+    """What the workers of a restart resume, read from the store once the previous attempt stopped:
+    "latest", a root digest, or None (a branch whose new run has no generation yet: branch again)."""
+    if resume_from is None and branch_from is None:
+        return "latest"
+    from .errors import Refusal
+    from .store import Store
+    try:
+        with Store(store_root) as store:
+            if branch_from is not None:
+                return "latest" if branch_into is not None and store.history(*branch_into).entries else None
+            record = store.find_ref(resume_from)
+            newest = None if record is None else max(
+                (r.prefix.epoch for r in store.history(record.run, record.step).records), default=None)
+    except (OSError, Refusal, ValueError):
+        # The store cannot be read now: the first attempt's choice, which its restore checks again.
+        return resume_from if branch_from is None else None
+    return resume_after_restart(resume_from, root_epoch=None if record is None else record.prefix.epoch,
+                                newest_epoch=newest)
 
 
 def describe_exit(code: int) -> str:

@@ -32,6 +32,8 @@ EVENTS: dict[str, frozenset[str]] = {
     # A script's Checkpointer under alpha-run: what restore(state) resumed from, once, from rank 0.
     "restored": frozenset({"run", "step", "update", "root", "bytes_read"}),
     "fresh_start": frozenset({"run", "step"}),
+    "recovered": frozenset({"run", "step", "attempt", "failed_rank", "tier", "root", "update", "bytes_from_peers",
+                            "bytes_from_store", "restart_s", "rendezvous_s", "restore_s", "first_step_s", "total_s"}),
     # A script's Checkpointer: each save, from rank 0, with the tier it went to (memory or durable).
     "checkpoint_saved": frozenset({"run", "step", "update", "root", "tier", "seconds"}),
     # The forecasting job, from owner 0.

@@ -7,7 +7,7 @@ The script runs as ``__main__`` with its own argv, exactly as ``python
 train.py`` would run it under torchrun. A :class:`~alpha_ckpt.Refusal` that
 escapes it (or ``torch.distributed.checkpoint``'s ``CheckpointException``
 carrying one) exits 3 with one line naming the code (a checkpoint refused:
-an orchestrator must not retry); a :class:`~alpha_ckpt.UsageError` (a
+an orchestrator must not retry, and alpha-run's ``--max-restarts`` does not); a :class:`~alpha_ckpt.UsageError` (a
 ``Checkpointer`` argument that cannot be) and a module or script that does not
 exist exit 2 with one line; ``SystemExit`` keeps its code (argparse's usage
 errors are 2); any other exception exits 1 with its traceback, which

@@ -11,6 +11,8 @@ the end: the SHA-256 of the full state and the losses.
 import argparse
 import hashlib
 import json
+import os
+import signal
 
 import torch
 import torch.distributed as dist
@@ -41,6 +43,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--every", type=int, default=2)
+    parser.add_argument("--fail-at", type=int, default=None,
+                        help="to see a recovery: the last rank kills itself after this step, in the first attempt")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     model, optim = build(init_device_mesh("cpu", (dist.get_world_size(),)))
@@ -64,7 +68,11 @@ def main():
         step += 1
         if step % args.every == 0:
             msd, osd = get_state_dict(model, optim)
-            ckpt.save({"model": msd, "optim": osd, "progress": {"step": step}}, update=step)
+            ckpt.save({"model": msd, "optim": osd, "progress": {"step": step}}, update=step,
+                      durable=step == args.steps)  # the last one to the store, also with the memory tier
+        if step == args.fail_at and dist.get_rank() == dist.get_world_size() - 1 \
+                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            os.kill(os.getpid(), signal.SIGKILL)
 
     full_model, full_optim = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
     digest = hashlib.sha256()

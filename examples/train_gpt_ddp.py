@@ -116,7 +116,10 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
 
     torch.manual_seed(0)
-    model = DistributedDataParallel(GPT())
+    # find_unused_parameters=True keeps DDP's gradient buckets in one layout for the whole run: by
+    # default DDP re-lays them out after its first iteration, and on 3 or more ranks the sums then
+    # round differently in a restarted process's first step (a layout no state_dict records).
+    model = DistributedDataParallel(GPT(), find_unused_parameters=True)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optim = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],

@@ -67,6 +67,7 @@ from ..errors import OldSpellingWarning, Refusal, RefusalCode, StoreUsageError, 
 from ..format import CapturePrefix, block_digests
 from ..gc import retain_newest
 from ..heap import cyclic_gc_paused
+from .. import launch_env
 from ..launch_env import launcher_settings
 from ..manifest import encode_identity
 from ..planner import Hierarchy
@@ -83,6 +84,7 @@ from ..writer import ShardCarry, word_view
 from . import agreement  # agreement.agree_layout, looked up at each call (a probe may time it)
 from .agreement import agreed_regions, describe, own_parts, replica_digests
 from .options import CheckpointerOptions
+from .recovery import RecoveryClock
 from .result import SaveResult, completed
 from .resume import DAMAGE, Choice, announce, announce_save, prepare, shards_read
 from .schedule import DURABLE, MEMORY
@@ -137,6 +139,8 @@ class Checkpointer:
         else:
             options = CheckpointerOptions(**given)
         self.options = options
+        self._recovery = RecoveryClock(launch_env.restart_context())  # marks this process's recovery, if it is one
+        self._restore_started = time.monotonic()
         self.run, self.step = options.run, options.step
         self.rules = options.rules()  # entries placed by name (alpha_ckpt/state/rules.py), recorded in every root manifest
         # A program's own bindings: recorded in every root manifest (metadata=) and checked by rank 0
@@ -214,6 +218,7 @@ class Checkpointer:
         Call it at every update, on every rank. With ``every="auto"`` it is collective while no
         interval is planned yet (rank 0 plans as soon as a cost is known, measured or assumed).
         """
+        self._recovery.first_step(self.run, self.step, self.rank, self.options.announce)
         due = self.schedule.due(update)
         if due:
             self._due_asked = True
@@ -239,6 +244,7 @@ class Checkpointer:
         rank and its peers, and one in ``durable_every`` also to the store; ``durable=True``
         sends this one to the store too (the last save of a job: the tier is host memory).
         """
+        self._recovery.first_step(self.run, self.step, self.rank, self.options.announce)
         prefix = CapturePrefix(self.run, self.step, update, cursor, self.epoch)
         if self._saver is not None and self._saver.in_flight == "skip" and self._any_rank(self._saver.busy()):
             self.skipped += 1  # every rank skips, or none: the publish is collective
@@ -284,6 +290,11 @@ class Checkpointer:
             self._replan(update)  # after a save the schedule asked for (not after one the script adds)
         self._due_asked = False
         return result
+
+    @property
+    def last_recovery(self) -> dict | None:
+        """The ``recovered`` event's fields of this process's recovery, once its first step is done (or None)."""
+        return self._recovery.last
 
     @property
     def snapshotting(self) -> SaveResult | None:
@@ -412,6 +423,7 @@ class Checkpointer:
         copies a byte, when anything is wrong. ``branch=True`` starts this run (epoch 0; it
         must have no generation yet) from generation ``root`` of another run.
         """
+        self._restore_started = time.monotonic()
         if root is _FROM_OPTIONS:
             root = self.options.resume
         elif isinstance(root, SaveResult):
@@ -532,7 +544,10 @@ class Checkpointer:
                                                    self.group)).candidates()
 
     def _announce(self, counters: Counters | None) -> None:
-        """With the option ``announce`` (alpha-run's scripts): rank 0 says what the script resumed."""
+        """With the option ``announce`` (alpha-run's scripts): rank 0 says what the script resumed.
+        A restarted rank's clock marks the end of its restore (the ``recovered`` event follows its first step)."""
+        self._recovery.restored(counters, self.last_restore if counters else None,
+                                time.monotonic() - self._restore_started, self.group)
         if self.options.announce:
             announce(self.run, self.step, counters, self.last_restore["bytes_read"] if counters else 0,
                      self.rank, self.group)

@@ -13,6 +13,7 @@ declared output. Exit codes: 0 done, 3 refused, 75 retryable failure, 2 usage.
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import datetime
 import json
@@ -41,7 +42,7 @@ from ..reader import open_generation
 from ..store import Store
 from ..usage import OneLineArgumentParser, UsageError, check_store_writable
 from .usage import check_job_args
-from .. import hooks
+from .. import hooks, launch_env
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_RETRY = 0, 2, 3, 75
 _IDENTITY_EXCLUDES = ("run", "step", "parameters", "bind_placement")
@@ -385,6 +386,34 @@ def generation_epoch(store: Store, root: str) -> int:
         return generation.manifest.prefix.epoch
 
 
+@dataclasses.dataclass(frozen=True)
+class Resume:
+    """What this attempt restores: ``latest``, or generation ``root`` (``branch``: into a new run)."""
+    root: str | None = None
+    latest: bool = False
+    branch: bool = False
+
+
+def attempt_resume(args) -> Resume | None:
+    """What this attempt of the job resumes (None: a fresh start).
+
+    The first attempt: its flags. A restart (alpha-run --max-restarts): what the launcher chose once
+    the previous attempt stopped (alpha_ckpt/launch_env.py's RestartContext.resume: the newest
+    generation, ROOT again after --resume-from ROOT while nothing continued it, or, None, the
+    branch again). Restarted by plain torchrun, which chooses nothing: the newest generation,
+    unless the flags name a generation (--resume-from, --branch-from), which are kept.
+    """
+    restart = launch_env.restart_context()
+    if restart is not None and restart.resume is not None:
+        return Resume(latest=True) if restart.resume == "latest" else Resume(root=restart.resume)
+    if restart is None and launch_env.restart_attempt() > 0 and not (args.resume_from or args.branch_from):
+        return Resume(latest=True)
+    if args.resume_from or args.resume or args.branch_from:
+        return Resume(root=args.resume_from or args.branch_from, latest=args.resume == "latest",
+                      branch=args.branch_from is not None)
+    return None
+
+
 def run_owner(args) -> int:
     try:
         # The checks alpha-run made before starting us; under plain torchrun they are new.
@@ -410,9 +439,9 @@ def run_owner(args) -> int:
                   mtbf=args.mtbf, checkpoint_cost=args.checkpoint_cost)
     try:
         reached = None  # the resumed generation, when it is at --updates already: nothing to train or save
-        if args.resume_from or args.resume or args.branch_from:
-            owner.resume(args.resume_from or args.branch_from, latest=args.resume == "latest",
-                         branch=args.branch_from is not None)
+        resume = attempt_resume(args)
+        if resume is not None:
+            owner.resume(resume.root, latest=resume.latest, branch=resume.branch)
             if owner.state.update >= args.updates:
                 reached = owner.last_generation
                 if owner.rank == 0:

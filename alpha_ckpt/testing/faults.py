@@ -9,8 +9,8 @@ rank, and the ``alpha-ckpt`` command do so as they start):
   (KIND ``object``, ``ref``, ``output``, ``export``, ``lease``, ``pin`` or ``*``; POINT one of
   :data:`alpha_ckpt.durable.FAULT_POINTS`) or ``publish:before-completion`` (an owner dies holding
   the durable-completion acknowledgment).
-- ``ALPHA_CKPT_KILL_OWNER=RANK:UPDATE``: that owner of the job SIGKILLs itself right after training
-  that update.
+- ``ALPHA_CKPT_KILL_OWNER=RANK:UPDATE[:ATTEMPT]``: that owner of the job SIGKILLs itself right after
+  training that update (with ATTEMPT, only in that attempt: torch's restart count, 0 the first).
 - ``ALPHA_CKPT_TREE_FAULT=RANK:FAULT``: that owner's tree publication misbehaves as FAULT (one of
   :data:`TREE_FAULTS`, see :func:`tree_tamper`); the tree simulation uses the same tampers.
 
@@ -27,6 +27,7 @@ from typing import Callable, Iterator, Mapping
 
 from .. import hooks
 from ..hooks import Hooks
+from ..launch_env import restart_attempt
 
 FAULT_ENV = "ALPHA_CKPT_FAULT"
 KILL_ENV = "ALPHA_CKPT_KILL_OWNER"
@@ -97,7 +98,8 @@ class EnvironmentFaults(Hooks):
         return message if tamper is None else tamper(message)
 
     def after_update(self, rank: int, update: int) -> None:
-        if os.environ.get(KILL_ENV) == f"{rank}:{update}":
+        wanted = os.environ.get(KILL_ENV, "")
+        if wanted in (f"{rank}:{update}", f"{rank}:{update}:{restart_attempt()}"):
             _kill()
 
 

@@ -138,3 +138,62 @@ def test_each_holder_keeps_only_the_two_newest_memory_generations(tmp_path):
     assert max(held[2:]) <= 1.5 * held[1]  # bounded: two generations' worth, not one more per save
     for rank in range(2):
         assert len(_memory_refs(memory, rank)) == 2
+
+
+def test_alpha_run_removes_the_memory_tiers_of_launchers_that_died_and_keeps_the_living_ones(tmp_path):
+    from alpha_ckpt.launcher import MEMORY_PREFIX, remove_orphaned_tiers
+    import subprocess
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid names no process now
+    (tmp_path / f"{MEMORY_PREFIX}{dead.pid}-abc" / "rank-00000").mkdir(parents=True)
+    (tmp_path / f"{MEMORY_PREFIX}{os.getpid()}-def").mkdir()
+    (tmp_path / "something-else").mkdir()
+    remove_orphaned_tiers(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"{MEMORY_PREFIX}{os.getpid()}-def",
+                                                                  "something-else"])
+
+
+@pytest.mark.parametrize("flags", [["--replicas", "2"], ["--durable-every", "3"], ["--memory", "--replicas", "0"]])
+def test_memory_flags_without_the_tier_or_out_of_range_are_usage_errors(tmp_path, flags):
+    from alpha_ckpt.launcher import main
+    script = tmp_path / "train.py"
+    script.write_text("print('never runs')\n")
+    assert main(["--nproc", "2", "--store", str(tmp_path / "s"), *flags, str(script)]) == 2
+
+
+def save_async_or_auto(rank, world, store, memory, mode):
+    script = Script(rank, world)
+    options = dict(save="async") if mode == "async" else dict(every="auto", mtbf=0.05)
+    ckpt = Checkpointer(store, run="r", identity=IDENTITY, allow_nonfinite=MASKS, memory=memory, durable_every=
+                        3 if mode == "async" else None, **options)
+    assert ckpt.restore(script.state(), root=None) is None
+    tiers = []
+    for _ in range(6 if mode == "async" else 10):
+        script.train(1)
+        if mode == "async" or ckpt.due(script.step):
+            ckpt.save(script.state(), update=script.step, cursor=script.step * 4 * world)
+            ckpt.wait()
+            tiers.append(ckpt.last_save["tier"])
+    return {"tiers": tiers, "digest": script.digest()}
+
+
+@pytest.mark.parametrize("mode", ["async", "auto"])
+def test_asynchronous_and_planned_saves_go_to_both_tiers_alike_on_every_rank_and_resume_from_memory(tmp_path, mode):
+    store, memory = tmp_path / "store", tmp_path / "memory"
+    saved = run_ranks(2, save_async_or_auto, str(store), str(memory), mode, tmp=tmp_path)
+    tiers = saved[0]["tiers"]
+    assert saved[1]["tiers"] == tiers and tiers[0] == "durable" and "memory" in tiers  # the first measures the store
+    if mode == "async":
+        assert tiers == ["durable", "memory", "memory"] * 2
+    steps = 6 if mode == "async" else 10
+    resumed = run_ranks(2, resume, str(store), str(memory), steps, tmp=tmp_path)
+    assert [r["tier"] for r in resumed] == ["memory"] * 2  # memory holds the newest, whichever tier it went to
+    assert [r["digest"] for r in resumed] == [s["digest"] for s in saved]
+
+
+def test_copies_go_a_node_apart_when_the_job_spans_nodes(monkeypatch):
+    from alpha_ckpt.memory.tier import replica_stride
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert replica_stride(8) == 2 and replica_stride(2) == 1
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert replica_stride(8) == 1
