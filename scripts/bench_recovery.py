@@ -38,9 +38,10 @@ scripts/bench/common.py: every method follows every other equally often):
                     baseline is not to be charged a hang.
   alpha-run         ``alpha-run --nproc N --store DIR --max-restarts 1 script --ckpt alpha``:
                     ``Checkpointer.from_launcher_env()``, every save durable.
-  alpha-run-memory  the same with ``--ckpt alpha-memory``: ``from_launcher_env(memory=DIR,
-                    durable_every=K)`` (``--durable-every``, default: only the first save is
-                    durable), the tier's holders in /dev/shm; the restart restores from memory.
+  alpha-run-memory  ``alpha-run ... --memory --durable-every K ... --ckpt alpha-memory``:
+                    ``from_launcher_env(memory=True, durable_every=K)`` (``--durable-every``,
+                    default: only the first save is durable), the tier's holders in alpha-run's
+                    directory under /dev/shm; the restart restores from memory.
 
 Every run uses OMP_NUM_THREADS=1 (torchrun's default), so a step costs the same under both
 launchers. A run that has not finished after ``--run-timeout`` seconds is killed and counted as
@@ -132,7 +133,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_command(method: str, n: int, work: str, shm: str, args: argparse.Namespace) -> list[str]:
+def launch_command(method: str, n: int, work: str, args: argparse.Namespace) -> list[str]:
     script = [TRAIN, "--dir", os.path.join(work, "ckpt"), "--log-dir", os.path.join(work, "logs"),
               "--params", str(args.params), "--kill-after", str(args.kill_after)]
     if method == "torchrun-dcp":
@@ -142,16 +143,15 @@ def launch_command(method: str, n: int, work: str, shm: str, args: argparse.Name
                 "--standalone", "--max-restarts", "1"]
     if method == "alpha-run":
         return [*launcher, *script, "--ckpt", "alpha"]
-    return [*launcher, *script, "--ckpt", "alpha-memory", "--memory-dir", shm,
+    return [*launcher, "--memory", "--durable-every", str(args.durable_every), *script, "--ckpt", "alpha-memory",
             "--durable-every", str(args.durable_every)]
 
 
-def run_once(method: str, n: int, top: str, shm_top: str, tag: str, args: argparse.Namespace) -> dict:
+def run_once(method: str, n: int, top: str, tag: str, args: argparse.Namespace) -> dict:
     """One job of ``method`` on ``n`` ranks, killed once and restarted; its recovery (see recovery_of)."""
     work = os.path.join(top, tag)
     os.makedirs(os.path.join(work, "logs"))
-    shm = os.path.join(shm_top, tag)  # the memory tier's holders: host memory, removed after the run
-    cmd = launch_command(method, n, work, shm, args)
+    cmd = launch_command(method, n, work, args)
     with open(os.path.join(work, "launcher.log"), "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=run_env(), cwd=work,
                                 start_new_session=True)
@@ -169,7 +169,6 @@ def run_once(method: str, n: int, top: str, shm_top: str, tag: str, args: argpar
         with open(os.path.join(work, "launcher.log"), "rb") as f:
             result["launcher_tail"] = f.read()[-1500:].decode("utf-8", "replace")
     result["ckpt_bytes"] = tree_bytes(os.path.join(work, "ckpt"))
-    shutil.rmtree(shm, ignore_errors=True)
     shutil.rmtree(work, ignore_errors=True)
     subprocess.run(["sync"], check=False)
     return result
@@ -210,7 +209,7 @@ def median(xs):
     return statistics.median(xs) if xs else None
 
 
-def run_recovery(args: argparse.Namespace, top: str, shm_top: str) -> dict:
+def run_recovery(args: argparse.Namespace, top: str) -> dict:
     from scripts.bench.common import balanced_orders
     orders = balanced_orders(args.method_list)
     runs: dict = {}
@@ -218,7 +217,7 @@ def run_recovery(args: argparse.Namespace, top: str, shm_top: str) -> dict:
         runs[n] = {m: [] for m in args.method_list}
         for rep in range(args.reps):
             for method in orders[rep % len(orders)]:
-                r = run_once(method, n, top, shm_top, f"{method}-{n}-{rep}", args)
+                r = run_once(method, n, top, f"{method}-{n}-{rep}", args)
                 runs[n][method].append(r)
                 print(f"# {n} ranks, rep {rep}, {method}: "
                       + (f"{r['recovery_s']:.2f} s" if r.get("recovery_s") is not None else f"FAILED {r.get('error')}"),
@@ -333,7 +332,7 @@ def main(argv=None) -> dict:
     try:
         result["raw_disk_GBps"] = raw_disk_GBps(top, state_bytes(args.params))
         if args.section in ("recovery", "all"):
-            result["recovery"] = run_recovery(args, top, shm_top)
+            result["recovery"] = run_recovery(args, top)
         if args.section in ("stall", "all"):
             result["stall"] = run_stall(args, top, shm_top)
         result["raw_disk_GBps_after"] = raw_disk_GBps(top, state_bytes(args.params))
