@@ -36,11 +36,12 @@ _LAZY = {
     "Published": "writer", "RNGState": "state", "CapturedState": "state", "capture_state": "state",
     "PerRank": "state.placement", "Partitioned": "state.placement", "Store": "store", "Counters": "reader",
     "CapturePrefix": "format", "Checkpointer": "collective", "CheckpointerOptions": "collective",
-    "SaveResult": "collective",
+    "SaveResult": "collective", "run_resilient": "resilient",
 }
 __all__ = ["save", "save_async", "AsyncSaver", "SaveHandle", "ShardCarry", "restore", "verify", "latest", "Latest",
            "Skipped", "RNGState", "Checkpointer", "CheckpointerOptions", "SaveResult", "PerRank", "Partitioned",
-           "Store", "Refusal", "RefusalCode", "Counters", "DurableWriteError", "PublishConflict", "UsageError"]
+           "Store", "Refusal", "RefusalCode", "Counters", "DurableWriteError", "PublishConflict", "UsageError",
+           "run_resilient"]
 
 
 def __getattr__(name: str):

@@ -48,6 +48,7 @@ from typing import Callable, Iterator
 
 from .format import NAME_RE
 from . import launch_env
+from .inplace import check_in_place_args, run_in_place
 from .job.usage import check_job_args
 from .usage import OneLineArgumentParser, UsageError, check_checkpoint_flags, check_store_writable
 
@@ -117,6 +118,8 @@ def parser() -> OneLineArgumentParser:
     p.add_argument("--commit-timeout", type=float, default=60.0,
                    help="tree: seconds a parent waits for its children's commitments (default 60)")
     p.add_argument("--timeout", type=float, default=120.0, help="process-group timeout in seconds (default 120)")
+    p.add_argument("--in-place", action="store_true", help="with --max-restarts on one node: replace only a failed "
+                   "rank; the others recover in their processes (the script calls alpha_ckpt.run_resilient)")
     return p
 
 
@@ -307,6 +310,7 @@ def main(argv=None) -> int:
             branch_into = (config.run, config.step) if args.branch_from else None
         else:
             check_script_args(args)
+        check_in_place_args(args)
         check_launch_args(args)
         check_store_writable(args.store)
     except UsageError as exc:
@@ -323,6 +327,9 @@ def main(argv=None) -> int:
         remove_orphaned_tiers(parent)
         args.memory_dir = tempfile.mkdtemp(prefix=f"{MEMORY_PREFIX}{os.getpid()}-", dir=parent)
     try:
+        if args.in_place:  # this launcher's own agent (alpha_ckpt/inplace.py), not torch's
+            with launch_env.exported(os.getpid(), script_environment(args)):
+                return run_in_place(args)
         with launch_env.exported(os.getpid(), None if is_job(args) else script_environment(args)), \
                 restarting_agent(lambda attempt, failure: on_restart(args, branch_into, attempt, failure)):
             run(torchrun_args(torchrun_argv(args) if is_job(args) else script_argv(args)))

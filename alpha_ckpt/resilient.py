@@ -1,0 +1,149 @@
+"""run_resilient(main): a training script's ranks that survive a peer's death without a new process.
+
+    def main():
+        model, optim = ...                                  # built again on every call
+        ckpt = alpha_ckpt.Checkpointer.from_launcher_env()
+        counters = ckpt.restore(state)                      # the newest generation, on every rank
+        for step in ...: ...
+
+    if __name__ == "__main__":
+        alpha_ckpt.run_resilient(main)
+
+Under ``alpha-run --in-place`` (:mod:`alpha_ckpt.inplace`) this joins the
+default process group of the launcher's current rendezvous round and calls
+``main()``. When ``main()`` raises because a peer died (gloo raises
+``RuntimeError`` "Connection closed by peer" in torch 2.13, or
+``torch.distributed.DistError`` and its subclasses) and the launcher has
+begun a newer round, every process group is destroyed, the newest round is
+joined with the same rank and world size, and ``main()`` is called again in
+this process; it restores the newest generation like the replacement does.
+
+What is not a peer's death propagates as before: a :class:`~alpha_ckpt.Refusal`
+or :class:`~alpha_ckpt.UsageError` at once, any other exception when the
+launcher names no failure within :data:`PEER_FAILURE_GRACE_S` (the launcher
+sees a death within milliseconds; a bug of this rank's own is raised after
+that wait). Under plain torchrun, or alpha-run without ``--in-place``, it
+joins the default group as ``dist.init_process_group(backend)`` does and calls
+``main()`` once: the same script runs everywhere.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+from .errors import Refusal, UsageError
+from .inplace import CONTROL, ROUND_KEY, TIMEOUT, joined_key, round_key
+
+logger = logging.getLogger("alpha_ckpt")
+
+# Every default group this process joined, kept until it exits (alpha-run's ranks leave by os._exit, without
+# destructors). Otherwise the group dies with the last object holding it, DDP's Reducer freed as main()
+# returns: ~ProcessGroupGloo joins its worker thread while this thread holds the GIL, and a worker still
+# freeing a finished work's tensors waits for the GIL: both wait forever (seen with torch 2.13).
+_JOINED_GROUPS: list = []
+PEER_FAILURE_GRACE_S = 10.0  # how long a failed rank waits for the launcher to name a peer's failure
+DEFAULT_TIMEOUT_S = 120.0  # alpha-run's --timeout default
+
+
+def run_resilient(main: Callable[[], Any], *, backend: str | None = None) -> Any:
+    """Call ``main()`` in the default process group; under ``alpha-run --in-place`` again after a peer's
+    death, in a new group of the launcher's next round (the module docstring). ``main()``'s result."""
+    import torch.distributed as dist
+    control = os.environ.get(CONTROL)
+    if control is None:
+        if not dist.is_initialized():
+            dist.init_process_group(backend)
+        _JOINED_GROUPS.append(dist.group.WORLD)
+        return main()
+    timeout = float(os.environ.get(TIMEOUT) or DEFAULT_TIMEOUT_S)
+    rounds = Rounds(control, timeout)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    r = rounds.newest()
+    while True:
+        r = rounds.join(r, rank, world, backend)
+        try:
+            return main()
+        except (Refusal, UsageError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - a peer's death reaches a script in many wrappers
+            seen = time.monotonic()
+            later = rounds.wait_beyond(r, min(PEER_FAILURE_GRACE_S, timeout))
+            if later is None:
+                raise
+            logger.warning("rank %d: a peer failed (%s: %s); leaving round %d for round %d in this process",
+                           rank, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "", r, later)
+            exc = None  # noqa: F841 - its traceback holds the old round's objects (groups, a saver)
+        leave_groups()
+        logger.info("rank %d: left round %d in %.3f s", rank, r, time.monotonic() - seen)
+        r = later
+
+
+def leave_groups() -> None:
+    """Destroy every process group of this process, then collect what held the old ones (a
+    Checkpointer's finalizer joins its save thread and destroys its groups while the old ones are gone)."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except (RuntimeError, ValueError) as exc:  # a group a broken connection left half torn down
+            logger.debug("process groups not destroyed cleanly: %s", exc)
+    gc.collect()
+
+
+class Rounds:
+    """A rank's view of the launcher's rendezvous rounds: the control store's client."""
+
+    def __init__(self, endpoint: str, timeout: float):
+        from torch.distributed import TCPStore
+        host, port = endpoint.rsplit(":", 1)
+        self.host, self.timeout = host, timeout
+        self.control = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout))
+
+    def newest(self) -> int:
+        return int(self.control.get(ROUND_KEY).decode())
+
+    def wait_beyond(self, r: int, seconds: float) -> int | None:
+        """The newest round once one after ``r`` has begun, or None if none does within ``seconds``."""
+        deadline = time.monotonic() + seconds
+        while True:
+            newest = self.newest()
+            if newest > r:
+                return newest
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.01)
+
+    def join(self, r: int, rank: int, world: int, backend: str | None) -> int:
+        """Join round ``r``'s default group, or a newer round's if ``r``'s rendezvous closes first; the round joined.
+
+        The environment is set as torchrun would set it for that round (MASTER_PORT,
+        TORCHELASTIC_RESTART_COUNT), so what the script reads there describes its round.
+        """
+        import torch.distributed as dist
+        from torch.distributed import TCPStore
+        deadline = time.monotonic() + self.timeout
+        while True:
+            info = json.loads(self.control.get(round_key(r)).decode())
+            os.environ["MASTER_PORT"], os.environ["TORCHELASTIC_RESTART_COUNT"] = str(info["port"]), str(r)
+            left = max(1.0, deadline - time.monotonic())
+            try:
+                store = TCPStore(self.host, info["port"], world, is_master=False, timeout=timedelta(seconds=left))
+                dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                        timeout=timedelta(seconds=self.timeout))
+            except (RuntimeError, dist.DistError):
+                # The launcher closes a round's store when a newer one begins (a rank died while the
+                # group formed): join that one; anything else is this rank's failure.
+                leave_groups()
+                newer = self.wait_beyond(r, 0.0)
+                if newer is None or time.monotonic() >= deadline:
+                    raise
+                r = newer
+                continue
+            _JOINED_GROUPS.append(dist.group.WORLD)
+            self.control.set(joined_key(r, rank), str(os.getpid()))
+            return r

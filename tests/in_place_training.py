@@ -1,0 +1,203 @@
+"""A DDP GPT-style training script whose ranks recover in place (alpha_ckpt.run_resilient), and that can kill one.
+
+    alpha-run --nproc 2 --max-restarts 1 --in-place --store S tests/in_place_training.py --steps 8 \
+        --kill-rank 1 --kill-at 3 --events DIR
+
+AdamW with two param groups, a warmup scheduler, a DistributedSampler's data
+position and every rank's own generators (Python, NumPy, torch), a checkpoint
+after every step. ``--kill-rank K --kill-at S``: rank K SIGKILLs itself after
+step S + R's checkpoint in round R, for each of the first ``--kills`` rounds. Every call of
+main() appends one JSON line per rank to DIR/events-RANK.jsonl (pid, round,
+the step it resumed at), the killed rank the time it died, and each call the
+time its first step after the restore completed, and the times it was imported, started main() (the
+group joined) and restored. Rank 0 prints the final
+state's SHA-256 as one JSON line.
+"""
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import signal
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+import alpha_ckpt
+
+VOCAB, CONTEXT, WIDTH = 32, 16, 32
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
+        self.attn = nn.MultiheadAttention(WIDTH, 4, dropout=0.1, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH), nn.Dropout(0.1))
+        self.register_buffer("mask", torch.triu(torch.full((CONTEXT, CONTEXT), -math.inf), diagonal=1))
+
+    def forward(self, x):
+        t = x.shape[1]
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=self.mask[:t, :t], need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(VOCAB, WIDTH), nn.Parameter(torch.zeros(CONTEXT, WIDTH))
+        self.blocks, self.ln = nn.Sequential(Block(), Block()), nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+
+    def forward(self, idx):
+        return self.head(self.ln(self.blocks(self.tok(idx) + self.pos[: idx.shape[1]])))
+
+
+class Tokens(Dataset):
+    def __init__(self, n=64):
+        self.data = torch.randint(0, VOCAB, (n, CONTEXT + 1), generator=torch.Generator().manual_seed(1234))
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        seq = self.data[i].clone()
+        seq[random.randrange(CONTEXT)] = int(np.random.randint(VOCAB))  # this rank's generators
+        return seq
+
+
+class DataPosition:
+    """This rank's place in its share of the data (epoch, batches taken), Stateful."""
+
+    def __init__(self, dataset, rank, world, batch):
+        self.dataset, self.batch = dataset, batch
+        self.sampler = DistributedSampler(dataset, world, rank, shuffle=True, seed=0)
+        self.epoch, self.index, self._it = 0, 0, None
+
+    def _start(self):
+        self.sampler.set_epoch(self.epoch)
+        order = list(self.sampler)[self.index * self.batch:]
+        self._it = iter(DataLoader(self.dataset, batch_size=self.batch, sampler=order))
+
+    def __next__(self):
+        if self._it is None:
+            self._start()
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            self.epoch, self.index = self.epoch + 1, 0
+            self._start()
+            batch = next(self._it)
+        self.index += 1
+        return batch
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state):
+        self.epoch, self.index = state["epoch"], state["index"]
+        self._start()
+
+
+def rank_ordered_mean(group, bucket):
+    """DDP's gradient mean, summed in rank order: bit-identical whatever the bucket layout.
+
+    DDP lays out its first step's buckets by parameter order and every later step's by the order the
+    gradients became ready; a ring allreduce's summation order follows an element's place in its
+    bucket, so on more than 2 ranks the first step after a restart would round differently.
+    """
+    tensor, world = bucket.buffer(), dist.get_world_size(group)
+    parts = [torch.empty_like(tensor) for _ in range(world)]
+
+    def mean(_):
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total += part
+        return total.div_(world)
+    return dist.all_gather(parts, tensor, group=group, async_op=True).get_future().then(mean)
+
+
+def parse():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--kill-rank", type=int, default=-1)
+    p.add_argument("--kill-at", type=int, default=0)
+    p.add_argument("--kills", type=int, default=1, help="rounds in which the rank kills itself")
+    p.add_argument("--events", default=None)
+    p.add_argument("--model-name", default="gpt-in-place", help="the identity's model: another refuses the store's")
+    p.add_argument("--step-seconds", type=float, default=0.0, help="sleep after every step (compute, simulated)")
+    return p.parse_args()
+
+
+ARGS = parse()
+CALLS = [0]
+IMPORTED = time.time()  # python started, torch and this script imported
+
+
+def record(rank, **event):
+    if ARGS.events:
+        with open(os.path.join(ARGS.events, f"events-{rank}.jsonl"), "a") as f:
+            f.write(json.dumps({"rank": rank, "pid": os.getpid(), "t": time.time(), **event}) + "\n")
+
+
+def main():
+    CALLS[0] += 1
+    rank, world = dist.get_rank(), dist.get_world_size()
+    round_ = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if CALLS[0] == 1:
+        record(rank, imported=IMPORTED)
+    record(rank, call=CALLS[0], main_started=time.time())  # the process group joined
+    torch.manual_seed(0)
+    model = DistributedDataParallel(GPT())
+    model.register_comm_hook(None, rank_ordered_mean)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optim = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                              lr=3e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / 4))
+    data = DataPosition(Tokens(), rank, world, batch=4)
+    torch.manual_seed(100 + rank), random.seed(100 + rank), np.random.seed(100 + rank)
+    progress = {"step": 0}
+    ckpt = alpha_ckpt.Checkpointer.from_launcher_env(identity={"model": ARGS.model_name}, allow_nonfinite=["*.mask"])
+    state = {"model": model, "optim": optim, "sched": sched, "data": alpha_ckpt.PerRank(data),
+             "rng": alpha_ckpt.PerRank(alpha_ckpt.RNGState()), "progress": alpha_ckpt.PerRank(progress)}
+    ckpt.restore(state)
+    record(rank, call=CALLS[0], round=round_, resumed_at=progress["step"], restored=time.time())
+    first = True
+    while progress["step"] < ARGS.steps:
+        seq = next(data)
+        loss = nn.functional.cross_entropy(model(seq[:, :-1]).reshape(-1, VOCAB), seq[:, 1:].reshape(-1))
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        sched.step()
+        progress["step"] += 1
+        if first:
+            first = False
+            record(rank, call=CALLS[0], first_step_done=time.time())
+        ckpt.save(state, update=progress["step"], cursor=progress["step"] * 4 * world)
+        time.sleep(ARGS.step_seconds)
+        if rank == ARGS.kill_rank and progress["step"] == ARGS.kill_at + round_ and round_ < ARGS.kills:
+            record(rank, call=CALLS[0], killed_at=time.time())
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    digest = hashlib.sha256()
+    for t in list(model.state_dict().values()) + [v for s in optim.state_dict()["state"].values() for v in s.values()]:
+        digest.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    digest.update(json.dumps([sched.state_dict(), optim.state_dict()["param_groups"]], sort_keys=True,
+                             default=str).encode())
+    if rank == 0:
+        print(json.dumps({"state_sha256": digest.hexdigest(), "step": progress["step"]}), flush=True)
+    ckpt.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    alpha_ckpt.run_resilient(main, backend="gloo")
