@@ -42,6 +42,11 @@ scripts/bench/common.py: every method follows every other equally often):
                     ``from_launcher_env(memory=True, durable_every=K)`` (``--durable-every``,
                     default: only the first save is durable), the tier's holders in alpha-run's
                     directory under /dev/shm; the restart restores from memory.
+  alpha-run-memory-inplace  the same with ``alpha-run --in-place`` and the script's training
+                    function called through ``alpha_ckpt.run_resilient``: only the killed rank is
+                    started again, the others leave the broken group and call it again in their
+                    own processes (for them ``relaunch`` ends, and ``import`` and ``rendezvous``
+                    are nothing, when the function is entered again).
 
 Every run uses OMP_NUM_THREADS=1 (torchrun's default), so a step costs the same under both
 launchers. A run that has not finished after ``--run-timeout`` seconds is killed and counted as
@@ -143,7 +148,11 @@ def launch_command(method: str, n: int, work: str, args: argparse.Namespace) -> 
                 "--standalone", "--max-restarts", "1"]
     if method == "alpha-run":
         return [*launcher, *script, "--ckpt", "alpha"]
-    return [*launcher, "--memory", "--durable-every", str(args.durable_every), *script, "--ckpt", "alpha-memory",
+    inplace = method == "alpha-run-memory-inplace"
+    if inplace:
+        launcher.remove("--standalone")  # it hosts its own rendezvous
+    return [*launcher, "--memory", "--durable-every", str(args.durable_every), *(["--in-place"] if inplace else []),
+            *script, "--ckpt", "alpha-memory-inplace" if inplace else "alpha-memory",
             "--durable-every", str(args.durable_every)]
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 
-RECOVERY_METHODS = ("torchrun-dcp", "alpha-run", "alpha-run-memory")
+RECOVERY_METHODS = ("torchrun-dcp", "alpha-run", "alpha-run-memory", "alpha-run-memory-inplace")
 BASELINE = "torchrun-dcp"
 # The restarted attempt's milestones, in order: each part is the slowest rank's milestone minus the
 # slowest rank's previous one (the kill, for the first), so the parts add up to the recovery time.

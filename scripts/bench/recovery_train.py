@@ -197,25 +197,43 @@ def alpha_checkpointing(memory: str | None, durable_every: int, model, optim, sc
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--ckpt", choices=["dcp", "alpha", "alpha-memory"], required=True)
+    parser.add_argument("--ckpt", choices=["dcp", "alpha", "alpha-memory", "alpha-memory-inplace"], required=True)
     parser.add_argument("--dir", required=True, help="dcp: the checkpoint directory (alpha: the store is alpha-run's)")
     parser.add_argument("--log-dir", required=True)
     parser.add_argument("--params", type=float, default=2e6)
     parser.add_argument("--kill-after", type=int, default=3)
     parser.add_argument("--steps", type=int, default=None, help="default: one step after --kill-after")
     parser.add_argument("--memory-dir", default=None,
-                        help="alpha-memory: the holders' directory (default: the tier's own under /dev/shm)")
+                        help="alpha-memory: the holders' directory (default: alpha-run's, or the tier's own)")
     parser.add_argument("--durable-every", type=int, default=1000,
                         help="alpha-memory: one save in this many goes to the store (the first one does)")
     args = parser.parse_args()
+    calls = []
+
+    def body():
+        train(args, first_call=not calls)
+        calls.append(1)
+
+    if args.ckpt == "alpha-memory-inplace":
+        import alpha_ckpt
+        alpha_ckpt.run_resilient(body, backend="gloo")  # survivors call body() again in their processes
+    else:
+        dist.init_process_group("gloo")
+        body()
+        dist.destroy_process_group()
+
+
+def train(args, first_call: bool):
+    """One attempt: build, restore the newest checkpoint, train. In a survivor of an in-place recovery
+    this is called again in the same process: its restart starts here, not at the process's start."""
+    entered = time.time()
     steps = args.steps or args.kill_after + 1
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     log = Log(args.log_dir, rank, attempt)
-    log("started", t=STARTED)
-    log("imported", t=IMPORTED)
-    log("joined")
+    log("started", t=STARTED if first_call else entered)
+    log("imported", t=IMPORTED if first_call else entered)
+    log("joined", t=entered)
 
     width = width_for(args.params)
     torch.manual_seed(0)
@@ -233,8 +251,9 @@ def main():
     if args.ckpt == "dcp":
         save, restore, close = dcp_checkpointing(args.dir, model, optim, sched, data, progress, rank)
     else:
-        save, restore, close = alpha_checkpointing((args.memory_dir or True) if args.ckpt == "alpha-memory" else None, args.durable_every, model, optim,
-                                                   sched, data, progress, world)
+        memory = (args.memory_dir or True) if args.ckpt.startswith("alpha-memory") else None
+        save, restore, close = alpha_checkpointing(memory, args.durable_every, model, optim, sched, data, progress,
+                                                   world)
     read = restore()
     log("restored", step=progress["step"], **read)
 
@@ -257,7 +276,6 @@ def main():
                 os.fsync(f.fileno())
             os.kill(os.getpid(), signal.SIGKILL)
     close()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
