@@ -439,37 +439,17 @@ class Checkpointer:
             if counters is not None:
                 return counters
         for i, candidate in enumerate(candidates):
-            refusal, fill, counters = None, None, None
-            if candidate.root is not None:  # rank 0 checks this one's bindings now, not every candidate's up front
-                bound = choice.bound(candidate.root, identity=self.identity, bindings=self.bindings,
-                                     bind_devices=self.bind_devices, device=self.device) if self.rank == 0 else None
-                candidate = Candidate.from_json(broadcast_json(bound.to_json() if bound else None, self._global(0),
-                                                               self.group))
-            try:
-                if candidate.refusal is not None:
-                    raise Refusal(candidate.refusal.code, candidate.refusal.message)
-                if self.bind_devices:  # each rank: the very device that saved its rank
-                    saved = candidate.devices or []
-                    check_devices(saved[self.rank:self.rank + 1] or [None], [self.device], True)
-                fill, counters, self.last_restore = prepare(self.store, state, candidate.root, rank=self.rank,
-                                                            world=self.world, per_rank=per_rank)
-            except Refusal as exc:
-                refusal = exc
-            try:
-                agree(refusal, self.group)
-            except Refusal as agreed:
-                if fill is not None:
-                    fill(go=False)  # another rank refused: release what this rank validated, copy nothing
-                if (root == "latest" and not candidate.binding and agreed.code in DAMAGE
+            if candidate.root is None:  # rank 0's refusal of the choice itself
+                raise Refusal(candidate.refusal.code, candidate.refusal.message)
+            candidate, refused, fill, counters = self._prepare_agreed(self.store, candidate.root, state, per_rank)
+            if refused is not None:
+                if (root == "latest" and not candidate.binding and refused.code in DAMAGE
                         and i + 1 < len(candidates)):
                     continue  # damaged: every rank falls back to the next older generation together
-                raise
+                raise refused
             fill()
-            self.last_restore.update(tier="durable", bytes_from_peers=0, bytes_from_store=self.last_restore["bytes_read"])
-            self.epoch = 0 if branch else counters.epoch + 1
-            self.schedule.restored()
-            self._announce(counters)
-            return counters
+            return self._restored(counters, 0 if branch else counters.epoch + 1, tier="durable", bytes_from_peers=0,
+                                  bytes_from_store=self.last_restore["bytes_read"])
         self._announce(None)
         return None
 
@@ -496,8 +476,24 @@ class Checkpointer:
                 logger.warning("memory tier: update %d cannot be recovered from memory (%s); restoring from the "
                                "store", offer.update, report.failure)
             return None
-        bound = Choice(holder, self.run, self.step).bound(
-            offer.root, identity=self.identity, bindings=self.bindings, bind_devices=self.bind_devices,
+        candidate, refused, fill, counters = self._prepare_agreed(holder, offer.root, state, per_rank)
+        if refused is not None:
+            if candidate.binding or refused.code not in DAMAGE:
+                raise refused
+            if self.rank == 0:
+                logger.warning("memory tier: update %d refused (%s); restoring from the store", offer.update, refused)
+            return None
+        fill()
+        return self._restored(counters, counters.epoch + 1, tier="memory", bytes_from_peers=report.bytes_received,
+                              bytes_from_store=0, assemble_seconds=report.seconds)
+
+    def _prepare_agreed(self, store: Store, root: str, state: Mapping[str, Any], per_rank: str):
+        """Collective, for one generation ``root`` of ``store`` (the durable store or this rank's holder): rank 0
+        checks its bindings, every rank prepares (validates) its part, and the ranks agree on one verdict.
+        Returns (candidate, refusal, fill, counters): the agreed refusal (what this rank validated released,
+        nothing copied), or None with ``fill`` ready to copy."""
+        bound = Choice(store, self.run, self.step).bound(
+            root, identity=self.identity, bindings=self.bindings, bind_devices=self.bind_devices,
             device=self.device) if self.rank == 0 else None
         candidate = Candidate.from_json(broadcast_json(bound.to_json() if bound else None, self._global(0),
                                                        self.group))
@@ -505,26 +501,24 @@ class Checkpointer:
         try:
             if candidate.refusal is not None:
                 raise Refusal(candidate.refusal.code, candidate.refusal.message)
-            if self.bind_devices:
+            if self.bind_devices:  # each rank: the very device that saved its rank
                 check_devices((candidate.devices or [])[self.rank:self.rank + 1] or [None], [self.device], True)
-            fill, counters, self.last_restore = prepare(holder, state, offer.root, rank=self.rank,
-                                                        world=self.world, per_rank=per_rank)
+            fill, counters, self.last_restore = prepare(store, state, root, rank=self.rank, world=self.world,
+                                                        per_rank=per_rank)
         except Refusal as exc:
             refusal = exc
         try:
             agree(refusal, self.group)
         except Refusal as agreed:
             if fill is not None:
-                fill(go=False)
-            if candidate.binding or agreed.code not in DAMAGE:
-                raise
-            if self.rank == 0:
-                logger.warning("memory tier: update %d refused (%s); restoring from the store", offer.update, agreed)
-            return None
-        fill()
-        self.last_restore.update(tier="memory", bytes_from_peers=report.bytes_received, bytes_from_store=0,
-                                 assemble_seconds=report.seconds)
-        self.epoch = counters.epoch + 1
+                fill(go=False)  # another rank refused: release what this rank validated, copy nothing
+            return candidate, agreed, None, None
+        return candidate, None, fill, counters
+
+    def _restored(self, counters: Counters, epoch: int, **read: Any) -> Counters:
+        """Every rank, once its state holds the generation: what it read, the new epoch, the schedule, the line."""
+        self.last_restore.update(read)
+        self.epoch = epoch
         self.schedule.restored()
         self._announce(counters)
         return counters
