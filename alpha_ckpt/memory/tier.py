@@ -172,17 +172,17 @@ class MemoryTier:
                                                                self._global(0), self.group))
         objects = [(generation.root, generation.root_size)] + [(d, int(s)) for d, s in generation.objects]
         digests = [d for d, _ in objects]
-        holders = self._holdings(digests, verify=False)
+        holders = self._holdings(digests)
         transfers = plan_replication(objects, holders, self.world, self.copies, self.stride,
                                      everywhere=frozenset({generation.root}))
         moved = run_transfers(transfers, self.holder, self.rank, self.group)
-        holders = self._holdings(digests, verify=False)
-        bad = moved.damaged or moved.unavailable
+        holders = self._holdings(digests)
+        short = under_held(digests, holders, MIN_HOLDERS)
         failure = None
-        if self._any(bool(bad)):
+        if self._any(bool(moved.damaged or moved.unavailable)):
             failure = "a copy sent to a peer did not arrive intact"
-        elif under_held(digests, holders, MIN_HOLDERS):
-            failure = f"{len(under_held(digests, holders, MIN_HOLDERS))} objects have fewer than {MIN_HOLDERS} holders"
+        elif short:
+            failure = f"{len(short)} objects have fewer than {MIN_HOLDERS} holders"
         if failure is None:
             total = sum(s for _, s in objects)
             self._put_ref(prefix, generation.root, generation.root_size, total, owners)
@@ -332,7 +332,7 @@ class MemoryTier:
                 damaged.add(d)
         return held, damaged
 
-    def _holdings(self, digests: Sequence[str], verify: bool) -> dict[str, frozenset[int]]:
+    def _holdings(self, digests: Sequence[str]) -> dict[str, frozenset[int]]:
         """Collective: which ranks hold each object."""
         mine = torch.tensor([self.holder.has_object(d) for d in digests], dtype=torch.uint8)
         every = [torch.empty_like(mine) for _ in range(self.world)]
