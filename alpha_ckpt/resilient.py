@@ -79,6 +79,8 @@ def run_resilient(main: Callable[[], Any], *, backend: str | None = None) -> Any
             logger.warning("rank %d: a peer failed (%s: %s); leaving round %d for round %d in this process",
                            rank, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "", r, later)
             exc = None  # noqa: F841 - its traceback holds the old round's objects (groups, a saver)
+            severed = sever_connections_to(rounds.peer_pids(r, world, rank))
+            logger.debug("rank %d: shut down %d connections to the old round's ranks", rank, severed)
         leave_groups()
         logger.info("rank %d: left round %d in %.3f s", rank, r, time.monotonic() - seen)
         r = later
@@ -94,6 +96,71 @@ def leave_groups() -> None:
         except (RuntimeError, ValueError) as exc:  # a group a broken connection left half torn down
             logger.debug("process groups not destroyed cleanly: %s", exc)
     gc.collect()
+
+
+def sever_connections_to(pids: set[int]) -> int:
+    """Shut down every TCP connection between this process and the processes ``pids``; how many.
+
+    A gloo group cannot be aborted, and the groups a rank leaves are kept alive (see _JOINED_GROUPS),
+    so without this a survivor blocked in a collective with a peer that has already left waits for
+    the group's whole timeout: the peer's end stays open and never answers. ``shutdown`` (not
+    ``close``: the descriptors stay gloo's) makes both ends fail at once. Only connections whose
+    other end one of ``pids`` holds are touched (found through /proc, Linux only): the launcher's
+    control store and the script's own connections elsewhere stay open.
+    """
+    import socket
+    own = _socket_inodes(os.getpid())
+    theirs = set().union(*(_socket_inodes(pid) for pid in pids)) if pids else set()
+    ends = _tcp_ends()
+    severed = 0
+    for inode, fd in own.items():
+        local_remote = ends.get(inode)
+        if local_remote is None or ends.get(("end", local_remote[1], local_remote[0])) not in theirs:
+            continue
+        try:
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+            severed += 1
+        except OSError:  # closed meanwhile
+            continue
+    return severed
+
+
+def _socket_inodes(pid: int) -> dict[int, int]:
+    """socket inode -> a descriptor of process ``pid`` holding it ({} when it cannot be read)."""
+    out = {}
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return out
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            out[int(link[8:-1])] = int(fd)
+    return out
+
+
+def _tcp_ends() -> dict:
+    """For every established TCP connection of this network namespace: inode -> (local, remote), and
+    ("end", local, remote) -> inode, so the inode of a connection's other end is ends[("end", remote, local)]."""
+    ends: dict = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 10 or fields[3] != "01":  # 01: ESTABLISHED
+                continue
+            local, remote, inode = fields[1], fields[2], int(fields[9])
+            if inode:
+                ends[inode] = (local, remote)
+                ends[("end", local, remote)] = inode
+    return ends
 
 
 class Rounds:
@@ -118,6 +185,15 @@ class Rounds:
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.01)
+
+    def peer_pids(self, r: int, world: int, rank: int) -> set[int]:
+        """The processes of the other ranks that joined round ``r`` (each records its pid on joining)."""
+        keys = [joined_key(r, other) for other in range(world) if other != rank]
+        pids = set()
+        for key in keys:
+            if self.control.check([key]):
+                pids.add(int(self.control.get(key).decode()))
+        return pids
 
     def join(self, r: int, rank: int, world: int, backend: str | None) -> int:
         """Join round ``r``'s default group, or a newer round's if ``r``'s rendezvous closes first; the round joined.

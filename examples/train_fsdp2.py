@@ -46,7 +46,6 @@ def main():
     parser.add_argument("--fail-at", type=int, default=None,
                         help="to see a recovery: the last rank kills itself after this step, in the first attempt")
     args = parser.parse_args()
-    dist.init_process_group("gloo")
     model, optim = build(init_device_mesh("cpu", (dist.get_world_size(),)))
     ckpt = alpha_ckpt.Checkpointer.from_launcher_env()  # store, run and the resume choice: from alpha-run
 
@@ -81,8 +80,7 @@ def main():
     if dist.get_rank() == 0:
         print(json.dumps({"state_sha256": digest.hexdigest(), "step": step, "losses": losses}), flush=True)
     ckpt.close()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    alpha_ckpt.run_resilient(main, backend="gloo")  # init_process_group, then main(); with --in-place, again after a peer dies

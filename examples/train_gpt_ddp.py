@@ -112,7 +112,6 @@ def main():
     parser.add_argument("--fail-at", type=int, default=None,
                         help="to see a recovery: the last rank kills itself after this step, in the first attempt")
     args = parser.parse_args()
-    dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
     torch.manual_seed(0)
@@ -162,8 +161,7 @@ def main():
         print(json.dumps({"state_sha256": digest.hexdigest(), "step": progress["step"],
                           "losses": progress["losses"]}), flush=True)
     ckpt.close()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    alpha_ckpt.run_resilient(main, backend="gloo")  # init_process_group, then main(); with --in-place, again after a peer dies

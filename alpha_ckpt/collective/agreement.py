@@ -18,7 +18,7 @@ from ..format import CapturePrefix, DTYPES, RegionDecl, block_digests, joined_di
 from ..manifest import check_coverage, check_region_names
 from ..planner import Piece, shares
 from ..publish.messages import Descriptor, Layout, Outcome, short
-from ..publish.publisher import global_rank
+from ..publish.wire import global_rank
 from ..publish.wire import broadcast_json, gather_json
 from ..store import Store
 from ..values import decode_value, dotted_leaves

@@ -76,7 +76,7 @@ from ..publish.messages import Candidate, Candidates, Completion, Descriptor, In
 from ..publish.publisher import Contribution, Publisher
 from ..publish.star import StarPublisher
 from ..publish.tree import TreePublisher
-from ..publish.wire import broadcast_json
+from ..publish.wire import any_rank, broadcast_json, global_rank
 from ..reader import Counters
 from ..state.capture import capture_state
 from ..store import Store
@@ -88,7 +88,7 @@ from .recovery import RecoveryClock
 from .result import SaveResult, completed
 from .resume import DAMAGE, Choice, announce, announce_save, prepare, shards_read
 from .schedule import DURABLE, MEMORY
-from .verdict import agree, any_rank
+from .verdict import agree
 
 logger = logging.getLogger("alpha_ckpt")
 
@@ -323,7 +323,7 @@ class Checkpointer:
             decision = self.schedule.decision(update, floor)
             if decision.every is not None:
                 logger.info("checkpoint every %d updates: %s", decision.every, self.schedule.describe())
-        decision = Interval.from_json(broadcast_json(decision.to_json() if decision else None, self._global(0),
+        decision = Interval.from_json(broadcast_json(decision.to_json() if decision else None, global_rank(0, self.group),
                                                      self._control))
         self.schedule.apply_interval(update, decision)
 
@@ -466,7 +466,7 @@ class Checkpointer:
             durable = self.store.find_ref(candidates[0].root) if candidates and candidates[0].root else None
             newer = durable is None or durable.root == offer.root or \
                 (offer.epoch, offer.update) > (durable.prefix.epoch, durable.prefix.update)
-        if not broadcast_json(newer, self._global(0), self.group):
+        if not broadcast_json(newer, global_rank(0, self.group), self.group):
             return None
         holder = self.memory.holder
         report = self.memory.assemble(offer, lambda manifest: shards_read(state, manifest, rank=self.rank,
@@ -495,7 +495,7 @@ class Checkpointer:
         bound = Choice(store, self.run, self.step).bound(
             root, identity=self.identity, bindings=self.bindings, bind_devices=self.bind_devices,
             device=self.device) if self.rank == 0 else None
-        candidate = Candidate.from_json(broadcast_json(bound.to_json() if bound else None, self._global(0),
+        candidate = Candidate.from_json(broadcast_json(bound.to_json() if bound else None, global_rank(0, self.group),
                                                        self.group))
         refusal, fill, counters = None, None, None
         try:
@@ -534,7 +534,7 @@ class Checkpointer:
             finally:
                 if choice.follows is not None:
                     self.follows = choice.follows
-        return Candidates.from_json(broadcast_json(out.to_json() if out else None, self._global(0),
+        return Candidates.from_json(broadcast_json(out.to_json() if out else None, global_rank(0, self.group),
                                                    self.group)).candidates()
 
     def _announce(self, counters: Counters | None) -> None:
@@ -556,9 +556,6 @@ class Checkpointer:
             self._release()  # joins the save thread, destroys this Checkpointer's own groups (once)
             if self._own_store:
                 self.store.close()
-
-    def _global(self, rank: int) -> int:
-        return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
 
 def _launcher_options(overrides: Mapping[str, Any]) -> CheckpointerOptions:

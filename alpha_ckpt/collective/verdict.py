@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from ..errors import Refusal
 from ..publish.messages import Verdict
-from ..publish.wire import broadcast_json, leave_groups_at_exit
+from ..publish.wire import broadcast_json, global_rank, leave_groups_at_exit, wire_device
 
 
 def agree(refusal: Refusal | None, group=None) -> None:
@@ -17,27 +17,11 @@ def agree(refusal: Refusal | None, group=None) -> None:
     """
     leave_groups_at_exit()
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    first = torch.tensor([rank if refusal is not None else world], dtype=torch.int64)
-    if dist.get_backend(group) == "nccl":
-        first = first.cuda()
+    first = torch.tensor([rank if refusal is not None else world], dtype=torch.int64, device=wire_device(group))
     dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
     src = int(first.item())
     if src == world:
         return
     mine = Verdict(refusal.code.value, f"rank {rank}: {refusal.message}").to_json() if rank == src else None
-    verdict = Verdict.from_json(broadcast_json(mine, _global(src, group), group))
+    verdict = Verdict.from_json(broadcast_json(mine, global_rank(src, group), group))
     raise Refusal(verdict.code, verdict.message)
-
-
-def any_rank(flag: bool, group=None) -> bool:
-    """Collective: whether ``flag`` holds on any rank of ``group`` (the same answer on every rank)."""
-    leave_groups_at_exit()
-    value = torch.tensor([int(flag)], dtype=torch.int64)
-    if dist.get_backend(group) == "nccl":
-        value = value.cuda()
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-    return bool(value.item())
-
-
-def _global(rank: int, group) -> int:
-    return rank if group is None else dist.get_global_rank(group, rank)

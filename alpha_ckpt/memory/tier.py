@@ -48,7 +48,7 @@ from ..manifest import check_root_manifest
 from ..payloads import validate_object_file
 from ..publish.messages import Completion, Outcome, Record
 from ..publish.star import StarPublisher
-from ..publish.wire import broadcast_json, gather_json
+from ..publish.wire import any_rank, broadcast_json, gather_json, global_rank
 from ..store import RefRecord, Store
 from ..writer import write_manifest
 from .plan import plan_fetch, plan_replication, under_held
@@ -169,7 +169,7 @@ class MemoryTier:
         if self.rank == 0:
             generation = MemoryGeneration(completion.root, completion.bytes, self._publisher.named.pop(completion.root, []))
         generation = MemoryGeneration.from_json(broadcast_json(generation.to_json() if generation else None,
-                                                               self._global(0), self.group))
+                                                               global_rank(0, self.group), self.group))
         objects = [(generation.root, generation.root_size)] + [(d, int(s)) for d, s in generation.objects]
         digests = [d for d, _ in objects]
         holders = self._holdings(digests)
@@ -179,7 +179,7 @@ class MemoryTier:
         holders = self._holdings(digests)
         short = under_held(digests, holders, MIN_HOLDERS)
         failure = None
-        if self._any(bool(moved.damaged or moved.unavailable)):
+        if any_rank(bool(moved.damaged or moved.unavailable), self.group):
             failure = "a copy sent to a peer did not arrive intact"
         elif short:
             failure = f"{len(short)} objects have fewer than {MIN_HOLDERS} holders"
@@ -240,7 +240,7 @@ class MemoryTier:
         for r in self.holder.list_refs(run, step):
             if isinstance(r, RefRecord):
                 mine.append([r.root, r.root_size, r.prefix.epoch, r.prefix.update, r.published_at])
-        heard = gather_json(mine, self._global(0), self.group)
+        heard = gather_json(mine, global_rank(0, self.group), self.group)
         answer = None
         if self.rank == 0:
             best, named = None, {}
@@ -253,7 +253,7 @@ class MemoryTier:
             if best is not None:
                 answer = MemoryGeneration(best[1], int(best[2]), holders=sorted(named[best[1]]),
                                           epoch=int(best[0][0]), update=int(best[0][1]))
-        got = broadcast_json(answer.to_json() if answer else None, self._global(0), self.group)
+        got = broadcast_json(answer.to_json() if answer else None, global_rank(0, self.group), self.group)
         return MemoryGeneration.from_json(got) if got is not None else None
 
     def assemble(self, offer: MemoryGeneration, wanted: Callable[[Any], set[str]]) -> TierReport:
@@ -279,7 +279,7 @@ class MemoryTier:
                     failure = "not a memory generation"
             except Refusal as refusal:
                 failure = f"root manifest: {refusal}"
-        if self._any(failure is not None):
+        if any_rank(failure is not None, self.group):
             report.failure = failure or "another rank could not read the root manifest"
             return self._done(report, started)
         sizes = {s.digest: s.size for s in manifest.shards}
@@ -305,7 +305,7 @@ class MemoryTier:
         moved = run_transfers(fetch.transfers, self.holder, self.rank, self.group)
         report.bytes_received += moved.bytes_received
         report.bytes_sent += moved.bytes_sent
-        if self._any(bool(moved.damaged or moved.unavailable)):
+        if any_rank(bool(moved.damaged or moved.unavailable), self.group):
             report.failure = "a copy pulled from a peer did not arrive intact"
         return self._done(report, started)
 
@@ -339,10 +339,3 @@ class MemoryTier:
         dist.all_gather(every, mine, group=self.group)
         return {d: frozenset(r for r in range(self.world) if every[r][i]) for i, d in enumerate(digests)}
 
-    def _any(self, flag: bool) -> bool:
-        value = torch.tensor([int(flag)], dtype=torch.int64)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(value.item())
-
-    def _global(self, rank: int) -> int:
-        return rank if self.group is None else dist.get_global_rank(self.group, rank)

@@ -38,14 +38,6 @@ class Publisher(Protocol):
         ...
 
 
-def global_rank(rank: int, group: Any) -> int:
-    """The global rank of ``group``'s rank ``rank`` (the wire's messages name global ranks)."""
-    if group is None:
-        return rank
-    import torch.distributed as dist
-    return dist.get_global_rank(group, rank)
-
-
 def shard_lists(parts: Sequence[tuple[Piece, memoryview, str]]) -> list:
     """This rank's parts as the writer takes them: one shard list, or none."""
     return [list(parts)] if parts else []

@@ -20,9 +20,9 @@ from ..manifest import check_root_manifest
 from ..store import Store
 from ..writer import ShardCarry, write_manifest
 from .messages import Completion, Outcome, WriteReport, written_verdict
-from .publisher import Contribution, global_rank, shard_lists
+from .publisher import Contribution, shard_lists
 from .tree import write_or_fail
-from .wire import broadcast_json, gather_json
+from .wire import broadcast_json, gather_json, global_rank
 
 logger = logging.getLogger("alpha_ckpt")
 

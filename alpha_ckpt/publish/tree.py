@@ -49,8 +49,8 @@ from ..planner import Hierarchy, Piece
 from ..store import Store
 from ..writer import ShardCarry, write_manifest, write_shards
 from .messages import Completion, WriteReport, Outcome, written_verdict
-from .publisher import Contribution, global_rank, shard_lists
-from .wire import broadcast_json, gather_json, message_tensor
+from .publisher import Contribution, shard_lists
+from .wire import broadcast_json, gather_json, global_rank, message_tensor
 
 MESSAGE_BYTES = 1024  # every message: canonical JSON padded with spaces
 

@@ -41,6 +41,19 @@ def _leave_groups() -> None:
         pass
 
 
+def any_rank(flag: bool, group=None) -> bool:
+    """Collective: whether ``flag`` holds on any rank of ``group`` (the same answer on every rank)."""
+    leave_groups_at_exit()
+    value = torch.tensor([int(flag)], dtype=torch.int64, device=wire_device(group))
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
+
+
+def global_rank(rank: int, group=None) -> int:
+    """``rank`` of ``group`` as a rank of the default group (what send, recv and broadcast name)."""
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
 def wire_device(group=None) -> torch.device:
     """Where a message's tensor must be: the CUDA device under NCCL, else host memory."""
     if dist.get_backend(group) == "nccl":

@@ -142,7 +142,8 @@ def _readme_run_params():
     for commands in _readme_runs():
         script = Path(next(a for a in commands[0] if a.endswith(".py"))).stem
         recovery = "--fail-at" in commands[0]  # the fast-recovery example: run in every set
-        params.append(pytest.param(commands, id=script + ("-recovery" if recovery else ""),
+        kind = ("-recovery" if recovery else "") + ("-in-place" if "--in-place" in commands[0] else "")
+        params.append(pytest.param(commands, id=script + kind,
                                    marks=[pytest.mark.full] if script in RUN_BY_E2E and not recovery else []))
     return params
 
