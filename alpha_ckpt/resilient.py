@@ -11,10 +11,11 @@
 
 Under ``alpha-run --in-place`` (:mod:`alpha_ckpt.inplace`) this joins the
 default process group of the launcher's current rendezvous round and calls
-``main()``. When ``main()`` raises because a peer died (gloo raises
+``main()``. When ``main()`` raises because a peer died (:class:`PeerFailed`,
+raised in it as soon as the launcher begins a newer round, or gloo's own
 ``RuntimeError`` "Connection closed by peer" in torch 2.13, or
-``torch.distributed.DistError`` and its subclasses) and the launcher has
-begun a newer round, every process group is destroyed, the newest round is
+``torch.distributed.DistError`` and its subclasses), the connections to the
+old round's ranks are shut, every process group is destroyed, the newest round is
 joined with the same rank and world size, and ``main()`` is called again in
 this process; it restores the newest generation like the replacement does.
 
@@ -65,10 +66,12 @@ def run_resilient(main: Callable[[], Any], *, backend: str | None = None) -> Any
     rounds = Rounds(control, timeout)
     rank, world = launch_env.rank_and_world()
     r = rounds.newest()
+    notice = FailureNotice(control, timeout, r)
     while True:
         r = rounds.join(r, rank, world, backend)
         try:
-            return main()
+            with notice.armed(r):
+                return main()
         except (Refusal, UsageError):
             raise
         except Exception as exc:  # noqa: BLE001 - a peer's death reaches a script in many wrappers
@@ -84,6 +87,69 @@ def run_resilient(main: Callable[[], Any], *, backend: str | None = None) -> Any
         leave_groups()
         logger.info("rank %d: left round %d in %.3f s", rank, r, time.monotonic() - seen)
         r = later
+
+
+class PeerFailed(RuntimeError):
+    """Raised in ``main()``'s thread when alpha-run begins a new round while it runs: a peer died."""
+
+
+class FailureNotice:
+    """Tells ``main()`` at once that a peer died, instead of at its next collective.
+
+    A thread follows the launcher's rounds (its own client of the control store, waiting
+    without the GIL); when a round begins after the one ``main()`` runs in, it raises
+    :class:`PeerFailed` in ``main()``'s thread, which Python delivers at the next bytecode (a
+    rank computing alone, a forward pass or a data pipeline, stops within milliseconds, not at
+    its next collective). Only while armed: never in run_resilient's own leaving and joining.
+    What the exception interrupts is abandoned, as a crash would abandon it (the store's writes
+    are crash-safe); C++ work (a backward pass, a collective) runs to its end or its error first.
+    """
+
+    def __init__(self, endpoint: str, timeout: float, first_round: int):
+        import threading
+        from torch.distributed import TCPStore
+        host, port = endpoint.rsplit(":", 1)
+        self._control = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout))
+        self._lock = threading.Lock()
+        self._armed: tuple[int, int] | None = None  # (round, thread id) while main() runs
+        self._next = first_round + 1
+        threading.Thread(target=self._follow, name="alpha-ckpt-failure-notice", daemon=True).start()
+
+    def armed(self, r: int):
+        notice = self
+
+        class _Armed:
+            def __enter__(self):
+                import threading
+                with notice._lock:
+                    notice._armed = (r, threading.get_ident())
+
+            def __exit__(self, *exc):
+                with notice._lock:
+                    armed, notice._armed = notice._armed, None
+                    if armed is not None:
+                        _raise_in(armed[1], None)  # a notice not delivered yet is withdrawn
+                return False
+        return _Armed()
+
+    def _follow(self) -> None:
+        while True:
+            try:
+                self._control.wait([round_key(self._next)], timedelta(days=7))
+            except Exception:  # noqa: BLE001 - the launcher is gone (the lifeline ends this process)
+                return
+            with self._lock:
+                if self._armed is not None and self._armed[0] < self._next:
+                    _raise_in(self._armed[1], PeerFailed)
+                    self._armed = None
+            self._next += 1
+
+
+def _raise_in(thread_id: int, exc_type) -> None:
+    """Raise ``exc_type`` in thread ``thread_id`` at its next bytecode (None: withdraw one not raised yet)."""
+    import ctypes
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id),
+                                               ctypes.py_object(exc_type) if exc_type is not None else None)
 
 
 def leave_groups() -> None:

@@ -43,3 +43,42 @@ def test_only_the_connections_to_the_named_processes_are_shut_and_both_ends_see_
             to_bystander.close()
             assert bystander.wait(timeout=20) == 0
             to_old_peer.close()
+
+
+def _control_store():
+    from torch.distributed import TCPStore
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    return server, f"127.0.0.1:{server.port}"
+
+
+def _compute_until(seconds: float) -> int:
+    """Pure-Python work (a forward pass or a data pipeline, as far as a signal is concerned); iterations done."""
+    import time
+    done, end = 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        done += 1
+    return done
+
+
+@pytest.mark.timeout(60)
+def test_a_new_round_interrupts_main_at_once_while_it_computes_and_never_outside_it():
+    import threading
+    import time
+    from alpha_ckpt.launch_env import round_key
+    from alpha_ckpt.resilient import FailureNotice, PeerFailed
+    server, endpoint = _control_store()
+    notice = FailureNotice(endpoint, 30, first_round=0)
+    begun = []
+    threading.Timer(0.3, lambda: (begun.append(time.monotonic()), server.set(round_key(1), "{}"))).start()
+    with pytest.raises(PeerFailed):
+        with notice.armed(0):
+            _compute_until(20)
+    assert time.monotonic() - begun[0] < 2  # not the 20 s of computing left
+
+    # Armed in the new round: the round it runs in is no failure. Round 2 begins while nothing is armed.
+    with notice.armed(1):
+        _compute_until(0.5)
+    server.set(round_key(2), "{}")
+    _compute_until(0.5)  # outside main(): nothing is raised here
+    with notice.armed(2):  # and nothing stale is delivered later
+        _compute_until(0.5)
