@@ -468,7 +468,6 @@ class Checkpointer:
                 (offer.epoch, offer.update) > (durable.prefix.epoch, durable.prefix.update)
         if not broadcast_json(newer, global_rank(0, self.group), self.group):
             return None
-        holder = self.memory.holder
         report = self.memory.assemble(offer, lambda manifest: shards_read(state, manifest, rank=self.rank,
                                                                            world=self.world, per_rank=per_rank))
         if report.failure is not None:
@@ -476,14 +475,16 @@ class Checkpointer:
                 logger.warning("memory tier: update %d cannot be recovered from memory (%s); restoring from the "
                                "store", offer.update, report.failure)
             return None
-        candidate, refused, fill, counters = self._prepare_agreed(holder, offer.root, state, per_rank)
-        if refused is not None:
-            if candidate.binding or refused.code not in DAMAGE:
-                raise refused
-            if self.rank == 0:
-                logger.warning("memory tier: update %d refused (%s); restoring from the store", offer.update, refused)
-            return None
-        fill()
+        with self.memory.reader() as holders:
+            candidate, refused, fill, counters = self._prepare_agreed(holders, offer.root, state, per_rank)
+            if refused is not None:
+                if candidate.binding or refused.code not in DAMAGE:
+                    raise refused
+                if self.rank == 0:
+                    logger.warning("memory tier: update %d refused (%s); restoring from the store", offer.update,
+                                   refused)
+                return None
+            fill()
         return self._restored(counters, counters.epoch + 1, tier="memory", bytes_from_peers=report.bytes_received,
                               bytes_from_store=0, assemble_seconds=report.seconds)
 

@@ -158,3 +158,23 @@ def transfer_windows(transfers: Sequence[Transfer], window_bytes: int) -> list[t
     if start < len(transfers):
         windows.append((start, len(transfers)))
     return windows
+
+
+def split_by_reach(transfers: Sequence[Transfer], readable: AbstractSet[tuple[int, int]]) -> tuple[list[Transfer],
+                                                                                                  list[Transfer]]:
+    """The transfers whose destination reads the source's holder directly (``(dst, src)`` in ``readable``:
+    ranks of one node sharing the tier's tmpfs), and the others, which go over the network; order kept."""
+    through_files = [t for t in transfers if (t.dst, t.src) in readable]
+    over_network = [t for t in transfers if (t.dst, t.src) not in readable]
+    return through_files, over_network
+
+
+def network_needs(needs: Mapping[int, AbstractSet[str]], holders: Mapping[str, AbstractSet[int]],
+                  readable: AbstractSet[tuple[int, int]]) -> dict[int, frozenset[str]]:
+    """What each rank must pull over the network for a restore: what it needs, holds not, and no rank
+    whose holder it reads (``(rank, holder)`` in ``readable``) holds either (those it reads in place)."""
+    out = {}
+    for rank, wanted in needs.items():
+        out[rank] = frozenset(d for d in wanted
+                              if not any(h == rank or (rank, h) in readable for h in holders.get(d, ())))
+    return out

@@ -20,7 +20,10 @@ and inside one restore, before the durable candidates::
     ... collective.resume.prepare(tier.holder, ...) # the one validator, on this rank's holder
 
 A memory generation counts (its ref is written) only once every object it
-names is held by at least two ranks, every copy checked against its name. A
+names is held by at least two ranks, every copy checked against its name.
+Ranks whose holders share a tmpfs (one node) copy through the files, and a
+restore reads the objects its node holds in place (:class:`NodeView`); only
+copies between nodes travel over the tier's gloo group. A
 recovery hashes every copy it will use before any rank copies a byte;
 anything missing or damaged anywhere makes every rank fall back to the
 durable store together.
@@ -41,7 +44,7 @@ import torch.distributed as dist
 
 from .. import launch_env
 
-from ..errors import DurableWriteError, Refusal, UsageError
+from ..errors import DurableWriteError, Refusal, RefusalCode, UsageError
 from ..format import CapturePrefix, ShardRef
 from ..generation import open_generation
 from ..manifest import check_root_manifest
@@ -49,10 +52,10 @@ from ..payloads import validate_object_file
 from ..publish.messages import Completion, Outcome, Record
 from ..publish.star import StarPublisher
 from ..publish.wire import any_rank, broadcast_json, gather_json, global_rank
-from ..store import RefRecord, Store
+from ..store import ObjectFile, RefRecord, Store
 from ..writer import write_manifest
-from .plan import plan_fetch, plan_replication, under_held
-from .transfer import run_transfers
+from .plan import Transfer, network_needs, plan_fetch, plan_replication, split_by_reach, under_held
+from .transfer import TransferReport, copy_through_files, run_transfers
 
 logger = logging.getLogger("alpha_ckpt")
 
@@ -132,6 +135,32 @@ def holder_directory(parent: str, rank: int) -> str:
     return os.path.join(parent, f"rank-{rank:05d}")
 
 
+class NodeView(Store):
+    """A holder that reads an object it lacks from other holders of its node (read only: no write goes
+    to a peer's holder through it). Every read is the restore's, validated against its name."""
+
+    def __init__(self, root: str, peers: Sequence[str]):
+        super().__init__(root, create=False)
+        self.peers = [Store(path, create=False) for path in peers]
+
+    def open_object(self, digest: str, what: str) -> ObjectFile:
+        try:
+            return super().open_object(digest, what)
+        except Refusal as missing:
+            if missing.code != RefusalCode.MISSING_SHARD:
+                raise
+            for peer in self.peers:
+                if peer.has_object(digest):
+                    self.objects_opened += 1
+                    return peer.open_object(digest, what)
+            raise
+
+    def close(self) -> None:
+        for peer in self.peers:
+            peer.close()
+        super().close()
+
+
 class MemoryTier:
     """This rank's holder and the tier's collective steps over ``group`` (a gloo group of the tier's own)."""
 
@@ -149,6 +178,48 @@ class MemoryTier:
         self.identity = identity
         self.last: TierReport | None = None
         self._publisher = _HolderPublisher(self.holder, rank, world, identity=identity)
+        self.readable = self._readable_holders()
+
+    def _readable_holders(self) -> frozenset[tuple[int, int]]:
+        """Collective: the pairs (dst, src) where rank dst sees rank src's holder itself (the same directory:
+        ranks of one node under one tier directory). Copies between them go through the files, not the network."""
+        own = os.stat(self.holder.root)
+        root = global_rank(0, self.group)
+        ids = broadcast_json(gather_json([own.st_dev, own.st_ino], root, self.group), root, self.group)
+        sees = []
+        for src in range(self.world):
+            try:
+                st = os.stat(holder_directory(self.directory, src))
+            except OSError:
+                continue
+            if src != self.rank and [st.st_dev, st.st_ino] == ids[src]:
+                sees.append(src)
+        every = broadcast_json(gather_json(sees, root, self.group), root, self.group)
+        return frozenset((dst, src) for dst, srcs in enumerate(every) for src in srcs)
+
+    def reader(self) -> "NodeView":
+        """What a restore of an assembled generation reads: this rank's holder, and in place the objects it
+        lacks from the holders of its node (each validated by the restore, as every object it reads is).
+        The caller closes it."""
+        readable = sorted(src for dst, src in self.readable if dst == self.rank)
+        return NodeView(self.holder.root, [holder_directory(self.directory, src) for src in readable])
+
+    def _carry(self, transfers: Sequence[Transfer]) -> TransferReport:
+        """Collective: carry out ``transfers``, through the files between ranks that read each other's
+        holders, over the tier's group between the others."""
+        through_files, over_network = split_by_reach(transfers, self.readable)
+        sources: dict[int, Store] = {}
+
+        def source(src: int) -> Store:
+            if src not in sources:
+                sources[src] = Store(holder_directory(self.directory, src), create=False)
+            return sources[src]
+        try:
+            report = copy_through_files(through_files, self.holder, self.rank, source)
+        finally:
+            for store in sources.values():
+                store.close()
+        return report.add(run_transfers(over_network, self.holder, self.rank, self.group))
 
     def close(self, discard: bool = False) -> None:
         """Release the holder; ``discard``: remove it too (the script is done with the tier)."""
@@ -175,7 +246,7 @@ class MemoryTier:
         holders = self._holdings(digests)
         transfers = plan_replication(objects, holders, self.world, self.copies, self.stride,
                                      everywhere=frozenset({generation.root}))
-        moved = run_transfers(transfers, self.holder, self.rank, self.group)
+        moved = self._carry(transfers)
         holders = self._holdings(digests)
         short = under_held(digests, holders, MIN_HOLDERS)
         failure = None
@@ -265,7 +336,7 @@ class MemoryTier:
         # 1. the root manifest, to every rank (a new or lost holder has none)
         fetch = plan_fetch({root: offer.root_size}, {root: frozenset(offer.holders)},
                            {r: frozenset({root}) for r in range(self.world)})
-        moved = run_transfers(fetch.transfers, self.holder, self.rank, self.group)
+        moved = self._carry(fetch.transfers)
         report.bytes_received += moved.bytes_received
         report.bytes_sent += moved.bytes_sent
         manifest, failure = None, None
@@ -298,11 +369,14 @@ class MemoryTier:
         if broken:
             report.failure = f"{len(broken)} objects have a damaged copy (first {broken[0][:16]}...)"
             return self._done(report, started)
-        fetch = plan_fetch(sizes, holders, needs)
+        far = network_needs(needs, holders, self.readable)
+        fetch = plan_fetch(sizes, holders, far)
+        # What this rank's restore reads in place from the holders of its node counts as from peers too.
+        report.bytes_received += sum(sizes[d] for d in needs[self.rank] - far[self.rank] if d not in held)
         if fetch.missing:
             report.failure = f"{len(fetch.missing)} objects are held by no rank (first {fetch.missing[0][:16]}...)"
             return self._done(report, started)
-        moved = run_transfers(fetch.transfers, self.holder, self.rank, self.group)
+        moved = self._carry(fetch.transfers)
         report.bytes_received += moved.bytes_received
         report.bytes_sent += moved.bytes_sent
         if any_rank(bool(moved.damaged or moved.unavailable), self.group):

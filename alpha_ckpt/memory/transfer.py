@@ -17,12 +17,12 @@ import os
 import warnings
 from contextlib import ExitStack, closing
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..errors import Refusal
+from ..errors import Refusal, RefusalCode
 from ..reader import validate_object_file
 from ..store import ObjectFile, Store, write_all
 from .plan import Transfer, transfer_windows
@@ -40,6 +40,14 @@ class TransferReport:
     damaged: list[str] = field(default_factory=list)      # copies received whose bytes do not match their name (not stored)
     unavailable: list[str] = field(default_factory=list)  # objects this rank was to send but could not read
     not_stored: list[str] = field(default_factory=list)   # good copies the holder failed to store (logged)
+
+    def add(self, other: "TransferReport") -> "TransferReport":
+        self.bytes_sent += other.bytes_sent
+        self.bytes_received += other.bytes_received
+        self.damaged += other.damaged
+        self.unavailable += other.unavailable
+        self.not_stored += other.not_stored
+        return self
 
 
 def _check_plan(transfers: Sequence[Transfer], world: int) -> None:
@@ -203,6 +211,37 @@ def _store_copies(holder: Store, copies: list[ObjectFile], report: TransferRepor
             logger.warning("alpha_ckpt: memory: a verified copy of object %s could not be stored in %s: %s",
                            obj.digest, holder.root, exc)
             report.not_stored.append(obj.digest)
+
+
+def copy_through_files(transfers: Sequence[Transfer], holder: Store, rank: int,
+                       source: Callable[[int], Store]) -> TransferReport:
+    """The transfers whose source holder this rank reads directly (a holder of its node, on the same tmpfs):
+    each one this rank is dst of is read from ``source(src)``'s file, checked with the store's validator
+    and stored as a received copy is (:func:`run_transfers`); no message, no rank waits on another. A
+    source that is src of one counts its size as sent."""
+    report = TransferReport()
+    for t in transfers:
+        if t.src == rank:
+            report.bytes_sent += t.size
+        if t.dst != rank:
+            continue
+        try:
+            obj = source(t.src).open_object(t.digest, f"object {t.digest[:16]}... of rank {t.src}")
+            obj.populate(0, obj.size)  # in memory now: a file that shrank is unreadable, not a SIGBUS later
+        except (Refusal, OSError):
+            report.unavailable.append(t.digest)
+            continue
+        with closing(obj):
+            report.bytes_received += obj.size
+            try:
+                if obj.size != t.size:
+                    raise Refusal(RefusalCode.CORRUPT_SHARD, f"{obj.size} bytes, {t.size} planned")
+                validate_object_file(obj, f"copy of object {t.digest[:16]}... from rank {t.src}'s holder")
+            except Refusal:
+                report.damaged.append(t.digest)
+                continue
+            _store_copies(holder, [obj], report)
+    return report
 
 
 def run_transfers(transfers: Sequence[Transfer], holder: Store, rank: int, group=None, *,

@@ -155,3 +155,20 @@ def test_with_the_memory_tier_every_rank_recovers_in_place_from_memory_bit_ident
                    if line.startswith("{") and '"event": "recovered"' in line]
     assert recovered["tier"] == "memory" and recovered["update"] == 5 and recovered["bytes_from_store"] == 0
     assert recovered["failed_rank"] == 1 and 0 <= recovered["restart_s"] < recovered["total_s"]
+
+
+@pytest.mark.timeout(400)
+def test_asynchronous_saves_with_the_memory_tier_recover_in_place_bit_identical(tmp_path, uninterrupted):
+    (tmp_path / "ev").mkdir()
+    # The rank dies right after save(5) returns: that save's publish may not have finished, so the
+    # ranks resume update 5 or the one before it, the same on every rank, and end the same.
+    proc = alpha_run("--nproc", 2, "--max-restarts", 1, "--in-place", "--memory", "--save", "async",
+                     "--store", tmp_path / "s", SCRIPT, "--steps", STEPS, "--kill-rank", 1, "--kill-at", 5,
+                     "--events", tmp_path / "ev", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert final_state(proc)["state_sha256"] == uninterrupted(2)
+    recorded = events(tmp_path / "ev")
+    resumed = {rank: [e["resumed_at"] for e in seen if "resumed_at" in e] for rank, seen in recorded.items()}
+    assert resumed[0] == resumed[1] and resumed[0][0] == 0 and resumed[0][1] in (4, 5), resumed
+    survivor = calls(recorded[0])
+    assert survivor[0][0] == survivor[1][0]

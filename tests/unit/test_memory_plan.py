@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from alpha_ckpt.memory.plan import (FetchPlan, Transfer, peer_order, plan_fetch, plan_replication, replica_targets,
-                                   transfer_windows, under_held)
+                                   network_needs, split_by_reach, transfer_windows, under_held)
 
 PROPS = settings(max_examples=200, deadline=None)
 
@@ -240,3 +240,26 @@ def test_a_world_copies_or_stride_below_one_is_refused(bad):
 def test_a_holder_outside_the_world_is_refused():
     with pytest.raises(ValueError):
         plan_replication([(digest(1), 9)], {digest(1): frozenset({4})}, world=4, copies=2)
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3)).filter(lambda p: p[0] != p[1]), max_size=12),
+       st.sets(st.tuples(st.integers(0, 3), st.integers(0, 3))))
+def test_transfers_split_by_reach_partition_the_plan_in_order(pairs, readable):
+    transfers = [Transfer(f"{i:064x}", i, src, dst) for i, (src, dst) in enumerate(pairs)]
+    through_files, over_network = split_by_reach(transfers, readable)
+    assert all((t.dst, t.src) in readable for t in through_files)
+    assert all((t.dst, t.src) not in readable for t in over_network)
+    assert sorted(through_files + over_network, key=lambda t: t.size) == transfers  # each once, order kept
+    assert through_files == [t for t in transfers if t in through_files]
+
+
+@given(st.dictionaries(st.integers(0, 3), st.sets(st.sampled_from("abcde"))),
+       st.dictionaries(st.sampled_from("abcde"), st.sets(st.integers(0, 3))),
+       st.sets(st.tuples(st.integers(0, 3), st.integers(0, 3))))
+def test_a_rank_pulls_over_the_network_exactly_what_neither_it_nor_a_holder_it_reads_holds(needs, holders, readable):
+    far = network_needs(needs, holders, readable)
+    for rank, wanted in needs.items():
+        for digest in wanted:
+            in_reach = any(h == rank or (rank, h) in readable for h in holders.get(digest, ()))
+            assert (digest in far[rank]) == (not in_reach)
+        assert far[rank] <= wanted

@@ -14,10 +14,15 @@ from test_checkpointer import IDENTITY, MASKS, Script
 pytestmark = pytest.mark.timeout(240)
 
 
+def _of_rank(memory: str | None, rank: int) -> str | None:
+    """The tier directory of ``rank``: "{rank}" in it gives every rank one of its own, as on separate nodes."""
+    return memory.format(rank=rank) if memory else memory
+
+
 def save_steps(rank, world, store, memory, steps, durable_every, replicas=1):
     """Train ``steps`` steps with a save each; the process then ends without close(), as a killed one would."""
     script = Script(rank, world)
-    ckpt = Checkpointer(store, run="r", identity=IDENTITY, allow_nonfinite=MASKS, memory=memory,
+    ckpt = Checkpointer(store, run="r", identity=IDENTITY, allow_nonfinite=MASKS, memory=_of_rank(memory, rank),
                         durable_every=durable_every, replicas=replicas)
     assert ckpt.restore(script.state(), root=None) is None
     saves = []
@@ -31,7 +36,7 @@ def save_steps(rank, world, store, memory, steps, durable_every, replicas=1):
 
 def resume(rank, world, store, memory, steps, per_rank="keep"):
     script = Script(rank, world)
-    ckpt = Checkpointer(store, run="r", identity=IDENTITY, allow_nonfinite=MASKS, memory=memory)
+    ckpt = Checkpointer(store, run="r", identity=IDENTITY, allow_nonfinite=MASKS, memory=_of_rank(memory, rank))
     state = script.state()
     counters = ckpt.restore(state, per_rank=per_rank)
     script.step = state["progress"]["step"]
@@ -79,11 +84,14 @@ def test_a_rank_lost_after_memory_saves_resumes_the_newest_from_memory_bit_ident
     assert not os.path.exists(holder_directory(str(memory), 0))  # close(): the script is done with the tier
 
 
-def test_a_lost_holder_is_refilled_from_its_peers_and_the_job_resumes_on_another_rank_count(tmp_path):
-    store, memory = tmp_path / "store", tmp_path / "memory"
-    run_ranks(2, save_steps, str(store), str(memory), 3, 5, tmp=tmp_path)
-    shutil.rmtree(holder_directory(str(memory), 1))  # rank 1's node memory is gone
-    resumed = run_ranks(3, resume, str(store), str(memory), 3, "drop", tmp=tmp_path)
+@pytest.mark.parametrize("nodes", ["one", "one-per-rank"])
+def test_a_lost_holder_is_refilled_from_its_peers_and_the_job_resumes_on_another_rank_count(tmp_path, nodes):
+    # One node: a rank copies from its peers' holders through the shared tmpfs. A node per rank (a tier
+    # directory each): the copies go over the tier's gloo group.
+    store, memory = tmp_path / "store", str(tmp_path / "memory") + ("-{rank}" if nodes == "one-per-rank" else "")
+    run_ranks(2, save_steps, str(store), memory, 3, 5, tmp=tmp_path)
+    shutil.rmtree(holder_directory(_of_rank(memory, 1), 1))  # rank 1's memory is gone
+    resumed = run_ranks(3, resume, str(store), memory, 3, "drop", tmp=tmp_path)
     assert [r["tier"] for r in resumed] == ["memory"] * 3
     assert all(r["update"] == 3 and r["from_store"] == 0 for r in resumed)
     assert resumed[1]["from_peers"] > 0 and resumed[2]["from_peers"] > 0  # pulled by digest from rank 0
