@@ -112,6 +112,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--durable-every", type=int, default=1000, help="alpha-run-memory: one save in K goes to the store")
     p.add_argument("--stall-ranks", type=int, default=2)
     p.add_argument("--stall-reps", type=int, default=5)
+    p.add_argument("--stall-methods", default="memory,memory-async,ours-async,dcp-async",
+                   help="the stall section's methods (at 100M parameters on 23 GiB: one memory method per run)")
     p.add_argument("--run-timeout", type=float, default=900.0, help="seconds before a run counts as hung")
     p.add_argument("--dir", default=None, help="working directory (default: a temp dir, removed at the end)")
     p.add_argument("--quick", action="store_true", help="smoke test: --params 2e6 --ranks 2 --reps 1 --stall-reps 2")
@@ -299,7 +301,7 @@ def run_stall(args: argparse.Namespace, top: str, shm_top: str) -> dict:
     out = os.path.join(work, "result.json")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.stall_ranks),
            STALL, "--dir", work, "--memory-dir", os.path.join(shm_top, "stall"), "--params", str(args.params),
-           "--reps", str(args.stall_reps), "--out", out]
+           "--reps", str(args.stall_reps), "--out", out, "--methods", args.stall_methods]
     run = subprocess.run(cmd, env=run_env(), capture_output=True, text=True, timeout=args.run_timeout)
     shutil.rmtree(os.path.join(shm_top, "stall"), ignore_errors=True)
     if run.returncode != 0:
@@ -321,8 +323,10 @@ def print_stall(result: dict) -> None:
     for m, v in result["median_stall_s"].items():
         print(f"{m:<14} {v:9.3f} {result['ratio_to_dcp_async'][m]:12.3f}")
     total_state = result["state_bytes_per_rank"] * result["world"]
+    if not result.get("memory_held_by"):
+        return
     print(f"memory tier holds {fmt_bytes(result['memory_held_bytes_all_ranks'])} over {result['world']} ranks "
-          f"(last_save memory_held_bytes of the memory method), its /dev/shm holders {fmt_bytes(result['memory_dir_bytes'])}, "
+          f"(last_save memory_held_bytes of {result['memory_held_by']}), its /dev/shm holders {fmt_bytes(result['memory_dir_bytes'])}, "
           f"against a state of {fmt_bytes(total_state)} over the ranks "
           f"({result['memory_held_bytes_all_ranks'] / total_state:.2f}x)")
 

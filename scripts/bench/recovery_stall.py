@@ -49,7 +49,11 @@ def main() -> None:
     parser.add_argument("--params", type=float, default=2e6)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--methods", default=",".join(STALL_METHODS),
+                        help="a subset of " + ",".join(STALL_METHODS) + " (each memory method's tier holds two "
+                             "generations in /dev/shm: at 100M parameters both at once need more than 23 GiB)")
     args = parser.parse_args()
+    methods = tuple(m for m in STALL_METHODS if m in args.methods.split(","))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
@@ -78,10 +82,11 @@ def main() -> None:
                                        identity={"model": "gpt-bench"}, **options)
 
     # the first save of the memory tier goes to the store too (the warm-up below takes it)
-    memory = checkpointer("memory", memory=os.path.join(args.memory_dir, "sync"), durable_every=1_000_000)
+    memory = checkpointer("memory", memory=os.path.join(args.memory_dir, "sync"), durable_every=1_000_000) \
+        if "memory" in methods else None
     memory_async = checkpointer("memory-async", memory=os.path.join(args.memory_dir, "async"),
-                                durable_every=1_000_000, save="async")
-    ours_async = checkpointer("ours-async", save="async")
+                                durable_every=1_000_000, save="async") if "memory-async" in methods else None
+    ours_async = checkpointer("ours-async", save="async") if "ours-async" in methods else None
     dcp_group = dist.new_group(backend="gloo")  # DCP's background collectives never meet DDP's
     dcp_pending: list = []
 
@@ -112,12 +117,12 @@ def main() -> None:
         dist.barrier()
         return stall
 
-    stalls: dict[str, list[list[float]]] = {m: [] for m in STALL_METHODS}
+    stalls: dict[str, list[list[float]]] = {m: [] for m in methods}
     n = 0
-    for method in STALL_METHODS:  # warm-up, untimed
+    for method in methods:  # warm-up, untimed
         n += 1
         save(method, n)
-    orders = balanced_orders(STALL_METHODS)
+    orders = balanced_orders(methods)
     for rep in range(args.reps):
         for method in orders[rep % len(orders)]:
             n += 1
@@ -126,18 +131,21 @@ def main() -> None:
             dist.all_gather(every, mine)
             stalls[method].append([float(x.item()) for x in every])
 
-    held = torch.tensor([memory.last_save.get("memory_held_bytes", 0)], dtype=torch.int64)
+    tier = memory or memory_async  # the tier whose holdings are reported
+    held = torch.tensor([tier.last_save.get("memory_held_bytes", 0) if tier else 0], dtype=torch.int64)
     dist.all_reduce(held)
     if rank == 0:
         result = {"world": world, "state_bytes_per_rank": state_bytes,
                   "params": sum(p.numel() for p in model.parameters()), "stalls_s": stalls,
-                  "memory_held_bytes_all_ranks": int(held.item()), "memory_held_bytes_rank0":
-                  memory.last_save.get("memory_held_bytes"), "memory_dir_bytes": tree_bytes(os.path.join(args.memory_dir, "sync")),
-                  "memory_last_save": {k: v for k, v in memory.last_save.items() if k != "root"}}
+                  "memory_held_bytes_all_ranks": int(held.item()), "memory_held_by": "memory" if memory else
+                  "memory-async" if tier else None,
+                  "memory_dir_bytes": tree_bytes(os.path.join(args.memory_dir, "sync" if memory else "async")),
+                  "memory_last_save": {k: v for k, v in tier.last_save.items() if k != "root"} if tier else None}
         with open(args.out, "w") as f:
             json.dump(result, f)
     for ckpt in (memory, memory_async, ours_async):
-        ckpt.close()
+        if ckpt is not None:
+            ckpt.close()
     dist.barrier()
     dist.destroy_process_group()
 
