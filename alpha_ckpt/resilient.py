@@ -222,11 +222,20 @@ def _tcp_ends() -> dict:
             fields = line.split()
             if len(fields) < 10 or fields[3] != "01":  # 01: ESTABLISHED
                 continue
-            local, remote, inode = fields[1], fields[2], int(fields[9])
+            local, remote, inode = _v4(fields[1]), _v4(fields[2]), int(fields[9])
             if inode:
                 ends[inode] = (local, remote)
                 ends[("end", local, remote)] = inode
     return ends
+
+
+_V4_MAPPED = "0000000000000000FFFF0000"  # ::ffff:a.b.c.d as /proc/net/tcp6 prints it
+
+
+def _v4(endpoint: str) -> str:
+    """An IPv4-mapped IPv6 endpoint of /proc/net/tcp6 as /proc/net/tcp writes the IPv4 one, so the two
+    ends of a connection between an IPv4 and an IPv6 socket match."""
+    return endpoint[len(_V4_MAPPED):] if endpoint.startswith(_V4_MAPPED) else endpoint
 
 
 class Rounds:
