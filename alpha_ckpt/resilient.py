@@ -33,7 +33,9 @@ import gc
 import json
 import logging
 import os
+import threading
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -106,7 +108,6 @@ class FailureNotice:
     """
 
     def __init__(self, endpoint: str, timeout: float, first_round: int):
-        import threading
         from torch.distributed import TCPStore
         host, port = endpoint.rsplit(":", 1)
         self._control = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout))
@@ -115,22 +116,18 @@ class FailureNotice:
         self._next = first_round + 1
         threading.Thread(target=self._follow, name="alpha-ckpt-failure-notice", daemon=True).start()
 
+    @contextmanager
     def armed(self, r: int):
-        notice = self
-
-        class _Armed:
-            def __enter__(self):
-                import threading
-                with notice._lock:
-                    notice._armed = (r, threading.get_ident())
-
-            def __exit__(self, *exc):
-                with notice._lock:
-                    armed, notice._armed = notice._armed, None
-                    if armed is not None:
-                        _raise_in(armed[1], None)  # a notice not delivered yet is withdrawn
-                return False
-        return _Armed()
+        """While the block runs (``main()`` of round ``r``), a newer round raises :class:`PeerFailed` in it."""
+        with self._lock:
+            self._armed = (r, threading.get_ident())
+        try:
+            yield
+        finally:
+            with self._lock:
+                armed, self._armed = self._armed, None
+                if armed is not None:
+                    _raise_in(armed[1], None)  # a notice not delivered yet is withdrawn
 
     def _follow(self) -> None:
         while True:
@@ -177,11 +174,13 @@ def sever_connections_to(pids: set[int]) -> int:
     import socket
     own = _socket_inodes(os.getpid())
     theirs = set().union(*(_socket_inodes(pid) for pid in pids)) if pids else set()
-    ends = _tcp_ends()
+    endpoints, inodes = _tcp_connections()
     severed = 0
     for inode, fd in own.items():
-        local_remote = ends.get(inode)
-        if local_remote is None or ends.get(("end", local_remote[1], local_remote[0])) not in theirs:
+        if inode not in endpoints:
+            continue
+        local, remote = endpoints[inode]
+        if inodes.get((remote, local)) not in theirs:  # the other end's socket, as that process holds it
             continue
         try:
             with socket.socket(fileno=os.dup(fd)) as sock:
@@ -209,10 +208,10 @@ def _socket_inodes(pid: int) -> dict[int, int]:
     return out
 
 
-def _tcp_ends() -> dict:
-    """For every established TCP connection of this network namespace: inode -> (local, remote), and
-    ("end", local, remote) -> inode, so the inode of a connection's other end is ends[("end", remote, local)]."""
-    ends: dict = {}
+def _tcp_connections() -> tuple[dict[int, tuple[str, str]], dict[tuple[str, str], int]]:
+    """Every established TCP connection of this network namespace, both ways: socket inode -> (local,
+    remote) endpoint, and (local, remote) -> socket inode."""
+    endpoints: dict[int, tuple[str, str]] = {}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             lines = open(table).read().splitlines()[1:]
@@ -220,13 +219,9 @@ def _tcp_ends() -> dict:
             continue
         for line in lines:
             fields = line.split()
-            if len(fields) < 10 or fields[3] != "01":  # 01: ESTABLISHED
-                continue
-            local, remote, inode = _v4(fields[1]), _v4(fields[2]), int(fields[9])
-            if inode:
-                ends[inode] = (local, remote)
-                ends[("end", local, remote)] = inode
-    return ends
+            if len(fields) >= 10 and fields[3] == "01" and int(fields[9]):  # 01: ESTABLISHED
+                endpoints[int(fields[9])] = (_v4(fields[1]), _v4(fields[2]))
+    return endpoints, {pair: inode for inode, pair in endpoints.items()}
 
 
 _V4_MAPPED = "0000000000000000FFFF0000"  # ::ffff:a.b.c.d as /proc/net/tcp6 prints it

@@ -151,7 +151,7 @@ class NodeView(Store):
                 raise
             for peer in self.peers:
                 if peer.has_object(digest):
-                    self.objects_opened += 1
+                    self.objects_opened += 1  # counted as this view's reads
                     return peer.open_object(digest, what)
             raise
 
