@@ -10,6 +10,8 @@
     STORE/pins/<root>                          pinned generations (:mod:`alpha_ckpt.pins`)
     STORE/verified/<root>                      what a completeness check validated (:mod:`alpha_ckpt.complete`)
     STORE/outputs/RUN/STEP/<name>              a job's declared outputs
+    STORE/instance                             this store's instance id (random, written once at its first
+                                               writable open): what the memory tier ties its generations to
 
 Every other module asks a :class:`StoreLayout` (``store.layout``) for a path or a
 directory descriptor; none joins names onto a store's root itself. Names are
@@ -28,6 +30,7 @@ PENDING = "pending"
 QUARANTINE = "quarantine"
 PINS = "pins"
 VERIFIED = "verified"
+INSTANCE = "instance"
 # Made (durably) when a store is created; the others appear on first use.
 CREATED = (OBJECTS, REFS, TMP, OUTPUTS, PENDING)
 

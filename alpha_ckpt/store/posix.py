@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import secrets
 import stat
 import threading
@@ -25,6 +26,8 @@ from .refs import MAX_REF_BYTES, REF_NAME_RE
 from ..format import is_digest
 
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+INSTANCE_BYTES = 16
+INSTANCE_RE = re.compile(r"\A[0-9a-f]{%d}\Z" % (2 * INSTANCE_BYTES))
 
 
 class PosixBackend:
@@ -98,6 +101,35 @@ class PosixBackend:
         finally:
             os.close(fd)
             os.unlink(name, dir_fd=self._tmp_fd)
+
+    def read_instance(self) -> str | None:
+        """The store's instance id, or None when it has none (an older store, or one never opened writable)."""
+        try:
+            fd = os.open(L.INSTANCE, _READ_FLAGS, dir_fd=self.root_fd)
+        except FileNotFoundError:
+            return None
+        try:
+            data = os.read(fd, 2 * INSTANCE_BYTES + 2)
+        finally:
+            os.close(fd)
+        value = data.decode("ascii", "replace").strip()
+        if not INSTANCE_RE.match(value):
+            raise Refusal(RefusalCode.FORMAT, f"store {self.layout.root!r}: its {L.INSTANCE} file is not an instance id")
+        return value
+
+    def make_instance(self) -> str:
+        """The store's instance id, written once (NOREPLACE: of two first openers, one id stands)."""
+        existing = self.read_instance()
+        if existing is not None:
+            return existing
+        value = secrets.token_hex(INSTANCE_BYTES)
+        try:
+            durable.durable_commit(tmp_dir=self._tmp_fd, dest_dir=self.root_fd,
+                                   write=lambda fd: write_all(fd, (value + "\n").encode("ascii")),
+                                   name=L.INSTANCE, kind="instance")
+        except FileExistsError:
+            return self.read_instance() or value  # another opener's id stands
+        return value
 
     def put_output(self, run: str, step: str, name: str, data: bytes) -> None:
         """Publish ``data`` as ``outputs/<run>/<step>/<name>`` once, durably; a file of that name

@@ -32,6 +32,9 @@ class RefRecord:
     published_at: float
     bytes: int
     owners: int
+    # A memory tier's ref only: the store the generation belongs to and the store's generation it descends
+    # from, {"store": instance id, "follows": [generation, root] or None}. Durable refs carry none.
+    lineage: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,8 @@ def encode_ref(r: RefRecord) -> bytes:
         "root_size": r.root_size, "prefix": r.prefix.to_json(), "published_at": r.published_at,
         "bytes": r.bytes, "owners": r.owners,
     }
+    if r.lineage is not None:
+        body["lineage"] = r.lineage
     text = canonical_json(body)
     return text + b"\n" + digest_bytes(text).encode("ascii") + b"\n"
 
@@ -158,8 +163,11 @@ def decode_ref(data: bytes, what: str) -> RefRecord:
         raise Refusal(RefusalCode.CORRUPT_SHARD, f"{what}: its checksum does not match its content")
     obj = parse_canonical_json(lines[0], what)
     keys = {"kind", "run", "step", "generation", "root", "root_size", "prefix", "published_at", "bytes", "owners"}
-    if not isinstance(obj, dict) or set(obj) != keys or obj["kind"] != "ref":
+    if not isinstance(obj, dict) or set(obj) - {"lineage"} != keys or obj["kind"] != "ref":
         raise Refusal(RefusalCode.FORMAT, f"{what}: unexpected ref fields")
+    lineage = obj.get("lineage")
+    if lineage is not None and not _is_lineage(lineage):
+        raise Refusal(RefusalCode.FORMAT, f"{what}: bad lineage")
     prefix = CapturePrefix.from_json(obj["prefix"], what)
     ints = [obj["generation"], obj["root_size"], obj["bytes"], obj["owners"]]
     published_at = obj["published_at"]
@@ -169,4 +177,13 @@ def decode_ref(data: bytes, what: str) -> RefRecord:
     if not is_digest(obj["root"]) or (obj["run"], obj["step"]) != (prefix.run, prefix.step):
         raise Refusal(RefusalCode.FORMAT, f"{what}: bad root digest or run/step")
     return RefRecord(obj["run"], obj["step"], obj["generation"], obj["root"], obj["root_size"], prefix,
-                     float(obj["published_at"]), obj["bytes"], obj["owners"])
+                     float(obj["published_at"]), obj["bytes"], obj["owners"], lineage)
+
+
+def _is_lineage(value: object) -> bool:
+    if not isinstance(value, dict) or set(value) != {"store", "follows"} or not isinstance(value["store"], str) \
+            or not re.fullmatch(r"[0-9a-f]{1,64}", value["store"]):
+        return False
+    follows = value["follows"]
+    return follows is None or (isinstance(follows, list) and len(follows) == 2 and type(follows[0]) is int
+                               and follows[0] >= 0 and is_digest(follows[1]))

@@ -6,6 +6,7 @@ may be reused); its backend (:mod:`alpha_ckpt.store.backend`) keeps the bytes.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import secrets
 import time
@@ -24,6 +25,7 @@ from .refs import History, RefRecord, UnreadableRef, check_fence, decode_ref, en
 from .write_mode import DEFAULT_WRITE_MODE, DEFAULT_WRITE_THREADS, WriteModes, check_write_threads
 
 QUARANTINE_DIR = L.QUARANTINE
+logger = logging.getLogger("alpha_ckpt")
 
 
 class Store:
@@ -44,8 +46,26 @@ class Store:
         self.write_modes = write_mode if isinstance(write_mode, WriteModes) else WriteModes(write_mode)
         self.write_threads = check_write_threads(write_threads)
         self.backend = PosixBackend(self.layout, create)
+        self._instance = self._first_writable_open() if create else None
         # Leases are files beside the objects, written through the root's descriptor (see pending.py).
         self._leases = _LeaseBook(self.backend.root_fd)
+
+    def _first_writable_open(self) -> str | None:
+        """Give a writable store its instance id if it has none; a store that cannot be written keeps none."""
+        try:
+            return self.backend.make_instance()
+        except (OSError, DurableWriteError) as exc:
+            logger.debug("store %s: no instance id (%s); the memory tier stays off for it", self.root, exc)
+            return None
+
+    @property
+    def instance(self) -> str | None:
+        """This store's instance id: random, written once at its first writable open, kept by a copy of the
+        store. A memory generation counts for this store only if it carries this id. None: the store has
+        none (read-only, or older than instance ids, and not opened writable since)."""
+        if self._instance is None:
+            self._instance = self.backend.read_instance()
+        return self._instance
 
     def close(self) -> None:
         self._leases.close()
