@@ -71,7 +71,7 @@ from .. import launch_env
 from ..launch_env import launcher_settings
 from ..manifest import encode_identity
 from ..planner import Hierarchy
-from ..memory.tier import MemoryTier, memory_directory, replica_stride
+from ..memory.tier import MemoryTier, lineage, memory_directory, rejection, replica_stride
 from ..publish.messages import Candidate, Candidates, Completion, Descriptor, Interval, Outcome
 from ..publish.publisher import Contribution, Publisher
 from ..publish.star import StarPublisher
@@ -186,12 +186,22 @@ class Checkpointer:
         # The memory tier, on a gloo group of its own: its copies between peers never interleave with
         # the training's collectives or a background publish's messages.
         self.memory: MemoryTier | None = None
+        self.memory_skipped: list[str] = []  # the last restore: newer memory generations passed over, and why
+        self._ancestor: tuple[int, str] | None = None  # rank 0: (generation, root) of self.follows
         tier_group = dist.new_group(ranks=ranks, backend="gloo") if options.memory is not None else None
         if options.memory is not None:
-            directory = memory_directory(options, self.store.root)
-            self.memory = MemoryTier(directory, rank=self.rank, world=self.world, copies=1 + options.replicas,
-                                     stride=replica_stride(self.world), group=tier_group,
-                                     identity=self.identity)
+            # A memory generation belongs to one store: it is taken only with this store's instance id.
+            instance = broadcast_json(self.store.instance if self.rank == 0 else None, global_rank(0, tier_group),
+                                      tier_group)
+            if instance is None:
+                if self.rank == 0:
+                    logger.warning("memory tier off: store %s has no instance id (it is read-only, or older and not "
+                                   "opened writable since)", self.store.root)
+            else:
+                self.memory = MemoryTier(memory_directory(options, self.store.root), instance=instance,
+                                         rank=self.rank, world=self.world, copies=1 + options.replicas,
+                                         stride=replica_stride(self.world), group=tier_group,
+                                         identity=self.identity)
         # Never closed: at exit, while the interpreter is still whole, the save thread is joined and the
         # groups made here are destroyed (gloo work outliving the interpreter aborts a finished script).
         self._release = weakref.finalize(self, _release, self._saver,
@@ -252,7 +262,7 @@ class Checkpointer:
             self._due_asked = False
             return SaveResult(skipped=True)
         t0 = time.monotonic()
-        tier = DURABLE if durable else self.schedule.next_tier()  # the same on every rank
+        tier = DURABLE if durable or self.memory is None else self.schedule.next_tier()  # the same on every rank
         durable = tier == DURABLE
         refused = None
         try:
@@ -271,6 +281,7 @@ class Checkpointer:
             result = completed(self._exchange(prefix, captured, regions, tensors, self._control, refused, durable),
                                dict(self.last_save))
             cost = time.monotonic() - t0
+            tier = self.last_save["tier"]  # durable after all when the memory tier could not hold it
         else:
             stats: dict = {}
 
@@ -285,7 +296,8 @@ class Checkpointer:
             cost = result.stall_s
         self.schedule.saved(cost, tier)
         if self.options.announce and self.rank == 0 and not result.skipped:
-            announce_save(self.run, self.step, update, tier, result, cost)
+            announce_save(self.run, self.step, update, tier, result, cost,
+                          self.last_save.get("memory_skipped") if self._saver is None else None)
         if self.schedule.auto and self._due_asked:
             self._replan(update)  # after a save the schedule asked for (not after one the script adds)
         self._due_asked = False
@@ -361,36 +373,67 @@ class Checkpointer:
                 self._metadata(layout) if self.rank == 0 else {},
                 lambda digests: replica_digests(regions, wrote, digests, others.result()), self.follows, group)
             in_memory = self._publish_in_memory(contribution) if self.memory is not None else None
+            memory_skipped = None if in_memory is None or in_memory.outcome.ok else in_memory.outcome.reason
+            if memory_skipped is not None and not durable:
+                durable, tier = True, DURABLE  # the tier could not hold it (the same verdict on every rank): the store does
             completion = self._publisher.publish(contribution) if durable else in_memory
         completion.outcome.raise_failure()
         if durable and self.rank == 0:
-            self.follows = completion.generation
-        if in_memory is not None and not in_memory.outcome.ok and durable:
-            logger.warning("update %d is durable but not held in memory: %s", prefix.update, in_memory.outcome.message)
+            self.follows, self._ancestor = completion.generation, (completion.generation, completion.root)
+        if memory_skipped is not None and self.rank == 0:
+            logger.warning("update %d is durable but not held in memory: %s", prefix.update, memory_skipped)
         # Every rank learns what the publish wrote in all (the tree's ranks write their own shards).
         total = torch.tensor([self.store.bytes_written - written], dtype=torch.int64)
         dist.all_reduce(total, group=group)
         self.last_save = {"root": completion.root, "update": prefix.update, "generation": completion.generation,
                           "bytes": completion.bytes, "bytes_written": int(total.item()), "tier": tier,
                           "seconds": time.monotonic() - started}
-        if self.memory is not None and self.memory.last is not None:
-            self.last_save.update(memory_ok=bool(in_memory and in_memory.outcome.ok),
-                                  memory_bytes_sent=self.memory.last.bytes_sent,
-                                  memory_held_bytes=self.memory.held_bytes())
+        if self.memory is not None:
+            self.last_save.update(memory_ok=memory_skipped is None, memory_skipped=memory_skipped,
+                                  memory_bytes_sent=self.memory.last.bytes_sent if self.memory.last else 0,
+                                  memory_held_bytes=self._held_bytes())
         if durable and self.rank == 0:
             self._retain()
         return completion.root
 
     def _publish_in_memory(self, contribution: Contribution):
-        """The same contribution into this rank's holder, then copies to peers (the tier's refs once they stand);
-        a failed completion when the generation does not count in memory."""
+        """The same contribution into this rank's holder, then copies to peers (the tier's refs once they stand,
+        each recording the store's generation this one descends from); a failed completion, the same on every
+        rank, when the generation does not count in memory."""
+        self.memory.last = None
         completion = self.memory.publisher().publish(dataclasses.replace(contribution, follows=None))
         if not completion.outcome.ok:
-            return completion
-        report = self.memory.replicate(contribution.prefix, completion, owners=self.world)
+            return Completion.failed(Outcome(False, f"the memory tier: {completion.outcome.reason}"))
+        report = self.memory.replicate(contribution.prefix, completion, owners=self.world,
+                                       lineage_=self._lineage() if self.rank == 0 else None)
         if report.failure is not None:
             return Completion.failed(Outcome(False, f"the memory tier: {report.failure}"))
         return completion
+
+    def _lineage(self) -> dict:
+        """Rank 0: what a memory generation saved now descends from (the store's generation self.follows)."""
+        if not self.follows:
+            self._ancestor = None
+        elif self._ancestor is None or self._ancestor[0] != self.follows:
+            record = next((r for r in self.store.history(self.run, self.step).records if r.generation == self.follows),
+                          None)
+            self._ancestor = (record.generation, record.root) if record is not None else None
+        return lineage(self.memory.instance, self._ancestor)
+
+    def _held_bytes(self) -> int:
+        try:
+            return self.memory.held_bytes()
+        except OSError:
+            return 0
+
+    def _memory_rejects(self):
+        """Rank 0: why a memory generation is not this store's (None: it is), from this store's history."""
+        records = self.store.history(self.run, self.step).records
+        held, roots = {(r.generation, r.root) for r in records}, {r.root for r in records}
+
+        def holds(generation: int | None, root: str) -> bool:
+            return root in roots if generation is None else (generation, root) in held
+        return lambda root, lineage_: rejection(lineage_, root, self.memory.instance, holds)
 
     def _metadata(self, layout) -> dict:
         """The root manifest's metadata: the script's, the identity, the ranks' devices, the saved layout."""
@@ -433,6 +476,7 @@ class Checkpointer:
         if branch and root in (None, "latest"):
             raise ValueError("branch=True needs the root digest of the generation to branch from")
         choice = Choice(self.store, self.run, self.step)
+        self.memory_skipped = []
         candidates = self._candidates(choice, root, branch)
         if self.memory is not None and root == "latest" and not branch:
             counters = self._restore_from_memory(state, candidates, per_rank)
@@ -458,8 +502,13 @@ class Checkpointer:
         """Collective: restore the newest generation the memory tier holds, if it is newer than the store's
         newest (or the same), every copy verified first; None: the durable store's turn (nothing newer in
         memory, or something missing or damaged anywhere: every rank falls back together)."""
-        offer = self.memory.newest(self.run, self.step)
+        offer = self.memory.newest(self.run, self.step, self._memory_rejects() if self.rank == 0 else None)
         if offer is None:
+            return None
+        self.memory_skipped = list(offer.skipped)
+        if self.memory_skipped and self.rank == 0:
+            logger.warning("memory tier: %s/%s: passed over %s", self.run, self.step, "; ".join(self.memory_skipped))
+        if not offer.root:
             return None
         newer = None
         if self.rank == 0:
@@ -519,6 +568,8 @@ class Checkpointer:
     def _restored(self, counters: Counters, epoch: int, **read: Any) -> Counters:
         """Every rank, once its state holds the generation: what it read, the new epoch, the schedule, the line."""
         self.last_restore.update(read)
+        if self.memory_skipped:
+            self.last_restore["memory_skipped"] = list(self.memory_skipped)
         self.epoch = epoch
         self.schedule.restored()
         self._announce(counters)
@@ -545,7 +596,7 @@ class Checkpointer:
                                 time.monotonic() - self._restore_started, self.group)
         if self.options.announce:
             announce(self.run, self.step, counters, self.last_restore["bytes_read"] if counters else 0,
-                     self.rank, self.group)
+                     self.rank, self.group, memory_skipped=self.memory_skipped)
 
     def close(self) -> None:
         """Drain an asynchronous save (raising its failure), then release the store."""

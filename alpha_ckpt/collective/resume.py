@@ -183,9 +183,11 @@ def roles_holding(manifest, wanted: Sequence[WantedSlice]) -> list[int] | None:
     return sorted(r for r in roles if 0 <= r < manifest.owners) if manifest.owners else None
 
 
-def announce(run: str, step: str, counters: Counters | None, bytes_read: int, rank: int, group: Any) -> None:
+def announce(run: str, step: str, counters: Counters | None, bytes_read: int, rank: int, group: Any, *,
+             memory_skipped: list[str] | None = None) -> None:
     """Collective: one line from rank 0 saying what the script resumed from (update, root, bytes read
-    by every rank) or that it starts fresh. A terminal gets words, a log collector one JSON event."""
+    by every rank) or that it starts fresh, and which memory generations it passed over and why. A
+    terminal gets words, a log collector one JSON event."""
     read = torch.tensor([bytes_read if counters is not None else 0], dtype=torch.int64)
     if counters is not None:  # the same branch on every rank: they all restored, or none did
         if dist.get_backend(group) == "nccl":
@@ -196,6 +198,8 @@ def announce(run: str, step: str, counters: Counters | None, bytes_read: int, ra
     fields = {"run": run, "step": step}
     if counters is not None:
         fields.update(update=counters.update, root=counters.root, bytes_read=int(read.item()))
+    if memory_skipped:
+        fields["memory_skipped"] = list(memory_skipped)
     if is_tty(sys.stderr):
         line = (f"alpha-run: {run}/{step} restored update {counters.update} from {counters.root} "
                 f"({format_bytes(fields['bytes_read'])} read)" if counters is not None else
@@ -207,12 +211,16 @@ def announce(run: str, step: str, counters: Counters | None, bytes_read: int, ra
     os.write(sys.stderr.fileno(), (line + "\n").encode("utf-8", "replace"))  # one write: ranks share stderr
 
 
-def announce_save(run: str, step: str, update: int, tier: str, result: Any, cost_s: float) -> None:
+def announce_save(run: str, step: str, update: int, tier: str, result: Any, cost_s: float,
+                  memory_skipped: str | None = None) -> None:
     """Rank 0 of an alpha-run script, after each save: one ``checkpoint_saved`` JSON event saying which tier
     it went to (a log collector's; a terminal gets none: a line per save would bury the script's own)."""
     if is_tty(sys.stderr):
         return
     root = result.root if result.done() else None  # an asynchronous save's root is not known yet
     buffer = io.StringIO()
-    emit("checkpoint_saved", buffer, **save_event_fields(run, step, update, root, tier, cost_s))
+    fields = save_event_fields(run, step, update, root, tier, cost_s)
+    if memory_skipped:
+        fields["memory_skipped"] = memory_skipped  # the memory copy did not stand: why (the save is durable)
+    emit("checkpoint_saved", buffer, **fields)
     os.write(sys.stderr.fileno(), buffer.getvalue().encode("utf-8", "replace"))

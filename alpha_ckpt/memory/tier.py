@@ -31,6 +31,8 @@ durable store together.
 from __future__ import annotations
 
 import logging
+import fcntl
+import json
 import os
 import shutil
 import tempfile
@@ -42,9 +44,10 @@ import blake3
 import torch
 import torch.distributed as dist
 
-from .. import launch_env
+from .. import durable, launch_env
+from ..store._posix import write_all
 
-from ..errors import DurableWriteError, Refusal, RefusalCode, UsageError
+from ..errors import DurableWriteError, Refusal, RefusalCode, StoreUsageError, UsageError
 from ..format import CapturePrefix, ShardRef
 from ..generation import open_generation
 from ..manifest import check_root_manifest
@@ -60,6 +63,7 @@ from .transfer import TransferReport, copy_through_files, run_transfers
 logger = logging.getLogger("alpha_ckpt")
 
 DEFAULT_PARENT = "/dev/shm"
+STORE_PREFIX = "store-"  # + a store's instance id: the holders of that store under a tier directory
 KEEP_GENERATIONS = 2  # memory generations each holder keeps: the newest, and the one a failed save leaves standing
 MIN_HOLDERS = 2       # a memory generation counts only when every object it names has this many holders
 
@@ -75,6 +79,8 @@ class MemoryGeneration(Record):
     holders: list = field(default_factory=list)  # recovery: the ranks whose holders name the root
     epoch: int = 0
     update: int = 0
+    lineage: dict | None = None  # {"store": instance id, "follows": [generation, root] or None}: see Lineage
+    skipped: list = field(default_factory=list)  # recovery: why newer generations were not taken
 
 
 @dataclass
@@ -123,6 +129,126 @@ def memory_directory(options: Any, store_root: str) -> str:
     return os.path.join(parent, f"alpha-ckpt-{os.getuid()}", key)
 
 
+def store_tier_directory(directory: str, instance: str) -> str:
+    """Where the holders of the store with instance id ``instance`` lie under the tier directory
+    ``directory``: stores sharing a tier directory never share a holder."""
+    return os.path.join(directory, f"{STORE_PREFIX}{instance}")
+
+
+def holders_of(directory: str, store: str) -> str:
+    """The holders' directory of the store at path ``store`` under the tier directory ``directory`` (tools
+    and tests: where a job's memory copies of that store lie)."""
+    with Store(store, create=False) as opened:
+        if opened.instance is None:
+            raise UsageError(f"store {store!r} has no instance id: no memory tier holds its generations")
+        return store_tier_directory(os.path.abspath(directory), opened.instance)
+
+
+def lineage(instance: str, follows: tuple[int, str] | None) -> dict:
+    """What a memory generation records of where it comes from: the store's instance id, and the store's
+    generation (number, root) it descends from (None: none yet; such a generation is taken only if the
+    store holds its very root)."""
+    return {"store": instance, "follows": list(follows) if follows is not None else None}
+
+
+def rejection(lineage_: dict | None, root: str, instance: str, holds: Callable[[int | None, str], bool]) -> str | None:
+    """Why a memory generation ``root`` with ``lineage_`` is not this store's (None: it is). ``holds(generation,
+    root)`` says whether the store holds that generation (generation None: any with that root). Pure."""
+    if lineage_ is None:
+        return "it records no store it belongs to"
+    if lineage_["store"] != instance:
+        return f"it belongs to another store (instance {lineage_['store'][:12]}..., this store is {instance[:12]}...)"
+    if holds(None, root):
+        return None
+    follows = lineage_["follows"]
+    if follows is None:
+        return "it descends from no generation this store holds"
+    if not holds(follows[0], follows[1]):
+        return f"it descends from generation {follows[0]} (root {follows[1][:16]}...), which this store does not hold"
+    return None
+
+
+class Job:
+    """Who uses a store's holders under a tier directory: the launcher process of this node (its pid and
+    start time, so a reused pid is not taken for it) and the launch's run id (torchrun's rendezvous id,
+    alpha-run's launch). A job is dead once its launcher is gone and the run id is not this job's: a
+    restart within the same run keeps its holders, under a new launcher process too."""
+
+    FILE = "job.json"
+    UNNAMED_RUNS = (None, "", "none")  # torchrun's default rendezvous id names no particular run
+
+    def __init__(self, launcher: int, started: int | None, run_id: str | None):
+        self.launcher, self.started, self.run_id = launcher, started, run_id
+
+    @classmethod
+    def this(cls) -> "Job":
+        parent = os.getppid()
+        return cls(parent, _process_start(parent), os.environ.get("TORCHELASTIC_RUN_ID"))
+
+    def to_json(self) -> dict:
+        return {"launcher": self.launcher, "started": self.started, "run_id": self.run_id}
+
+    @classmethod
+    def read(cls, directory: str) -> "Job | None":
+        try:
+            with open(os.path.join(directory, cls.FILE), "rb") as f:
+                obj = json.loads(f.read(4096))
+            return cls(int(obj["launcher"]), obj["started"], obj["run_id"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def same_run(self, other: "Job") -> bool:
+        return self.run_id not in self.UNNAMED_RUNS and self.run_id == other.run_id
+
+    def alive(self) -> bool:
+        started = _process_start(self.launcher)
+        return started is not None and (self.started is None or started == self.started)
+
+
+def _process_start(pid: int) -> int | None:
+    """A process's start time in clock ticks since boot (None: no such process)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        try:
+            os.kill(pid, 0)
+            return None if pid <= 0 else -1  # alive, start time unknown (no /proc)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            return -1
+
+
+def claim_store_directory(directory: str, instance: str, job: Job) -> str:
+    """Make the holders' directory of store ``instance`` under the tier directory ``directory`` this job's:
+    first remove every store directory there whose job is dead (host memory a crashed job left behind),
+    then create this store's if missing, naming this job. Under a lock: the ranks of one node do it at once."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, ".lock"), "a+b") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        for name in os.listdir(directory):
+            path = os.path.join(directory, name)
+            if not name.startswith(STORE_PREFIX) or os.path.islink(path) or not os.path.isdir(path):
+                continue
+            owner = Job.read(path)
+            if owner is not None and not owner.same_run(job) and not owner.alive():
+                shutil.rmtree(path, ignore_errors=True)
+        mine = store_tier_directory(directory, instance)
+        os.makedirs(mine, exist_ok=True)
+        if not os.path.exists(os.path.join(mine, Job.FILE)):
+            fd = os.open(mine, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                durable.durable_commit(tmp_dir=fd, dest_dir=fd, name=Job.FILE, kind="tier-job",
+                                       write=lambda f: write_all(f, json.dumps(job.to_json()).encode()))
+            except FileExistsError:
+                pass
+            finally:
+                os.close(fd)
+    return mine
+
+
 def replica_stride(world: int) -> int:
     """Copies go ``stride`` ranks away: the ranks of one node apart when the job spans nodes (so a copy is
     on another node), the next rank on one node."""
@@ -164,17 +290,31 @@ class NodeView(Store):
 class MemoryTier:
     """This rank's holder and the tier's collective steps over ``group`` (a gloo group of the tier's own)."""
 
-    def __init__(self, directory: str, *, rank: int, world: int, copies: int, stride: int = 1, group: Any = None,
-                 identity: Any = None):
+    def __init__(self, directory: str, *, instance: str, rank: int, world: int, copies: int, stride: int = 1,
+                 group: Any = None, identity: Any = None):
+        """Collective over ``group``. ``directory``: the tier directory (shared by stores; each store's holders
+        lie under their own directory in it, named by the store's ``instance`` id). A tier that cannot be
+        written on any rank is a :class:`UsageError` on every rank."""
         if world < MIN_HOLDERS:
             raise UsageError(f"the memory tier keeps copies on peer ranks: it needs at least {MIN_HOLDERS} ranks, "
                              f"this group has {world}")
         if copies < MIN_HOLDERS:
             raise UsageError(f"the memory tier needs at least one copy on a peer (replicas >= 1)")
-        self.directory = directory
         self.rank, self.world, self.copies, self.stride, self.group = rank, world, copies, stride, group
-        os.makedirs(directory, exist_ok=True)
-        self.holder = Store(holder_directory(directory, rank), create=True, write_mode="buffered")
+        self.instance = instance
+        problem, self.holder = None, None
+        try:
+            self.directory = claim_store_directory(directory, instance, Job.this())
+            self.holder = Store(holder_directory(self.directory, rank), create=True, write_mode="buffered")
+            self.holder.probe_write()
+        except (OSError, Refusal, StoreUsageError, DurableWriteError) as exc:
+            problem = f"rank {rank}: {exc}"
+        problems = broadcast_json(gather_json(problem, global_rank(0, group), group), global_rank(0, group), group)
+        failed = [p for p in problems if p is not None]
+        if failed:
+            if self.holder is not None:
+                self.holder.close()
+            raise UsageError(f"memory tier directory {directory!r} cannot hold the tier ({failed[0]})")
         self.identity = identity
         self.last: TierReport | None = None
         self._publisher = _HolderPublisher(self.holder, rank, world, identity=identity)
@@ -232,13 +372,16 @@ class MemoryTier:
 
     # ------------------------------------------------------------------ save
 
-    def replicate(self, prefix: CapturePrefix, completion: Completion, owners: int) -> TierReport:
+    def replicate(self, prefix: CapturePrefix, completion: Completion, owners: int,
+                  lineage_: dict | None = None) -> TierReport:
         """Collective, after a memory publish: copies until every object has ``copies`` holders, then the ref
-        on every holder (only if every object has at least two verified holders), then retention."""
+        on every holder (only if every object has at least two verified holders), then retention.
+        ``lineage_`` (rank 0's, see :func:`lineage`) is recorded in every holder's ref."""
         started = time.monotonic()
         generation = None
         if self.rank == 0:
-            generation = MemoryGeneration(completion.root, completion.bytes, self._publisher.named.pop(completion.root, []))
+            generation = MemoryGeneration(completion.root, completion.bytes, self._publisher.named.pop(completion.root, []),
+                                          lineage=lineage_)
         generation = MemoryGeneration.from_json(broadcast_json(generation.to_json() if generation else None,
                                                                global_rank(0, self.group), self.group))
         objects = [(generation.root, generation.root_size)] + [(d, int(s)) for d, s in generation.objects]
@@ -256,18 +399,28 @@ class MemoryTier:
             failure = f"{len(short)} objects have fewer than {MIN_HOLDERS} holders"
         if failure is None:
             total = sum(s for _, s in objects)
-            self._put_ref(prefix, generation.root, generation.root_size, total, owners)
-        else:
+            try:
+                self._put_ref(prefix, generation.root, generation.root_size, total, owners, generation.lineage)
+            except (OSError, Refusal, DurableWriteError) as exc:
+                failure = f"rank {self.rank}: its ref could not be written: {exc}"
+            if any_rank(failure is not None, self.group):
+                failure = failure or "another rank could not write its ref"
+        if failure is not None:
             logger.warning("memory save of update %d does not count: %s", prefix.update, failure)
-        self._retain(prefix.run, prefix.step)
+        try:
+            self._retain(prefix.run, prefix.step)
+        except (OSError, Refusal) as exc:  # what is kept too long costs memory, never a save
+            logger.warning("memory tier: retention in %s did not run: %s", self.holder.root, exc)
         self.last = TierReport(moved.bytes_sent, moved.bytes_received, time.monotonic() - started, failure)
         return self.last
 
-    def _put_ref(self, prefix: CapturePrefix, root: str, root_size: int, total: int, owners: int) -> None:
+    def _put_ref(self, prefix: CapturePrefix, root: str, root_size: int, total: int, owners: int,
+                 lineage_: dict | None) -> None:
         """This holder's ref for ``root``, numbered after its own newest (holders number independently)."""
         for _ in range(3):
             top = self.holder.history(prefix.run, prefix.step).top
-            record = RefRecord(prefix.run, prefix.step, top + 1, root, root_size, prefix, time.time(), total, owners)
+            record = RefRecord(prefix.run, prefix.step, top + 1, root, root_size, prefix, time.time(), total, owners,
+                               lineage_)
             try:
                 self.holder.put_ref(record)
                 return
@@ -304,26 +457,37 @@ class MemoryTier:
 
     # ------------------------------------------------------------------ recovery
 
-    def newest(self, run: str, step: str) -> MemoryGeneration | None:
+    def newest(self, run: str, step: str,
+               rejects: Callable[[str, dict | None], str | None] = lambda root, lineage_: None) -> MemoryGeneration | None:
         """Collective: rank 0 learns every holder's refs and answers the newest generation any of them
-        names, with the ranks naming it (every rank gets the same answer)."""
+        names that ``rejects(root, lineage)`` (rank 0's) does not reject, with the ranks naming it (every rank
+        gets the same answer). The answer's ``skipped`` says why each newer generation was passed over; an
+        answer with no root (``root == ""``) means none was taken but some were skipped."""
         mine = []
         for r in self.holder.list_refs(run, step):
             if isinstance(r, RefRecord):
-                mine.append([r.root, r.root_size, r.prefix.epoch, r.prefix.update, r.published_at])
+                mine.append([r.root, r.root_size, r.prefix.epoch, r.prefix.update, r.published_at, r.lineage])
         heard = gather_json(mine, global_rank(0, self.group), self.group)
         answer = None
         if self.rank == 0:
-            best, named = None, {}
+            named: dict[str, set[int]] = {}
+            seen: dict[str, list] = {}
             for rank, refs in enumerate(heard):
-                for root, size, epoch, update, at in refs:
+                for root, size, epoch, update, at, lineage_ in refs:
                     named.setdefault(root, set()).add(rank)
                     key = (epoch, update, at)
-                    if best is None or key > best[0]:
-                        best = (key, root, size)
-            if best is not None:
-                answer = MemoryGeneration(best[1], int(best[2]), holders=sorted(named[best[1]]),
-                                          epoch=int(best[0][0]), update=int(best[0][1]))
+                    if root not in seen or key > seen[root][0]:
+                        seen[root] = [key, size, lineage_]
+            skipped = []
+            for root, (key, size, lineage_) in sorted(seen.items(), key=lambda kv: kv[1][0], reverse=True):
+                reason = rejects(root, lineage_)
+                if reason is None:
+                    answer = MemoryGeneration(root, int(size), holders=sorted(named[root]), epoch=int(key[0]),
+                                              update=int(key[1]), lineage=lineage_, skipped=skipped)
+                    break
+                skipped.append(f"update {key[1]} (root {root[:16]}...): {reason}")
+            if answer is None and skipped:
+                answer = MemoryGeneration("", 0, skipped=skipped)
         got = broadcast_json(answer.to_json() if answer else None, global_rank(0, self.group), self.group)
         return MemoryGeneration.from_json(got) if got is not None else None
 

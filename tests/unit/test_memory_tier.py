@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from alpha_ckpt import Checkpointer
-from alpha_ckpt.memory.tier import holder_directory
+from alpha_ckpt.generation import open_generation
+from alpha_ckpt.memory.tier import holder_directory, holders_of
 from alpha_ckpt.store import RefRecord, Store
 from ranks import run_ranks
 from test_checkpointer import IDENTITY, MASKS, Script
@@ -53,8 +54,8 @@ def straight(rank, world, steps):
     return {"digest": script.digest(), "losses": script.losses}
 
 
-def _memory_refs(memory: Path, rank: int) -> list[RefRecord]:
-    with Store(holder_directory(str(memory), rank), create=False) as holder:
+def _memory_refs(memory: Path, store: Path, rank: int) -> list[RefRecord]:
+    with Store(holder_directory(holders_of(str(memory), str(store)), rank), create=False) as holder:
         return [r for r in holder.list_refs("r", "train") if isinstance(r, RefRecord)]
 
 
@@ -70,7 +71,7 @@ def test_a_rank_lost_after_memory_saves_resumes_the_newest_from_memory_bit_ident
         durable = [r.root for r in s.list_refs("r", "train")]
     assert durable == [saved[0]["saves"][0]["root"], saved[0]["saves"][3]["root"]]
     for rank in range(2):
-        assert [r.root for r in _memory_refs(memory, rank)] == [saved[0]["saves"][3]["root"],
+        assert [r.root for r in _memory_refs(memory, store, rank)] == [saved[0]["saves"][3]["root"],
                                                                 saved[0]["saves"][4]["root"]]  # the two newest
     shutil.rmtree(store / "objects")  # the store's bytes are gone: a memory recovery must not need them
     os.makedirs(store / "objects")
@@ -81,7 +82,7 @@ def test_a_rank_lost_after_memory_saves_resumes_the_newest_from_memory_bit_ident
         assert resumed[r]["from_store"] == 0 and resumed[r]["from_peers"] == 0
         assert saved[r]["losses"] + resumed[r]["losses"] == reference[r]["losses"]
         assert resumed[r]["digest"] == reference[r]["digest"]
-    assert not os.path.exists(holder_directory(str(memory), 0))  # close(): the script is done with the tier
+    assert not os.path.exists(holder_directory(holders_of(str(memory), str(store)), 0))  # close(): the script is done with the tier
 
 
 @pytest.mark.parametrize("nodes", ["one", "one-per-rank"])
@@ -90,7 +91,7 @@ def test_a_lost_holder_is_refilled_from_its_peers_and_the_job_resumes_on_another
     # directory each): the copies go over the tier's gloo group.
     store, memory = tmp_path / "store", str(tmp_path / "memory") + ("-{rank}" if nodes == "one-per-rank" else "")
     run_ranks(2, save_steps, str(store), memory, 3, 5, tmp=tmp_path)
-    shutil.rmtree(holder_directory(_of_rank(memory, 1), 1))  # rank 1's memory is gone
+    shutil.rmtree(holder_directory(holders_of(_of_rank(memory, 1), str(store)), 1))  # rank 1's memory is gone
     resumed = run_ranks(3, resume, str(store), memory, 3, "drop", tmp=tmp_path)
     assert [r["tier"] for r in resumed] == ["memory"] * 3
     assert all(r["update"] == 3 and r["from_store"] == 0 for r in resumed)
@@ -115,17 +116,19 @@ def _flip_one_byte(path: str) -> None:
 def test_a_damaged_or_lost_memory_copy_makes_every_rank_fall_back_to_the_newest_durable_generation(tmp_path, damage):
     store, memory = tmp_path / "store", tmp_path / "memory"
     saved = run_ranks(3, save_steps, str(store), str(memory), 4, 3, tmp=tmp_path)
-    newest = _memory_refs(memory, 0)[-1].root
+    newest = _memory_refs(memory, store, 0)[-1].root
     assert newest == saved[0]["saves"][3]["root"]
     if damage == "flipped-peer-copy":
         # a shard rank 1 wrote, in the copy its peer (rank 2) holds
-        with Store(holder_directory(str(memory), 1), create=False) as h1, \
-                Store(holder_directory(str(memory), 2), create=False) as h2:
-            shared = [d for d in h1.iter_objects() if h2.has_object(d) and d != newest]
+        with Store(holder_directory(holders_of(str(memory), str(store)), 1), create=False) as h1, \
+                Store(holder_directory(holders_of(str(memory), str(store)), 2), create=False) as h2:
+            with open_generation(h1, newest, role=0, wanted=[]) as head:  # a shard of the newest, not an older one
+                named = {s.digest for s in head.manifest.shards}
+            shared = sorted(d for d in h1.iter_objects() if h2.has_object(d) and d in named)
             _flip_one_byte(h2.object_path(shared[0]))
     else:
-        shutil.rmtree(holder_directory(str(memory), 0))
-        shutil.rmtree(holder_directory(str(memory), 1))  # rank 0's shards had copies only there
+        shutil.rmtree(holder_directory(holders_of(str(memory), str(store)), 0))
+        shutil.rmtree(holder_directory(holders_of(str(memory), str(store)), 1))  # rank 0's shards had copies only there
     with Store(str(store), create=False) as s:
         before = sorted(os.listdir(s.root))
     resumed = run_ranks(3, resume, str(store), str(memory), 6, tmp=tmp_path)
@@ -145,7 +148,7 @@ def test_each_holder_keeps_only_the_two_newest_memory_generations(tmp_path):
     held = [s["held"] for s in saved[0]["saves"]]
     assert max(held[2:]) <= 1.5 * held[1]  # bounded: two generations' worth, not one more per save
     for rank in range(2):
-        assert len(_memory_refs(memory, rank)) == 2
+        assert len(_memory_refs(memory, store, rank)) == 2
 
 
 def test_alpha_run_removes_the_memory_tiers_of_launchers_that_died_and_keeps_the_living_ones(tmp_path):

@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from alpha_ckpt import Checkpointer, PerRank
-from alpha_ckpt.memory.tier import holder_directory
+from alpha_ckpt.memory.tier import holder_directory, holders_of
 from alpha_ckpt.store import Store
 from ranks import run_ranks
 
@@ -67,19 +67,19 @@ def test_a_restore_with_the_memory_tier_gives_the_newest_intact_generation_bit_f
         durable = [u for u in range(1, saves + 1) if (u - 1) % durable_every == 0]
         lost = data.draw(st.sets(st.integers(0, world - 1), max_size=world), label="lost holders")
         flip = data.draw(st.none() | st.integers(0, world - 1), label="holder with a flipped copy")
-        with Store(holder_directory(memory, 0), create=False) as h0:
+        with Store(holder_directory(holders_of(memory, store), 0), create=False) as h0:
             newest = max((r for r in h0.list_refs("p", "train")), key=lambda r: r.generation)
             with open_root(h0, newest.root) as names:
                 closure = names
         damaged = False
         if flip is not None and flip not in lost:
-            with Store(holder_directory(memory, flip), create=False) as h:
+            with Store(holder_directory(holders_of(memory, store), flip), create=False) as h:
                 held = sorted(d for d in closure if h.has_object(d))
                 target = data.draw(st.sampled_from(held), label="flipped object")
                 _flip(h.object_path(target))
                 damaged = True
         for rank in lost:
-            shutil.rmtree(holder_directory(memory, rank))
+            shutil.rmtree(holder_directory(holders_of(memory, store), rank))
         copies = min(1 + replicas, world)
         # every rank writes objects; the copies of rank w's are on w .. w + copies - 1
         orphaned = any(all((w + j) % world in lost for j in range(copies)) for w in range(world))
