@@ -23,7 +23,8 @@ import importlib
 
 # Importing the package starts no thread and installs no signal handler: alpha-run's processes
 # bind their lives to the launcher themselves (alpha_ckpt/script_runner.py, alpha_ckpt/job/__main__.py).
-from .errors import DurableWriteError, PublishConflict, Refusal, RefusalCode, UsageError  # torch-free
+from .errors import (DurableWriteError, PublishConflict, Refusal, RefusalCode, UsageError,  # torch-free
+                     WorkerRNGWarning)
 
 __version__ = "0.1.0"
 
@@ -33,15 +34,16 @@ __version__ = "0.1.0"
 _LAZY = {
     "save": "api", "save_async": "api", "restore": "api", "load": "api", "verify": "api", "latest": "api", "Latest": "api",
     "Skipped": "api", "AsyncSaver": "async_save", "SaveHandle": "async_save", "ShardCarry": "writer",
-    "Published": "writer", "RNGState": "state", "CapturedState": "state", "capture_state": "state",
+    "Published": "writer", "RNGState": "state", "WorkerRNGDataset": "state.loaders", "CapturedState": "state",
+    "capture_state": "state",
     "PerRank": "state.placement", "Partitioned": "state.placement", "Store": "store", "Counters": "reader",
     "CapturePrefix": "format", "Checkpointer": "collective", "CheckpointerOptions": "collective",
     "SaveResult": "collective", "run_resilient": "resilient",
 }
 __all__ = ["save", "save_async", "AsyncSaver", "SaveHandle", "ShardCarry", "restore", "verify", "latest", "Latest",
-           "Skipped", "RNGState", "Checkpointer", "CheckpointerOptions", "SaveResult", "PerRank", "Partitioned",
-           "Store", "Refusal", "RefusalCode", "Counters", "DurableWriteError", "PublishConflict", "UsageError",
-           "run_resilient"]
+           "Skipped", "RNGState", "WorkerRNGDataset", "Checkpointer", "CheckpointerOptions", "SaveResult", "PerRank",
+           "Partitioned", "Store", "Refusal", "RefusalCode", "Counters", "DurableWriteError", "PublishConflict",
+           "UsageError", "WorkerRNGWarning", "run_resilient"]
 
 
 def __getattr__(name: str):

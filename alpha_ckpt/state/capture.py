@@ -26,6 +26,7 @@ from ..errors import Refusal, RefusalCode
 from ..format import RegionDecl
 from ..manifest import regions_of
 from ..values import encode_value
+from .loaders import warn_if_worker_generators_unsaved
 from .placement import Partitioned, PerRank, dtensor_part, is_dtensor
 
 
@@ -112,6 +113,7 @@ def capture_state(state: Mapping[str, Any], rank: int = 0, world: int = 1, rules
             tensor = torch.from_numpy(np.ascontiguousarray(obj).reshape(obj.shape))
             return {"ndarray": add(name, tensor, rank0(tensor) if kind == "rank0" else None)}
         if is_stateful(obj):
+            warn_if_worker_generators_unsaved(obj)
             inner = obj.state_dict()
             if not isinstance(inner, Mapping):
                 raise ValueError(f"state entry {name!r}: state_dict() returned a {type(inner).__name__}, not a dict")

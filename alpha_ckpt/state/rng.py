@@ -20,18 +20,23 @@ class RNGState:
     """
 
     def state_dict(self) -> dict[str, Any]:
-        bit_generator = np.random.get_state(legacy=False)
-        return {
-            "python": random.getstate(),
-            "numpy": bit_generator,
-            "torch": torch.get_rng_state(),
-            "cuda": list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else [],
-        }
+        return {**cpu_generators_state(),
+                "cuda": list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else []}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        random.setstate(state["python"])
-        np.random.set_state(state["numpy"])
-        torch.set_rng_state(state["torch"])
+        set_cpu_generators_state(state)
         if state["cuda"]:
             torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def cpu_generators_state() -> dict[str, Any]:
+    """Python's ``random``, NumPy's global generator and torch's CPU generator, as they are now."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(legacy=False), "torch": torch.get_rng_state()}
+
+
+def set_cpu_generators_state(state: Mapping[str, Any]) -> None:
+    """Set the generators of :func:`cpu_generators_state` from what it returned."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
 
