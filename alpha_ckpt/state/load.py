@@ -34,10 +34,16 @@ from ..format import RegionDecl
 from ..manifest import describe_region, dtype_name, matches_any, refuse_mismatch, torch_dtype
 from ..values import PerRankSaved, RegionRef, decode_value, dotted_leaves as _refs
 from .capture import capture_state, is_stateful
+from .compiled import WRAPPED, plain_keys
 from .loaders import settle_lazy_load
 from .placement import Partitioned, PerRank, is_dtensor, restore_ranges
 
 _ABSENT = object()
+_COMPILED_HINT = (
+    "; entries with an _orig_mod segment are keys of a torch.compile'd module's state_dict(): a module put in "
+    "the state itself, compiled or not, saves and matches its keys without them, while a plain dict of them "
+    "(a compiled module's state_dict(), or a module saved by an alpha_ckpt older than that) matches only the "
+    "same compiled module, or the same plain dict")
 
 
 @dataclass
@@ -63,7 +69,10 @@ class LoadPlan:
                            f"{', '.join(self.placement_bound[:10])} (restore with per_rank=\"drop\" to start "
                            "them afresh)")
         if self.missing or self.unexpected or self.differ:
-            return refuse_mismatch(what, self.missing, self.unexpected, self.differ, self.dtype_only)
+            refusal = refuse_mismatch(what, self.missing, self.unexpected, self.differ, self.dtype_only)
+            if any(WRAPPED in name.split(".") for name in self.missing + self.unexpected):
+                return Refusal(refusal.code, refusal.message + _COMPILED_HINT)
+            return refusal
         return None
 
 
@@ -230,14 +239,22 @@ class _Matcher:
         lazy = isinstance(obj, torch.optim.Optimizer)
         if lazy:
             self.check_param_groups(destination, saved, name)
+        keys = _module_keys(obj, destination, saved) if isinstance(obj, torch.nn.Module) else None
+        matched = destination if keys is None else _mapping(type(destination), [(k, destination[v])
+                                                                                 for k, v in keys.items()])
         outer, self.creating = self.creating, not isinstance(obj, torch.nn.Module)
         try:
-            fill = self.container(destination, saved, name, lazy=lazy)
+            fill = self.container(matched, saved, name, lazy=lazy)
         finally:
             self.creating = outer
 
         def finish() -> Any:
-            obj.load_state_dict(fill())
+            filled = fill()
+            if keys is not None:  # back under the keys the module's load_state_dict() takes
+                for key, value in filled.items():
+                    destination[keys[key]] = value
+                filled = destination
+            obj.load_state_dict(filled)
             settle_lazy_load(obj)  # before what follows in state order (an RNGState) is restored
             return obj
         return finish
@@ -322,6 +339,21 @@ class _Matcher:
                 return dest
             return tuple(values)
         return finish
+
+
+def _module_keys(module: torch.nn.Module, destination: Mapping, saved: Mapping) -> dict | None:
+    """{key as saved: key of ``destination`` (``module.state_dict()``)}, or None where they are the same.
+
+    A module's keys are matched as the plain module's (:mod:`alpha_ckpt.state.compiled`), except
+    that a checkpoint holding exactly the compiled keys (saved before compiled and plain modules
+    were matched, or from the compiled module's ``state_dict()`` as a plain dict) restores into
+    that compiled module as it was saved."""
+    keys = plain_keys(module, destination.keys())
+    if all(plain == key for plain, key in keys.items()):
+        return None
+    if any(key not in keys for key in saved) and all(key in destination for key in saved):
+        return None
+    return keys
 
 
 def _in_place(dest: Any, saved: Any) -> Any:
