@@ -39,29 +39,30 @@ def _plain_key(module: torch.nn.Module, key: str, optimized: type) -> str:
     return ".".join(parts)
 
 
-def plain_keys(module: torch.nn.Module, keys: Iterable[Any]) -> dict[Any, Any]:
-    """{key as saved: key of ``module.state_dict()``}, in the order of ``keys``.
+def plain_keys(module: torch.nn.Module, keys: Iterable[Any]) -> dict[Any, Any] | None:
+    """{key as saved: key of ``module.state_dict()``}, in the order of ``keys``; None where every key
+    is its own (a module with no compiled part).
 
-    Identity for a module with no compiled part. Should dropping the segments make two keys
-    coincide (an OptimizedModule holding state beside its wrapped module), every key is kept as
-    ``state_dict()`` gives it, as before compiled and plain modules were matched."""
-    keys = list(keys)
+    Should dropping the segments make two keys coincide (an OptimizedModule holding state beside
+    its wrapped module), None too: the keys are kept as ``state_dict()`` gives them."""
     optimized = _optimized_module_type()
     if optimized is None:
-        return {key: key for key in keys}
+        return None
     out: dict[Any, Any] = {}
+    changed = False
     for key in keys:
         plain = _plain_key(module, key, optimized) if isinstance(key, str) and WRAPPED in key else key
         if plain in out:
-            return {key: key for key in keys}
+            return None
         out[plain] = key
-    return out
+        changed = changed or plain != key
+    return out if changed else None
 
 
 def as_plain(module: torch.nn.Module, state: Mapping) -> Mapping:
     """``module.state_dict()`` (``state``) keyed as the plain module's, in its order and dict type."""
     names = plain_keys(module, state.keys())
-    if all(plain == key for plain, key in names.items()):
+    if names is None:
         return state
     out = type(state)() if type(state) in (dict, OrderedDict) else {}
     for plain, key in names.items():

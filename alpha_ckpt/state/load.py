@@ -40,10 +40,9 @@ from .placement import Partitioned, PerRank, is_dtensor, restore_ranges
 
 _ABSENT = object()
 _COMPILED_HINT = (
-    "; entries with an _orig_mod segment are keys of a torch.compile'd module's state_dict(): a module put in "
-    "the state itself, compiled or not, saves and matches its keys without them, while a plain dict of them "
-    "(a compiled module's state_dict(), or a module saved by an alpha_ckpt older than that) matches only the "
-    "same compiled module, or the same plain dict")
+    "; an _orig_mod segment is torch.compile's: a module in the state, compiled or not, is saved and matched "
+    "without it, and keys that hold it (a compiled module's state_dict() saved as a plain dict, or a compiled "
+    "module saved by an older alpha_ckpt) restore into that compiled module only")
 
 
 @dataclass
@@ -345,11 +344,11 @@ def _module_keys(module: torch.nn.Module, destination: Mapping, saved: Mapping) 
     """{key as saved: key of ``destination`` (``module.state_dict()``)}, or None where they are the same.
 
     A module's keys are matched as the plain module's (:mod:`alpha_ckpt.state.compiled`), except
-    that a checkpoint holding exactly the compiled keys (saved before compiled and plain modules
+    that a checkpoint holding the compiled keys (saved before compiled and plain modules
     were matched, or from the compiled module's ``state_dict()`` as a plain dict) restores into
     that compiled module as it was saved."""
     keys = plain_keys(module, destination.keys())
-    if all(plain == key for plain, key in keys.items()):
+    if keys is None:
         return None
     if any(key not in keys for key in saved) and all(key in destination for key in saved):
         return None
