@@ -16,7 +16,10 @@ The destination decides what is wanted, the checkpoint what it holds:
   never refused as unexpected; an optimizer's ``state`` is then exactly the
   saved one. Modules and plain dicts match exactly, except that an empty
   dict (``optimizer.state_dict()["state"]`` of a fresh optimizer, taken as a
-  plain dict) receives what the checkpoint holds under it.
+  plain dict) receives what the checkpoint holds under it;
+- a module's keys are matched as the plain module's: a torch.compile'd one's
+  ``_orig_mod.`` segments are dropped (:mod:`alpha_ckpt.state.compiled`), so
+  compiled and plain modules restore into each other.
 
 Every disagreement is collected first, so one refusal names them all
 (:func:`alpha_ckpt.manifest.refuse_mismatch`) before a byte is copied.
