@@ -118,7 +118,8 @@ def save_async(state: Mapping[str, Any], *, store: Store, run: str, step: str, u
 def restore(state: Mapping[str, Any], *, store: Store | str | os.PathLike, root: str) -> Counters:
     """Validate generation ``root`` (its root digest) completely, then restore it into ``state``.
 
-    Entries are matched by dotted name, in any order: tensors and arrays are
+    Entries are matched by dotted name, in any order (a torch.compile'd module's keys as the plain
+    module's, so either restores into the other): tensors and arrays are
     filled in place, values are replaced by the saved ones (types kept), and
     each Stateful object gets ``load_state_dict()`` of its own ``state_dict()``
     filled from the checkpoint (an optimizer's state that does not exist yet is

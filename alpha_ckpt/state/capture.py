@@ -11,7 +11,9 @@ of these. Capturing it (pure, no I/O):
   dots), in the order met;
 - everything else becomes the skeleton: the typed JSON of
   :mod:`alpha_ckpt.values`, with ``{"tensor": name}`` where a tensor was.
-  A Stateful object is recorded as what its ``state_dict()`` returned.
+  A Stateful object is recorded as what its ``state_dict()`` returned; a module's keys
+  as the plain module's, without the ``_orig_mod.`` segments torch.compile adds
+  (:mod:`alpha_ckpt.state.compiled`).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from ..format import RegionDecl
 from ..manifest import regions_of
 from ..values import encode_value
 from .loaders import warn_if_worker_generators_unsaved
+from .compiled import as_plain
 from .placement import Partitioned, PerRank, dtensor_part, is_dtensor
 
 
@@ -117,6 +120,8 @@ def capture_state(state: Mapping[str, Any], rank: int = 0, world: int = 1, rules
             inner = obj.state_dict()
             if not isinstance(inner, Mapping):
                 raise ValueError(f"state entry {name!r}: state_dict() returned a {type(inner).__name__}, not a dict")
+            if isinstance(obj, torch.nn.Module):
+                inner = as_plain(obj, inner)
             return encode_value(inner if type(inner) in (dict, OrderedDict) else dict(inner), name, leaf)
         return NotImplemented
 

@@ -16,7 +16,10 @@ The destination decides what is wanted, the checkpoint what it holds:
   never refused as unexpected; an optimizer's ``state`` is then exactly the
   saved one. Modules and plain dicts match exactly, except that an empty
   dict (``optimizer.state_dict()["state"]`` of a fresh optimizer, taken as a
-  plain dict) receives what the checkpoint holds under it.
+  plain dict) receives what the checkpoint holds under it;
+- a module's keys are matched as the plain module's: a torch.compile'd one's
+  ``_orig_mod.`` segments are dropped (:mod:`alpha_ckpt.state.compiled`), so
+  compiled and plain modules restore into each other.
 
 Every disagreement is collected first, so one refusal names them all
 (:func:`alpha_ckpt.manifest.refuse_mismatch`) before a byte is copied.
@@ -34,10 +37,15 @@ from ..format import RegionDecl
 from ..manifest import describe_region, dtype_name, matches_any, refuse_mismatch, torch_dtype
 from ..values import PerRankSaved, RegionRef, decode_value, dotted_leaves as _refs
 from .capture import capture_state, is_stateful
+from .compiled import WRAPPED, plain_keys
 from .loaders import settle_lazy_load
 from .placement import Partitioned, PerRank, is_dtensor, restore_ranges
 
 _ABSENT = object()
+_COMPILED_HINT = (
+    "; an _orig_mod segment is torch.compile's: a module in the state, compiled or not, is saved and matched "
+    "without it, and keys that hold it (a compiled module's state_dict() saved as a plain dict, or a compiled "
+    "module saved by an older alpha_ckpt) restore into that compiled module only")
 
 
 @dataclass
@@ -63,7 +71,10 @@ class LoadPlan:
                            f"{', '.join(self.placement_bound[:10])} (restore with per_rank=\"drop\" to start "
                            "them afresh)")
         if self.missing or self.unexpected or self.differ:
-            return refuse_mismatch(what, self.missing, self.unexpected, self.differ, self.dtype_only)
+            refusal = refuse_mismatch(what, self.missing, self.unexpected, self.differ, self.dtype_only)
+            if any(WRAPPED in name.split(".") for name in self.missing + self.unexpected):
+                return Refusal(refusal.code, refusal.message + _COMPILED_HINT)
+            return refusal
         return None
 
 
@@ -230,14 +241,22 @@ class _Matcher:
         lazy = isinstance(obj, torch.optim.Optimizer)
         if lazy:
             self.check_param_groups(destination, saved, name)
+        keys = _module_keys(obj, destination, saved) if isinstance(obj, torch.nn.Module) else None
+        matched = destination if keys is None else _mapping(type(destination), [(k, destination[v])
+                                                                                 for k, v in keys.items()])
         outer, self.creating = self.creating, not isinstance(obj, torch.nn.Module)
         try:
-            fill = self.container(destination, saved, name, lazy=lazy)
+            fill = self.container(matched, saved, name, lazy=lazy)
         finally:
             self.creating = outer
 
         def finish() -> Any:
-            obj.load_state_dict(fill())
+            filled = fill()
+            if keys is not None:  # back under the keys the module's load_state_dict() takes
+                for key, value in filled.items():
+                    destination[keys[key]] = value
+                filled = destination
+            obj.load_state_dict(filled)
             settle_lazy_load(obj)  # before what follows in state order (an RNGState) is restored
             return obj
         return finish
@@ -322,6 +341,21 @@ class _Matcher:
                 return dest
             return tuple(values)
         return finish
+
+
+def _module_keys(module: torch.nn.Module, destination: Mapping, saved: Mapping) -> dict | None:
+    """{key as saved: key of ``destination`` (``module.state_dict()``)}, or None where they are the same.
+
+    A module's keys are matched as the plain module's (:mod:`alpha_ckpt.state.compiled`), except
+    that a checkpoint holding the compiled keys (saved before compiled and plain modules
+    were matched, or from the compiled module's ``state_dict()`` as a plain dict) restores into
+    that compiled module as it was saved."""
+    keys = plain_keys(module, destination.keys())
+    if keys is None:
+        return None
+    if any(key not in keys for key in saved) and all(key in destination for key in saved):
+        return None
+    return keys
 
 
 def _in_place(dest: Any, saved: Any) -> Any:
