@@ -23,7 +23,7 @@ import importlib
 
 # Importing the package starts no thread and installs no signal handler: alpha-run's processes
 # bind their lives to the launcher themselves (alpha_ckpt/script_runner.py, alpha_ckpt/job/__main__.py).
-from .errors import DurableWriteError, PublishConflict, Refusal, RefusalCode, UsageError  # torch-free
+from .errors import DurableWriteError, PublishConflict, Refusal, RefusalCode, RestoreIncomplete, UsageError  # torch-free
 
 __version__ = "0.1.0"
 
@@ -41,7 +41,7 @@ _LAZY = {
 __all__ = ["save", "save_async", "AsyncSaver", "SaveHandle", "ShardCarry", "restore", "verify", "latest", "Latest",
            "Skipped", "RNGState", "Checkpointer", "CheckpointerOptions", "SaveResult", "PerRank", "Partitioned",
            "Store", "Refusal", "RefusalCode", "Counters", "DurableWriteError", "PublishConflict", "UsageError",
-           "run_resilient"]
+           "RestoreIncomplete", "run_resilient"]
 
 
 def __getattr__(name: str):
