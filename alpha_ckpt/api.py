@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from .async_save import AsyncSaver, SaveHandle
-from .errors import OldSpellingWarning, RefusalCode
+from .errors import OldSpellingWarning, RefusalCode, UsageError
 from .format import CapturePrefix
 from .reader import Counters, latest_generation, load_state, verify_generation
 from .state import CapturedState, capture_state
+from .state.optimizers import allowed_changes
 from .writer import DEFAULT_MAX_SHARD_BYTES, Published, ShardCarry, save_state
 from .store import Store
 
@@ -40,6 +41,13 @@ def _root(root: str | None, digest: str | None, call: str) -> str:
     if root is None:
         raise TypeError(f"{call}() needs root= (the generation's root digest)")
     return root
+
+
+def _allowed_changes(value: Any) -> tuple[tuple[str, str], ...]:
+    try:
+        return allowed_changes(value)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _prefix(run: str, step: str, update: int, cursor: int, epoch: int) -> CapturePrefix:
@@ -115,7 +123,8 @@ def save_async(state: Mapping[str, Any], *, store: Store, run: str, step: str, u
     return saver.submit([t for _, t in captured.named], publish, defer_snapshot=defer_snapshot)
 
 
-def restore(state: Mapping[str, Any], *, store: Store | str | os.PathLike, root: str) -> Counters:
+def restore(state: Mapping[str, Any], *, store: Store | str | os.PathLike, root: str,
+            allow_optimizer_change: Sequence[tuple[str, str]] = ()) -> Counters:
     """Validate generation ``root`` (its root digest) completely, then restore it into ``state``.
 
     Entries are matched by dotted name, in any order (a torch.compile'd module's keys as the plain
@@ -125,12 +134,16 @@ def restore(state: Mapping[str, Any], *, store: Store | str | os.PathLike, root:
     filled from the checkpoint (an optimizer's state that does not exist yet is
     created). Raises :class:`Refusal` (nothing touched, store unmodified) when
     anything is wrong, naming every entry that is missing, unexpected, or of
-    another shape or dtype. Returns the counters (update, cursor, epoch) and
-    metadata.
+    another shape or dtype, and an optimizer whose state another optimizer
+    class saved (``coverage``, naming both classes; ``allow_optimizer_change``
+    names the (saved, destination) class pairs allowed, such as
+    ``[("Adam", "AdamW")]``, between classes of the same hyperparameters).
+    Returns the counters (update, cursor, epoch) and metadata.
     """
+    allowed = _allowed_changes(allow_optimizer_change)
     s, owned = _store(store, create=False)
     try:
-        return load_state(state, store=s, root=root)
+        return load_state(state, store=s, root=root, allow_optimizer_change=allowed)
     finally:
         if owned:
             s.close()

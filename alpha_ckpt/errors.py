@@ -77,6 +77,25 @@ class DurableWriteError(OSError):
         self.stage = stage
 
 
+class RestoreIncomplete(RuntimeError):
+    """A Stateful entry's ``load_state_dict()`` raised after a restore's copies: the state is part restored.
+
+    Every tensor of the state was already filled in place from the generation, and the Stateful
+    entries before it (``loaded``) were loaded; ``failed`` raised (the cause) and ``not_loaded``
+    were not. Nothing is undone: restore again into a freshly built state, or start over.
+    """
+
+    def __init__(self, failed: str, loaded: tuple[str, ...], not_loaded: tuple[str, ...], cause: BaseException):
+        self.failed, self.loaded, self.not_loaded = failed, tuple(loaded), tuple(not_loaded)
+        done = f"and the Stateful entries {', '.join(map(repr, loaded))} were loaded" if loaded else \
+            "and no Stateful entry was loaded"
+        after = f"; not loaded: {', '.join(map(repr, not_loaded))}" if not_loaded else ""
+        super().__init__(f"restore stopped at state entry {failed!r}: its load_state_dict() raised "
+                         f"{type(cause).__name__}: {cause}. Already written: every tensor of the state (filled in "
+                         f"place from the checkpoint), {done}{after}. The state is part restored: restore again "
+                         "into a freshly built state, or start over")
+
+
 class PublishConflict(Exception):
     """Another publisher already created the ref this publisher raced for."""
 

@@ -130,7 +130,8 @@ def restore_slices(generation: Generation, wanted: Sequence[WantedSlice], target
 
 
 @cyclic_gc_paused()
-def load_state(state: Mapping[str, Any], *, store: Store, root: str) -> Counters:
+def load_state(state: Mapping[str, Any], *, store: Store, root: str,
+               allow_optimizer_change: Sequence[tuple[str, str]] = ()) -> Counters:
     """Validate the generation for what ``state`` asks, then fill it: tensors in place, values and
     Stateful objects after every copy (:mod:`alpha_ckpt.state.load`).
 
@@ -143,7 +144,7 @@ def load_state(state: Mapping[str, Any], *, store: Store, root: str) -> Counters
     with open_generation(store, root) as generation:
         manifest = generation.manifest
         what = f"generation {root[:16]}..."
-        plan = plan_load(state, manifest.state, manifest.regions)
+        plan = plan_load(state, manifest.state, manifest.regions, allow_optimizer_change=allow_optimizer_change)
         fill = prepare_fill(generation, plan, what)
         fill()
         p = manifest.prefix

@@ -116,7 +116,9 @@ class Checkpointer:
                  bind_devices: bool = _DEFAULT, per_rank: Sequence[str] | str = _DEFAULT,
                  from_rank0: Sequence[str] | str = _DEFAULT, resume: str | None = _DEFAULT,
                  memory: bool | str | None = _DEFAULT, replicas: int = _DEFAULT, durable_every: int | None = _DEFAULT,
-                 mtbf_durable: float | str | None = _DEFAULT, options: CheckpointerOptions | None = None):
+                 mtbf_durable: float | str | None = _DEFAULT,
+                 allow_optimizer_change: Sequence[tuple[str, str]] = _DEFAULT,
+                 options: CheckpointerOptions | None = None):
         """The keyword arguments are :class:`CheckpointerOptions`' (documented there); or pass ``options=``.
         ``group``: the torch.distributed group (default: the default group). ``bindings``: a program's own
         check of a generation's root manifest, run by rank 0 before any rank reads a shard (it raises a
@@ -127,7 +129,8 @@ class Checkpointer:
                                        checkpoint_cost=checkpoint_cost, keep=keep, metadata=metadata,
                                        bind_devices=bind_devices, per_rank=per_rank, from_rank0=from_rank0,
                                        resume=resume, memory=memory, replicas=replicas,
-                                       durable_every=durable_every, mtbf_durable=mtbf_durable).items()
+                                       durable_every=durable_every, mtbf_durable=mtbf_durable,
+                                       allow_optimizer_change=allow_optimizer_change).items()
                  if v is not _DEFAULT and (v is not None or k == "resume")}  # None: the default, but resume=None
         if options is not None:
             if given:
@@ -517,8 +520,9 @@ class Checkpointer:
                 (offer.epoch, offer.update) > (durable.prefix.epoch, durable.prefix.update)
         if not broadcast_json(newer, global_rank(0, self.group), self.group):
             return None
-        report = self.memory.assemble(offer, lambda manifest: shards_read(state, manifest, rank=self.rank,
-                                                                           world=self.world, per_rank=per_rank))
+        report = self.memory.assemble(offer, lambda manifest: shards_read(
+            state, manifest, rank=self.rank, world=self.world, per_rank=per_rank,
+            allow_optimizer_change=self.options.allow_optimizer_change))
         if report.failure is not None:
             if self.rank == 0:
                 logger.warning("memory tier: update %d cannot be recovered from memory (%s); restoring from the "
@@ -554,7 +558,8 @@ class Checkpointer:
             if self.bind_devices:  # each rank: the very device that saved its rank
                 check_devices((candidate.devices or [])[self.rank:self.rank + 1] or [None], [self.device], True)
             fill, counters, self.last_restore = prepare(store, state, root, rank=self.rank, world=self.world,
-                                                        per_rank=per_rank)
+                                                        per_rank=per_rank,
+                                                        allow_optimizer_change=self.options.allow_optimizer_change)
         except Refusal as exc:
             refusal = exc
         try:

@@ -19,6 +19,7 @@ from ..errors import Refusal, UsageError
 from ..format import check_json_value, check_name, is_digest
 from ..manifest import encode_identity
 from ..state.capture import pattern_list
+from ..state.optimizers import allowed_changes
 from ..state.rules import METADATA_KEY as PLACEMENT_KEY, PlacementRules
 from .schedule import Schedule
 
@@ -93,6 +94,10 @@ class CheckpointerOptions:
     """What ``restore(state)`` resumes without a root: ``"latest"`` (the newest complete generation that is
     not stale; none yet: a fresh start), a root digest (exactly that one, or a refusal), or None (a fresh
     start, refused ``fenced`` when the run already has history)."""
+    allow_optimizer_change: tuple[tuple[str, str], ...] = ()
+    """(saved class, destination class) names of optimizers a restore may change between, such as
+    ``[("Adam", "AdamW")]``: only between classes of the same hyperparameters. Any other restore of an
+    optimizer's state into another class is refused ``coverage``, naming both classes."""
     announce: bool = False
     """Rank 0 says on stderr, in one line, what each restore resumed (or that it starts fresh): alpha-run's
     scripts do (:meth:`Checkpointer.from_launcher_env`)."""
@@ -112,6 +117,7 @@ class CheckpointerOptions:
             set_("per_rank", pattern_list(self.per_rank, "per_rank"))
             set_("from_rank0", pattern_list(self.from_rank0, "from_rank0"))
             PlacementRules.of(self.per_rank, self.from_rank0)
+            set_("allow_optimizer_change", allowed_changes(self.allow_optimizer_change))
             self.schedule()
         except (Refusal, ValueError, TypeError) as exc:
             raise UsageError(f"Checkpointer: {exc}") from None

@@ -112,7 +112,8 @@ class Choice:
         return Candidate(root=root, devices=meta.get("devices") if bind_devices else None)
 
 
-def prepare(store: Store, state: Mapping[str, Any], root: str, *, rank: int, world: int, per_rank: str):
+def prepare(store: Store, state: Mapping[str, Any], root: str, *, rank: int, world: int, per_rank: str,
+            allow_optimizer_change: Sequence[tuple[str, str]] = ()):
     """This rank's part: match, open only the shards it reads, validate them.
 
     Returns (fill, counters, what was read): ``fill(go=True)`` copies (``go=False`` releases
@@ -122,7 +123,8 @@ def prepare(store: Store, state: Mapping[str, Any], root: str, *, rank: int, wor
         manifest = head.manifest
     if manifest.state is None:
         raise Refusal(RefusalCode.FORMAT, f"{what} records no state skeleton (it was not written by save)")
-    plan, wanted = _plan(state, manifest, rank=rank, world=world, per_rank=per_rank)
+    plan, wanted = _plan(state, manifest, rank=rank, world=world, per_rank=per_rank,
+                         allow_optimizer_change=allow_optimizer_change)
     # A tree: only the group manifests on the paths to the roles that hold this rank's words.
     generation = open_generation(store, root, role=lambda m: roles_holding(m, wanted), wanted=wanted,
                                  manifest=manifest)
@@ -144,20 +146,24 @@ def prepare(store: Store, state: Mapping[str, Any], root: str, *, rank: int, wor
     return fill_and_close, Counters(p.run, p.step, p.update, p.cursor, p.epoch, manifest.metadata, root), read
 
 
-def _plan(state: Mapping[str, Any], manifest, *, rank: int, world: int, per_rank: str):
+def _plan(state: Mapping[str, Any], manifest, *, rank: int, world: int, per_rank: str,
+          allow_optimizer_change: Sequence[tuple[str, str]] = ()):
     """What this rank restores of the generation ``manifest`` heads: the load plan and the words it wants."""
     plan = plan_load(state, manifest.state, manifest.regions, rank=rank, world=world,
-                     per_rank=per_rank, per_rank_entries=recorded_per_rank(manifest.metadata))
+                     per_rank=per_rank, per_rank_entries=recorded_per_rank(manifest.metadata),
+                     allow_optimizer_change=allow_optimizer_change)
     return plan, [WantedSlice(o, lo, hi, i) for i, (o, _, lo, hi) in enumerate(plan.targets)]
 
 
-def shards_read(state: Mapping[str, Any], manifest, *, rank: int, world: int, per_rank: str) -> set[str]:
+def shards_read(state: Mapping[str, Any], manifest, *, rank: int, world: int, per_rank: str,
+                allow_optimizer_change: Sequence[tuple[str, str]] = ()) -> set[str]:
     """The shards (digests) a restore of a star generation reads on this rank: those holding a word it
     restores. Empty when the state does not match the generation (the restore then refuses as it would)."""
     if manifest.state is None:
         return set()
     try:
-        _, wanted = _plan(state, manifest, rank=rank, world=world, per_rank=per_rank)
+        _, wanted = _plan(state, manifest, rank=rank, world=world, per_rank=per_rank,
+                          allow_optimizer_change=allow_optimizer_change)
     except Refusal:
         return set()
     return {r.digest for r in records_holding(manifest.shards, wanted)}

@@ -27,18 +27,19 @@ Every disagreement is collected first, so one refusal names them all
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from ..errors import Refusal, RefusalCode
+from ..errors import Refusal, RefusalCode, RestoreIncomplete
 from ..format import RegionDecl
 from ..manifest import describe_region, dtype_name, matches_any, refuse_mismatch, torch_dtype
 from ..values import PerRankSaved, RegionRef, decode_value, dotted_leaves as _refs
 from .capture import capture_state, is_stateful
 from .compiled import WRAPPED, plain_keys
 from .loaders import settle_lazy_load
+from .optimizers import class_change
 from .placement import Partitioned, PerRank, is_dtensor, restore_ranges
 
 _ABSENT = object()
@@ -64,6 +65,8 @@ class LoadPlan:
     finish: Callable[[], Any] | None = None
 
     placement_bound: list[str] = field(default_factory=list)
+    statefuls: list[str] = field(default_factory=list)  # every Stateful entry, in the order finish loads them
+    loaded: list[str] = field(default_factory=list)     # those whose load_state_dict() has returned
 
     def refusal(self, what: str):
         if self.placement_bound:
@@ -79,7 +82,8 @@ class LoadPlan:
 
 
 def plan_load(state: Mapping, saved: Mapping | None, regions: tuple[RegionDecl, ...], *, rank: int = 0,
-              world: int = 1, per_rank: str = "keep", per_rank_entries: tuple[str, ...] = ()) -> LoadPlan:
+              world: int = 1, per_rank: str = "keep", per_rank_entries: tuple[str, ...] = (),
+              allow_optimizer_change: Sequence[tuple[str, str]] = ()) -> LoadPlan:
     """Match ``state`` (the caller's, mutated only by ``plan.finish()``) against the decoded skeleton ``saved``.
 
     ``saved`` is None for a manifest written before skeletons were recorded (tensors
@@ -88,12 +92,16 @@ def plan_load(state: Mapping, saved: Mapping | None, regions: tuple[RegionDecl, 
     saved by ``world`` ranks; on another count it is refused (``placement-bound``),
     or left as it is with ``per_rank="drop"``. ``per_rank_entries``: the patterns
     the checkpoint records (``Checkpointer(per_rank=...)``): a plain destination
-    whose dotted name matches one is filled as if it were wrapped in PerRank.
+    whose dotted name matches one is filled as if it were wrapped in PerRank. An optimizer whose
+    saved state is another class's is refused (``coverage``, naming both classes:
+    :mod:`alpha_ckpt.state.optimizers`) unless ``allow_optimizer_change`` names the (saved class,
+    destination class) pair.
     """
     by_name = {r.name: r for r in regions}
     plan = LoadPlan()
     matcher = _Matcher(plan, by_name, rank, world, per_rank)
     matcher.per_rank_entries = tuple(per_rank_entries)
+    matcher.allow_optimizer_change = tuple(allow_optimizer_change)
     stand_in = saved is None
     if stand_in:
         saved = decode_value(capture_state(state).skeleton)
@@ -127,6 +135,7 @@ class _Matcher:
         self.named: set[str] = set()  # regions the destination asked for
         self.creating = False         # inside a Stateful that creates its state lazily
         self.per_rank_entries: tuple[str, ...] = ()  # saved per rank by pattern, destination plain
+        self.allow_optimizer_change: tuple[tuple[str, str], ...] = ()
 
     def node(self, dest: Any, saved: Any, name: str) -> Callable[[], Any]:
         """A thunk giving the value for this position once the copies are done."""
@@ -241,6 +250,10 @@ class _Matcher:
         lazy = isinstance(obj, torch.optim.Optimizer)
         if lazy:
             self.check_param_groups(destination, saved, name)
+            changed = class_change(obj, saved.get("param_groups"), self.allow_optimizer_change)
+            if changed:  # torch would take the state, then fail inside the load or at the first step()
+                self.plan.dtype_only = False
+                self.plan.differ.append(f"{name} ({changed})")
         keys = _module_keys(obj, destination, saved) if isinstance(obj, torch.nn.Module) else None
         matched = destination if keys is None else _mapping(type(destination), [(k, destination[v])
                                                                                  for k, v in keys.items()])
@@ -250,13 +263,23 @@ class _Matcher:
         finally:
             self.creating = outer
 
+        self.plan.statefuls.append(name)
+
         def finish() -> Any:
             filled = fill()
             if keys is not None:  # back under the keys the module's load_state_dict() takes
                 for key, value in filled.items():
                     destination[keys[key]] = value
                 filled = destination
-            obj.load_state_dict(filled)
+            try:
+                obj.load_state_dict(filled)
+            except RestoreIncomplete:
+                raise  # a Stateful inside this one: already named
+            except Exception as exc:  # noqa: BLE001 - the tensors are written: say what the state now holds
+                plan = self.plan
+                after = plan.statefuls[plan.statefuls.index(name) + 1:]
+                raise RestoreIncomplete(name, tuple(plan.loaded), tuple(after), exc) from exc
+            self.plan.loaded.append(name)
             settle_lazy_load(obj)  # before what follows in state order (an RNGState) is restored
             return obj
         return finish
