@@ -182,3 +182,20 @@ def test_the_write_verdict_refuses_copies_of_a_shared_shard_that_differ_and_pass
     assert written_verdict(same).ok
     differ = written_verdict(same[:1] + [WriteReport(replicas={}, shared=[["w", 0, 4, "bb"]])])
     assert not differ.ok and differ.code == "mixed-capture"
+
+
+def _hsdp_diverged(rank, world, store):
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    mesh = init_device_mesh("cpu", (2, 2))  # replicated over the first dimension: rank 2 holds rank 0's shard
+    local = torch.arange(12, dtype=torch.float32).reshape(3, 4) + 12 * (rank % 2) + (1 if rank == 2 else 0)
+    w = DTensor.from_local(local, mesh, [Replicate(), Shard(0)], shape=torch.Size((6, 4)), stride=(4, 1))
+    Checkpointer(store, run="hsdp").save({"w": w}, update=1)
+    return {}
+
+
+def test_hsdp_replicas_that_differ_are_refused_on_every_rank_and_nothing_is_published(tmp_path):
+    store = str(tmp_path / "store")
+    results = run_ranks(4, _hsdp_diverged, store, tmp=tmp_path)
+    assert [r.get("refusal") for r in results] == ["mixed-capture"] * 4, results
+    with Store(store, create=False) as s:
+        assert s.list_refs("hsdp", "train") == []
