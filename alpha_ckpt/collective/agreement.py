@@ -7,10 +7,14 @@ checks that every capture agrees (:func:`merge_captures`) and answers with
 one :class:`~alpha_ckpt.publish.messages.Layout`: the merged skeleton, the
 region list, which rank wrote which words (:func:`saved_layout`) and the
 write mode, or the refusal every rank raises. Large replicas are spread over
-the ranks (:func:`replica_writers`), as DCP spreads them.
+the ranks (:func:`replica_writers`), as DCP spreads them; so are the shards
+that several ranks hold alike (:func:`shared_piece_writers`: HSDP's replicas,
+FSDP-only modules of a (dp, tp) mesh), one writer each, as DCP's planner dedups
+them, and every holder's digest compared.
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any, Mapping, Sequence
 
 from ..errors import Refusal, RefusalCode
@@ -27,14 +31,17 @@ SPREAD_BYTES = 1 << 20  # replicated regions this large are spread over the rank
 
 # One rank's words of one save: (region name, lo, hi, bytes).
 Own = list[tuple[str, int, int, memoryview]]
+# Words [lo, hi) of a region that several ranks hold alike, by (name, lo, hi): the rank that writes them.
+SharedWriters = dict[tuple[str, int, int], int]
 
 
 def describe(prefix: CapturePrefix, captured: Any, regions: Sequence[RegionDecl], views: Sequence[memoryview],
              rank: int, world: int, device: Any) -> tuple[Descriptor, Own, list, dict]:
-    """This rank's descriptor, the words it writes (``own``), the replicas it only hashes (``hashed``,
+    """This rank's descriptor, the words it holds to write (``own``: the agreement may give pieces that
+    other ranks hold alike to one of them, :func:`split_shared`), the replicas it only hashes (``hashed``,
     (name, bytes)) and those it writes (``wrote``, name -> bytes)."""
     own: Own = []
-    hashed, wrote, replicated = [], {}, []
+    hashed, wrote, replicated, dtensors = [], {}, [], []
     writers = replica_writers(regions, captured.placement, world)
     for region, view, where in zip(regions, views, captured.placement):
         size = DTYPES[region.dtype][0]
@@ -46,11 +53,13 @@ def describe(prefix: CapturePrefix, captured: Any, regions: Sequence[RegionDecl]
             else:
                 hashed.append((region.name, view))
         else:
+            if where[0] == "dtensor":
+                dtensors.append(region.name)
             for lo, hi, at in words_held(where, region.words):
                 own.append((region.name, lo, hi, view[at * size:(at + hi - lo) * size]))
     descriptor = Descriptor(prefix=prefix.to_json(), skeleton=captured.skeleton, replicated=replicated,
                             regions=[r.to_json() for r in regions], pieces=[[n, lo, hi] for n, lo, hi, _ in own],
-                            device=device)
+                            dtensors=dtensors, device=device)
     return descriptor, own, hashed, wrote
 
 
@@ -70,9 +79,11 @@ def agree_layout(descriptor: Descriptor, group: Any, rank: int, store: Store, wo
             if failed:
                 layout = Layout(failed[0])
             else:
-                skeleton, regions = merge_captures(descriptors)
+                skeleton, regions, shared = merge_captures(descriptors)
                 layout = Layout(Outcome.success(), state=skeleton, regions=[r.to_json() for r in regions],
-                                devices=[d.device for d in descriptors], layout=saved_layout(descriptors, regions),
+                                devices=[d.device for d in descriptors],
+                                layout=saved_layout(descriptors, regions, shared),
+                                shared=[[name, lo, hi, writer] for (name, lo, hi), writer in shared.items()],
                                 # every rank writes this save's large shards alike, beyond its own probes
                                 write_mode=store.write_modes.for_save(world))
         except Refusal as refusal:
@@ -96,22 +107,58 @@ def own_parts(regions: Sequence[RegionDecl], own: Own) -> list[tuple[Piece, memo
     return [(Piece(by_name[n].ordinal, lo, hi, DTYPES[by_name[n].dtype][0]), view, "raw") for n, lo, hi, view in own]
 
 
+def split_shared(layout: Layout, rank: int, own: Own) -> tuple[Own, Own, Own]:
+    """This rank's words to write (``own`` less the shared pieces another rank writes), the shared
+    pieces among them, and the shared pieces it only hashes (each part of ``own``)."""
+    writers = {(name, lo, hi): writer for name, lo, hi, writer in layout.shared}
+    kept, wrote, hashed = [], [], []
+    for part in own:
+        writer = writers.get(part[:3])
+        if writer is None or writer == rank:
+            kept.append(part)
+            if writer is not None:
+                wrote.append(part)
+        else:
+            hashed.append(part)
+    return kept, wrote, hashed
+
+
+def _by_ordinal(written: Mapping[tuple, str]) -> dict[int, list[tuple[int, int, str]]]:
+    by_ordinal: dict[int, list[tuple[int, int, str]]] = {}  # one pass over the pieces, not one per replica
+    for (o, lo, hi), d in written.items():
+        by_ordinal.setdefault(o, []).append((lo, hi, d))
+    return by_ordinal
+
+
+def _written_digest(cuts_of_region: Sequence[tuple[int, int, str]], lo: int, hi: int, view: memoryview) -> str:
+    """The digest of words [lo, hi) as the write hashed them (joined from its cuts when it cut them into
+    several shards; cuts start at lo in whole blocks), else hashed here."""
+    cuts = sorted(c for c in cuts_of_region if lo <= c[0] and c[1] <= hi)
+    covered = bool(cuts) and [c[0] for c in cuts] == [lo] + [c[1] for c in cuts[:-1]] and cuts[-1][1] == hi
+    return joined_digest([d for *_, d in cuts]) if covered else block_digests(view)[0]
+
+
 def replica_digests(regions: Sequence[RegionDecl], wrote: Mapping[str, memoryview], written: Mapping[tuple, str],
                     others: Mapping[str, str]) -> dict[str, str]:
     """This rank's BLAKE3 of every replica: those it wrote as hashed by the write (joined from its
     cuts when it was cut into several shards), and the others' (``others``)."""
     by_name = {r.name: r for r in regions}
     digests = dict(others)
-    by_ordinal: dict[int, list[tuple[int, int, str]]] = {}  # one pass over the pieces, not one per replica
-    for (o, lo, hi), d in written.items():
-        by_ordinal.setdefault(o, []).append((lo, hi, d))
+    by_ordinal = _by_ordinal(written)
     for name, view in wrote.items():
         region = by_name[name]
-        cuts = sorted(by_ordinal.get(region.ordinal, ()))
-        covered = [lo for lo, _, _ in cuts] == [0] + [hi for _, hi, _ in cuts[:-1]] and \
-            bool(cuts) and cuts[-1][1] == region.words
-        digests[name] = joined_digest([d for *_, d in cuts]) if covered else block_digests(view)[0]
+        digests[name] = _written_digest(by_ordinal.get(region.ordinal, ()), 0, region.words, view)
     return digests
+
+
+def shared_digests(regions: Sequence[RegionDecl], wrote: Own, written: Mapping[tuple, str],
+                   others: Sequence[list]) -> list[list]:
+    """This rank's [name, lo, hi, BLAKE3] of every shared piece it holds: those it wrote as the write
+    hashed them, and the others' (``others``, hashed beside the writes)."""
+    ordinals = {r.name: r.ordinal for r in regions}
+    by_ordinal = _by_ordinal(written)
+    return [*others, *([name, lo, hi, _written_digest(by_ordinal.get(ordinals[name], ()), lo, hi, view)]
+                       for name, lo, hi, view in wrote)]
 
 
 def merge_skeletons(skeletons: list[Any], path: str = "state") -> Any:
@@ -143,9 +190,10 @@ def merge_skeletons(skeletons: list[Any], path: str = "state") -> Any:
     return first
 
 
-def merge_captures(descriptors: Sequence[Descriptor]) -> tuple[Any, tuple[RegionDecl, ...]]:
+def merge_captures(descriptors: Sequence[Descriptor]) -> tuple[Any, tuple[RegionDecl, ...], SharedWriters]:
     """Rank 0 (pure): every rank's capture must have the same prefix, replicas (by digest) and
-    replicated values; the result is one skeleton and the region list it names, in order.
+    replicated values; the result is one skeleton, the region list it names, in order, and the one
+    writer of each DTensor shard that several ranks hold alike (:func:`shared_piece_writers`).
 
     Before any rank writes: a region every rank declares alike (a Partitioned one of one shape),
     names unique across ranks, and the ranks' pieces holding every word of every region exactly
@@ -170,25 +218,62 @@ def merge_captures(descriptors: Sequence[Descriptor]) -> tuple[Any, tuple[Region
     regions = tuple(RegionDecl(i, n, declared[n][1]["dtype"], tuple(declared[n][1]["shape"]),
                                bool(declared[n][1].get("nonfinite"))) for i, n in enumerate(names))
     ordinals = {r.name: r.ordinal for r in regions}
-    check_coverage(regions, [(ordinals.get(name, len(regions)), lo, hi, f"rank {rank}")
-                             for rank, d in enumerate(descriptors) for name, lo, hi in d.pieces], "save")
-    return skeleton, regions
+    # The same DTensor shard on several ranks counts once (one of them writes it): a sub-mesh's or HSDP's
+    # replicas. Anything else held twice (a Partitioned range, pieces that overlap unequal) is saved twice.
+    shared = shared_piece_writers(descriptors, regions)
+    slices = [(ordinals.get(name, len(regions)), lo, hi, f"rank {rank}") for rank, d in enumerate(descriptors)
+              for name, lo, hi in d.pieces if shared.get((name, lo, hi), rank) == rank]
+    check_coverage(regions, slices, "save")
+    return skeleton, regions, shared
 
 
-def saved_layout(descriptors: Sequence[Descriptor], regions: Sequence[RegionDecl]) -> dict | None:
+def shared_piece_writers(descriptors: Sequence[Descriptor], regions: Sequence[RegionDecl]) -> SharedWriters:
+    """Which rank writes each piece that several ranks hold alike (pure), as DCP's planner dedups
+    them: largest first, each to the holder with the fewest bytes to write so far (its own pieces
+    counted first), the lowest such rank on a tie. The other holders hash theirs: the replicas are
+    compared before anything is published (:func:`~alpha_ckpt.publish.messages.check_shared`)."""
+    # word sizes (a name no region declares counts 1: the coverage check refuses it)
+    size = defaultdict(lambda: 1, {r.name: DTYPES[r.dtype][0] for r in regions})
+    holders: dict[tuple[str, int, int], list[int]] = {}
+    shardable: dict[str, bool] = {}  # a DTensor on every rank that holds a piece of it
+    for rank, d in enumerate(descriptors):
+        dtensors = set(d.dtensors)
+        for name, lo, hi in d.pieces:
+            shardable[name] = shardable.get(name, True) and name in dtensors
+            if hi > lo:
+                holders.setdefault((name, lo, hi), []).append(rank)
+    load = [0] * len(descriptors)
+    for (name, lo, hi), ranks in holders.items():
+        if len(ranks) == 1 or not shardable[name]:
+            for rank in ranks:
+                load[rank] += (hi - lo) * size[name]
+    out: SharedWriters = {}
+    for key in sorted((k for k, ranks in holders.items() if len(ranks) > 1 and shardable[k[0]]),
+                      key=lambda k: (-(k[2] - k[1]) * size[k[0]], k)):
+        writer = min(holders[key], key=lambda r: (load[r], r))
+        out[key] = writer
+        load[writer] += (key[2] - key[1]) * size[key[0]]
+    return out
+
+
+def saved_layout(descriptors: Sequence[Descriptor], regions: Sequence[RegionDecl],
+                 shared: SharedWriters | None = None) -> dict | None:
     """Which rank wrote which words, as a rule a reader computes (pure): None where no rule fits.
 
     ``partitioned``: regions every rank holds its :func:`~alpha_ckpt.planner.shares` range of;
     ``own``: [ordinal, rank] for a region one rank wrote whole (a PerRank entry, or a replica spread
     to another rank). Everything else is replicated, written by rank 0. A tree restore then reads
-    only the group manifests on the paths to the ranks that hold its words.
+    only the group manifests on the paths to the ranks that hold its words. ``shared``: the one
+    writer of each piece several ranks hold (:func:`shared_piece_writers`).
     """
     world = len(descriptors)
     replicated = set(descriptors[0].replicated)
+    shared = shared or {}
     held: dict[str, list[tuple[int, int, int]]] = {}
     for rank, d in enumerate(descriptors):
         for name, lo, hi in d.pieces:
-            held.setdefault(name, []).append((rank, lo, hi))
+            if shared.get((name, lo, hi), rank) == rank:
+                held.setdefault(name, []).append((rank, lo, hi))
     partitioned, own = [], []
     for region in regions:
         if region.name in replicated:
@@ -208,7 +293,7 @@ def saved_layout(descriptors: Sequence[Descriptor], regions: Sequence[RegionDecl
 
 def words_held(where: Any, words: int) -> tuple[tuple[int, int, int], ...]:
     """(lo, hi, at) of the region's words a rank holds, by its placement (pure): at is where in the rank's flat tensor."""
-    if isinstance(where, tuple) and where[0] == "ranges":
+    if isinstance(where, tuple) and where[0] in ("ranges", "dtensor"):
         return where[1]
     if isinstance(where, tuple):
         return ((where[0], where[1], 0),)

@@ -82,7 +82,7 @@ from ..state.capture import capture_state
 from ..store import Store
 from ..writer import ShardCarry, word_view
 from . import agreement  # agreement.agree_layout, looked up at each call (a probe may time it)
-from .agreement import agreed_regions, describe, own_parts, replica_digests
+from .agreement import agreed_regions, describe, own_parts, replica_digests, shared_digests, split_shared
 from .options import CheckpointerOptions
 from .recovery import RecoveryClock
 from .result import SaveResult, completed
@@ -367,14 +367,18 @@ class Checkpointer:
                                                   self.device)
         layout = agreement.agree_layout(descriptor, group, self.rank, self.store, self.world)
         regions = agreed_regions(layout)
+        own, shared_wrote, shared_hashed = split_shared(layout, self.rank, own)
         # Only digests of replicas travel, never their bytes; a diverged one refuses before any ref.
         tier = DURABLE if durable else MEMORY  # a durable save is held in memory too, with the memory tier
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="alpha-ckpt-replicas") as pool:
             others = pool.submit(lambda: {name: block_digests(view)[0] for name, view in hashed})
+            others_shared = pool.submit(lambda: [[name, lo, hi, block_digests(view)[0]]
+                                                 for name, lo, hi, view in shared_hashed])
             contribution = Contribution(
                 prefix, regions, layout, own_parts(regions, own),
                 self._metadata(layout) if self.rank == 0 else {},
-                lambda digests: replica_digests(regions, wrote, digests, others.result()), self.follows, group)
+                lambda digests: replica_digests(regions, wrote, digests, others.result()), self.follows, group,
+                lambda digests: shared_digests(regions, shared_wrote, digests, others_shared.result()))
             in_memory = self._publish_in_memory(contribution) if self.memory is not None else None
             memory_skipped = None if in_memory is None or in_memory.outcome.ok else in_memory.outcome.reason
             if memory_skipped is not None and not durable:

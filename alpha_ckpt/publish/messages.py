@@ -95,7 +95,8 @@ class Descriptor(Record):
     skeleton: Any = None
     replicated: list = field(default_factory=list)
     regions: list = field(default_factory=list)   # RegionDecl.to_json() of each region the rank holds
-    pieces: list = field(default_factory=list)    # [name, lo, hi] of the words the rank writes
+    pieces: list = field(default_factory=list)    # [name, lo, hi] of the words the rank holds to write
+    dtensors: list = field(default_factory=list)  # regions it holds a DTensor shard of (others may hold it alike)
     device: Any = None
     refused: Outcome | None = None
 
@@ -112,16 +113,19 @@ class Layout(Record):
     devices: list = field(default_factory=list)
     layout: dict | None = None        # which rank wrote which words (metadata "layout"), or None
     write_mode: str | None = None     # how every rank writes this save's large shards
+    shared: list = field(default_factory=list)  # [name, lo, hi, writer] of words several ranks hold alike
 
 
 @dataclass(frozen=True)
 class WriteReport(Record):
-    """What a rank wrote (star: its shard records), its digest of every replica, and its write failure."""
+    """What a rank wrote (star: its shard records), its digest of every replica and of every shared
+    piece it holds ([name, lo, hi, digest]: words that other ranks hold too), and its write failure."""
 
     KIND: ClassVar[str] = "write-report"
     replicas: dict
     shards: list = field(default_factory=list)
     failure: list | None = None  # [reason, code or None]
+    shared: list = field(default_factory=list)
 
 
 def written_verdict(reports: Sequence[WriteReport]) -> Outcome:
@@ -132,6 +136,7 @@ def written_verdict(reports: Sequence[WriteReport]) -> Outcome:
         return Outcome(False, reason, code or None)
     try:
         check_replicas([r.replicas for r in reports])
+        check_shared([r.shared for r in reports])
     except Refusal as refusal:
         return Outcome.of(refusal)
     return Outcome.success()
@@ -147,6 +152,19 @@ def check_replicas(digests: Sequence[Mapping[str, str]]) -> None:
             if d[name] != digests[0][name]:
                 raise Refusal(RefusalCode.MIXED_CAPTURE, f"rank {r}'s replica of {name!r} differs from rank 0's "
                               "(a replicated entry diverged; wrap what differs per rank in PerRank)")
+
+
+def check_shared(pieces: Sequence[Sequence[Sequence]]) -> None:
+    """Rank 0 (pure): every holder's BLAKE3 of a shared piece (each rank's [name, lo, hi, digest]) is the
+    same: one rank's copy is saved for all of them, so copies that differ are refused, never one chosen."""
+    first: dict[tuple, tuple[int, str]] = {}
+    for rank, held in enumerate(pieces):
+        for name, lo, hi, digest in held:
+            at, want = first.setdefault((name, lo, hi), (rank, digest))
+            if digest != want:
+                raise Refusal(RefusalCode.MIXED_CAPTURE, f"rank {rank}'s copy of words [{lo}, {hi}) of {name!r} "
+                              f"differs from rank {at}'s (ranks that hold the same shard of it, e.g. over a mesh "
+                              "dimension it is not sharded on, must hold the same values)")
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,8 @@ class Contribution:
     replica_digests: Callable[[Mapping[tuple, str]], dict[str, str]]  # given the write's digests: every replica's
     follows: int | None                     # rank 0: the generation this history continues
     group: Any = None                       # the torch.distributed group the ranks talk over
+    # given the write's digests: [name, lo, hi, digest] of every shared piece (words other ranks hold too)
+    shared_digests: Callable[[Mapping[tuple, str]], list] = lambda written: []
 
 
 class Publisher(Protocol):

@@ -43,7 +43,8 @@ class StarPublisher:
             shard_refs, failure = write_or_fail(self.store, c.prefix, c.regions, shard_lists(c.parts),
                                                 f"rank {self.rank}", carry=self.carry, digests_out=written,
                                                 writers=self.world, agreed_mode=c.layout.write_mode)
-            report = WriteReport(replicas=c.replica_digests(written), shards=[s.to_json() for s in shard_refs],
+            report = WriteReport(replicas=c.replica_digests(written), shared=c.shared_digests(written),
+                                 shards=[s.to_json() for s in shard_refs],
                                  failure=list(failure) if failure else None)
             reports = gather_json(report.to_json(), root0, c.group)
             if self.rank != 0:

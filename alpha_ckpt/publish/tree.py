@@ -444,7 +444,8 @@ class TreePublisher:
         try:
             failure = role.write_own(c.prefix, c.regions, shard_lists(c.parts), digests_out=written,
                                      agreed_mode=c.layout.write_mode)
-            report = WriteReport(replicas=c.replica_digests(written), failure=list(failure) if failure else None)
+            report = WriteReport(replicas=c.replica_digests(written), shared=c.shared_digests(written),
+                                 failure=list(failure) if failure else None)
             reports = gather_json(report.to_json(), root0, c.group)
             verdict = written_verdict([WriteReport.from_json(r) for r in reports]) if self.rank == 0 else None
             verdict = Outcome.from_json(broadcast_json(verdict.to_json() if verdict else None, root0, c.group))

@@ -28,9 +28,9 @@ from ..errors import Refusal, RefusalCode
 from ..format import RegionDecl
 from ..manifest import regions_of
 from ..values import encode_value
-from .loaders import warn_if_worker_generators_unsaved
 from .compiled import as_plain
-from .placement import Partitioned, PerRank, dtensor_part, is_dtensor
+from .loaders import warn_if_worker_generators_unsaved
+from .placement import Partitioned, PerRank, ShardRanges, dtensor_part, is_dtensor
 
 
 def is_stateful(obj: Any) -> bool:
@@ -45,9 +45,10 @@ class CapturedState:
 
     ``placement[i]`` says where region i lives: "replicated" (every rank holds it
     whole), "per-rank" (this rank's own, inside a :class:`PerRank`),
-    (lo, hi, shape): this rank's words of a :class:`Partitioned` region, or
-    ("ranges", ((lo, hi, at), ...), shape): a sharded DTensor's local shard as several word
-    ranges (its flat words [at, at + hi - lo) are the region's [lo, hi)).
+    (lo, hi, shape): this rank's words of a :class:`Partitioned` region,
+    ("ranges", ((lo, hi, at), ...), shape): its words as several ranges (its flat words
+    [at, at + hi - lo) are the region's [lo, hi)), or ("dtensor", ranges, shape): a sharded
+    DTensor's local shard so, which other ranks may hold alike (HSDP, a sub-mesh of the ranks).
     """
 
     named: tuple[tuple[str, torch.Tensor], ...]
@@ -103,9 +104,10 @@ def capture_state(state: Mapping[str, Any], rank: int = 0, world: int = 1, rules
                 return {"tensor": add(name, part)}
             if per_rank_depth[0]:
                 raise ValueError(f"state entry {name!r}: a sharded DTensor inside PerRank")
-            if isinstance(part, Partitioned):
-                return {"tensor": add(name, part.tensor, (part.lo, part.hi, part.shape))}
-            return {"tensor": add(name, part.tensor, ("ranges", part.ranges, part.shape))}
+            # Tagged apart from Partitioned: other ranks may hold this shard alike (a sub-mesh, HSDP)
+            ranges = part.ranges if isinstance(part, ShardRanges) else \
+                (((part.lo, part.hi, 0),) if part.hi > part.lo else ())
+            return {"tensor": add(name, part.tensor, ("dtensor", ranges, part.shape))}
         if isinstance(obj, torch.Tensor):
             return {"tensor": add(name, obj, rank0(obj) if kind == "rank0" else None)}
         if isinstance(obj, np.ndarray):

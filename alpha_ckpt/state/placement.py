@@ -64,8 +64,7 @@ def contiguous_words(shape: tuple[int, ...], offsets: tuple[int, ...], lengths: 
 @dataclass
 class ShardRanges:
     """A DTensor's local shard as word ranges of its global tensor: ``ranges`` are (lo, hi, at): global
-    words [lo, hi) are the local shard's flat words [at, at + hi - lo). None of them on a rank that
-    only holds a replica of words another rank saves (HSDP)."""
+    words [lo, hi) are the local shard's flat words [at, at + hi - lo)."""
 
     tensor: torch.Tensor  # the local shard, flat and contiguous
     ranges: tuple[tuple[int, int, int], ...]
@@ -95,9 +94,11 @@ def dtensor_part(value: Any, name: str) -> "torch.Tensor | Partitioned | ShardRa
     """A DTensor as the Checkpointer stores it: a replicated one as its local (whole) tensor; a sharded one
     as the word ranges of the global tensor its local shard is: a Partitioned range when it is one
     (FSDP2's ``Shard(0)``), else :class:`ShardRanges` (``Shard(1)`` of a matrix, a box of a 2-D mesh,
-    FSDP2 over tensor parallel: one range per row of the box). Sharded on one mesh dimension and
-    replicated on another (HSDP), only the ranks at index 0 of the replicating dimensions store
-    their shard. Raises ValueError, naming the entry, for ``Partial``."""
+    FSDP2 over tensor parallel: one range per row of the box). A shard that other ranks hold too (HSDP's
+    replicas, or a DTensor on a sub-mesh: FSDP-only modules of a (dp, tp) mesh, alike on every tp rank)
+    is declared by each of them: the save's agreement picks one writer and compares the others' digests
+    (:func:`~alpha_ckpt.collective.agreement.shared_piece_writers`). Raises ValueError, naming the entry,
+    for ``Partial``."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     placements, mesh = tuple(value.placements), value.device_mesh
@@ -112,20 +113,16 @@ def dtensor_part(value: Any, name: str) -> "torch.Tensor | Partitioned | ShardRa
     shape = tuple(int(d) for d in value.shape)
     lengths, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
     lengths, offsets = tuple(int(n) for n in lengths), tuple(int(o) for o in offsets)
-    stores = all(mesh.get_local_rank(d) == 0 for d, p in enumerate(placements) if isinstance(p, Replicate))
     words = contiguous_words(shape, offsets, lengths)
-    if words is not None and stores:
+    if words is not None:
         return Partitioned(local.reshape(-1), words[0], words[1], shape)
-    return ShardRanges(local.reshape(-1), box_ranges(shape, offsets, lengths) if stores else (), shape)
+    return ShardRanges(local.reshape(-1), box_ranges(shape, offsets, lengths), shape)
 
 
 def restore_ranges(value: Any, name: str) -> "torch.Tensor | ShardRanges":
     """Where a DTensor destination's words go: its local shard (replicated), or every range of it
     (a replica's too: each rank restores what it holds, whoever saved it)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     part = dtensor_part(value, name)
-    if isinstance(part, torch.Tensor):
-        return part
-    lengths, offsets = compute_local_shape_and_global_offset(tuple(value.shape), value.device_mesh, value.placements)
-    return ShardRanges(part.tensor, box_ranges(part.shape, tuple(int(o) for o in offsets),
-                                               tuple(int(n) for n in lengths)), part.shape)
+    if isinstance(part, Partitioned):
+        return ShardRanges(part.tensor, ((part.lo, part.hi, 0),) if part.hi > part.lo else (), part.shape)
+    return part
