@@ -209,3 +209,22 @@ def test_under_torchrun_the_next_job_removes_the_tier_a_crashed_job_left(tmp_pat
         assert Job.read(namespace).launcher != first.launcher
     finally:
         shutil.rmtree(tier, ignore_errors=True)
+
+
+FORMAT1_STATE = Path(__file__).resolve().parents[1] / "stores" / "format1" / "state"
+
+
+def tier_of(rank, world, store, memory):
+    ckpt = Checkpointer(store, run="old", step="s", memory=memory)
+    return {"memory": ckpt.memory is not None, "instance": ckpt.store.instance}
+
+
+def test_an_older_store_gets_its_instance_id_at_its_first_writable_open_and_then_its_memory_tier(tmp_path):
+    writable = tmp_path / "old"
+    shutil.copytree(FORMAT1_STATE, writable)
+    with Store(str(writable), create=False) as s:
+        assert s.instance is None  # older than instance ids, and a read-only open writes nothing
+    got = run_ranks(2, tier_of, str(writable), str(tmp_path / "memory"), tmp=tmp_path)
+    assert got[0]["memory"] and got[1]["memory"] and got[0]["instance"] == got[1]["instance"] is not None
+    with Store(str(writable), create=False) as s:
+        assert s.instance == got[0]["instance"]  # written once: every later open reads the same id
