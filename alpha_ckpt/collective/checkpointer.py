@@ -88,7 +88,7 @@ from .recovery import RecoveryClock
 from .result import SaveResult, completed
 from .resume import DAMAGE, Choice, announce, announce_save, prepare, shards_read
 from .schedule import DURABLE, MEMORY
-from .verdict import agree
+from .verdict import agree, agree_usage
 
 logger = logging.getLogger("alpha_ckpt")
 
@@ -161,15 +161,9 @@ class Checkpointer:
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.hierarchy = Hierarchy(self.world, fanout)
-        # Rank 0 creates the store; the others open it once it exists. A Store handle given is the caller's.
+        # A Store handle given is the caller's.
         self._own_store = not isinstance(store, Store)
-        if isinstance(store, Store):
-            self.store = store
-        else:
-            self.store = Store(store, create=True) if self.rank == 0 else None
-            dist.barrier(group=group)
-            if self.store is None:
-                self.store = Store(store, create=False)
+        self.store = store if isinstance(store, Store) else _open_store(store, self.rank, group)
         self.epoch = 0
         self.follows: int | None = None  # rank 0: the generation this history continues (store.check_fence)
         self.last_restore: dict | None = None  # what this rank's last restore read (bytes, shards)
@@ -617,6 +611,31 @@ class Checkpointer:
             self._release()  # joins the save thread, destroys this Checkpointer's own groups (once)
             if self._own_store:
                 self.store.close()
+
+
+def _open_store(path: str | os.PathLike, rank: int, group: Any) -> Store:
+    """Collective: rank 0 creates the store, then the others open it. A path that cannot be a store (a
+    file) is the same UsageError on every rank, and no rank is left waiting in a collective the others
+    left, so the next Checkpointer of these processes starts in step."""
+    store = error = None
+    if rank == 0:
+        try:
+            store = Store(path, create=True)
+        except UsageError as exc:
+            error = exc
+    agree_usage(error, group)  # also the barrier: the store exists before the others open it
+    if rank != 0:
+        try:
+            store = Store(path, create=False)
+        except UsageError as exc:
+            error = exc
+    try:
+        agree_usage(error, group)
+    except UsageError:
+        if store is not None:
+            store.close()
+        raise
+    return store
 
 
 def _launcher_options(overrides: Mapping[str, Any]) -> CheckpointerOptions:

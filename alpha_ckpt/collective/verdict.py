@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..errors import Refusal
-from ..publish.messages import Verdict
+from ..errors import Refusal, UsageError
+from ..publish.messages import UsageVerdict, Verdict
 from ..publish.wire import broadcast_json, global_rank, leave_groups_at_exit, wire_device
 
 
@@ -15,13 +15,30 @@ def agree(refusal: Refusal | None, group=None) -> None:
     Ranks are of ``group`` (default: the default group); its messages use gloo or the
     group's backend as the wire module does.
     """
+    rank = dist.get_rank(group)
+    said = _lowest_rank_says(None if refusal is None else
+                             Verdict(refusal.code.value, f"rank {rank}: {refusal.message}").to_json(), group)
+    if said is not None:
+        verdict = Verdict.from_json(said)
+        raise Refusal(verdict.code, verdict.message)
+
+
+def agree_usage(error: UsageError | None, group=None) -> None:
+    """Collective, as :func:`agree`: if any rank's call was bad usage, every rank raises the lowest-ranked such
+    rank's :class:`UsageError` (the same message everywhere), so no rank goes on to a collective the others left."""
+    rank = dist.get_rank(group)
+    said = _lowest_rank_says(None if error is None else UsageVerdict(f"rank {rank}: {error}").to_json(), group)
+    if said is not None:
+        raise UsageError(UsageVerdict.from_json(said).message)
+
+
+def _lowest_rank_says(message: dict | None, group) -> dict | None:
+    """Collective: the message of the lowest-ranked rank that has one (the others pass None); None if no rank has."""
     leave_groups_at_exit()
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    first = torch.tensor([rank if refusal is not None else world], dtype=torch.int64, device=wire_device(group))
+    first = torch.tensor([rank if message is not None else world], dtype=torch.int64, device=wire_device(group))
     dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
     src = int(first.item())
     if src == world:
-        return
-    mine = Verdict(refusal.code.value, f"rank {rank}: {refusal.message}").to_json() if rank == src else None
-    verdict = Verdict.from_json(broadcast_json(mine, global_rank(src, group), group))
-    raise Refusal(verdict.code, verdict.message)
+        return None
+    return broadcast_json(message if rank == src else None, global_rank(src, group), group)

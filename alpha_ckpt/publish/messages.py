@@ -200,6 +200,15 @@ class Verdict(Record):
 
 
 @dataclass(frozen=True)
+class UsageVerdict(Record):
+    """The lowest rank's usage error (a store path that is a file), told to every rank
+    (:func:`alpha_ckpt.collective.verdict.agree_usage`)."""
+
+    KIND: ClassVar[str] = "usage-verdict"
+    message: str
+
+
+@dataclass(frozen=True)
 class Interval(Record):
     """Rank 0's checkpoint interval for ``every="auto"``: a number of updates, or None (not planned yet).
 

@@ -30,19 +30,29 @@ INSTANCE_BYTES = 16
 INSTANCE_RE = re.compile(r"\A[0-9a-f]{%d}\Z" % (2 * INSTANCE_BYTES))
 
 
+def _store_not_a_directory(root: str) -> StoreUsageError:
+    try:
+        kind = durable.file_kind(os.stat(root).st_mode)
+    except OSError:  # a file where a directory above it belongs
+        return StoreUsageError(f"store {root!r} lies under a path that is not a directory")
+    return StoreUsageError(f"store {root!r} is a {kind}, not a directory")
+
+
 class PosixBackend:
     """The directories of one store on a POSIX file system, held open as descriptors."""
 
     def __init__(self, layout: StoreLayout, create: bool):
         self.layout = layout
         root = layout.root
-        if create:
-            os.makedirs(root, exist_ok=True)
         try:
+            if create:
+                os.makedirs(root, exist_ok=True)
             # The root is the user's path and may be a symlink; nothing below it may.
             self.root_fd = layout.open_root()
         except FileNotFoundError:
             raise StoreUsageError(f"store {root!r} does not exist") from None
+        except (FileExistsError, NotADirectoryError):  # the path, or a directory on it, is a file
+            raise _store_not_a_directory(root) from None
         self._objects_fd = self._tmp_fd = self._quarantine_fd = -1
         self._fan_fds: dict[str, int] = {}
         try:

@@ -6,7 +6,7 @@ from alpha_ckpt import Refusal, RefusalCode
 from alpha_ckpt.errors import PublishFailed
 from alpha_ckpt.publish import messages
 from alpha_ckpt.publish.messages import (Candidate, Candidates, Completion, Descriptor, Interval, Layout, Outcome,
-                                         Verdict, WriteReport, written_verdict)
+                                         UsageVerdict, Verdict, WriteReport, written_verdict)
 
 RECORDS = [
     Outcome.success(), Outcome(False, "rank 1: disk full"), Outcome(False, "nan", "non-finite"),
@@ -17,7 +17,8 @@ RECORDS = [
            write_mode="buffered"),
     WriteReport(replicas={"w": "ab"}, shards=[{"digest": "cd"}], failure=["rank 1 could not write", None]),
     Completion(Outcome.success(), "ab" * 32, 3, 1024), Completion.failed(Outcome(False, "fenced", "fenced")),
-    Verdict("corrupt-shard", "rank 1: a flipped byte"), Interval(7), Interval(None),
+    Verdict("corrupt-shard", "rank 1: a flipped byte"), UsageVerdict("rank 0: store 's' is a regular file"),
+    Interval(7), Interval(None),
     Candidate(root="ab" * 32, devices=["cpu"]), Candidate(refusal=Verdict("foreign-learner", "x"), binding=True),
     Candidates.of([Candidate(root="ab" * 32), Candidate(root="cd" * 32)]),
 ]
