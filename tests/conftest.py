@@ -1,3 +1,5 @@
+import subprocess
+
 import pytest
 import torch
 
@@ -47,6 +49,27 @@ def save_forged(state: dict, store_dir, *, update: int = 1, cursor: int = 0, epo
               for r, (_, t) in zip(regions, named)]
     with Store(store_dir) as s:
         return publish_forged(s, CapturePrefix(run, step, update, cursor, epoch), regions, shards).root
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_path):
+    """mount_tmpfs(size): a tmpfs of our own (root writes through permission bits, not through a read-only
+    mount or a full one); unmounted after the test; the test is skipped where mounting is not permitted."""
+    mounted = []
+
+    def mount(size: str = "64m"):
+        mnt = tmp_path / f"mnt{len(mounted)}"
+        mnt.mkdir()
+        try:
+            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], check=True,
+                           capture_output=True, timeout=30)
+        except (OSError, subprocess.CalledProcessError) as exc:
+            pytest.skip(f"cannot mount a tmpfs here: {exc}")
+        mounted.append(mnt)
+        return mnt
+    yield mount
+    for mnt in mounted:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
 
 
 @pytest.fixture

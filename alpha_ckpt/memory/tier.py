@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from .. import durable, launch_env
 from ..store._posix import write_all
+from ..store.leases import process_alive, process_start
 
 from ..errors import DurableWriteError, Refusal, RefusalCode, StoreUsageError, UsageError
 from ..format import CapturePrefix, ShardRef
@@ -183,7 +184,7 @@ class Job:
     @classmethod
     def this(cls) -> "Job":
         parent = os.getppid()
-        return cls(parent, _process_start(parent), os.environ.get("TORCHELASTIC_RUN_ID"))
+        return cls(parent, process_start(parent), os.environ.get("TORCHELASTIC_RUN_ID"))
 
     def to_json(self) -> dict:
         return {"launcher": self.launcher, "started": self.started, "run_id": self.run_id}
@@ -201,24 +202,7 @@ class Job:
         return self.run_id not in self.UNNAMED_RUNS and self.run_id == other.run_id
 
     def alive(self) -> bool:
-        started = _process_start(self.launcher)
-        return started is not None and (self.started is None or started == self.started)
-
-
-def _process_start(pid: int) -> int | None:
-    """A process's start time in clock ticks since boot (None: no such process)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return int(stat[stat.rindex(b")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        try:
-            os.kill(pid, 0)
-            return None if pid <= 0 else -1  # alive, start time unknown (no /proc)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            return -1
+        return process_alive(self.launcher, pid_start=self.started) is not False
 
 
 def claim_store_directory(directory: str, instance: str, job: Job) -> str:

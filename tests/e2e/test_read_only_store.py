@@ -19,19 +19,9 @@ def alpha_run(store, *args, timeout=120):
 
 
 @pytest.fixture
-def mount_point(tmp_path):
-    """A tmpfs of our own, to be remounted read-only (root writes through permission bits, not through that)."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)], check=True,
-                       capture_output=True, timeout=30)
-    except (OSError, subprocess.CalledProcessError) as exc:
-        pytest.skip(f"cannot mount a tmpfs here: {exc}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
+def mount_point(mount_tmpfs):
+    """A tmpfs of our own, to be remounted read-only."""
+    return mount_tmpfs("64m")
 
 
 @pytest.mark.timeout(300)

@@ -94,19 +94,9 @@ def test_memory_generations_descending_from_a_generation_the_store_no_longer_hol
 
 
 @pytest.fixture
-def small_tmpfs(tmp_path):
-    """A tmpfs of 256 KiB: too small to hold a save of the test script (root may write anywhere else)."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], check=True,
-                       capture_output=True, timeout=30)
-    except (OSError, subprocess.CalledProcessError) as exc:
-        pytest.skip(f"cannot mount a tmpfs here: {exc}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
+def small_tmpfs(mount_tmpfs):
+    """A tmpfs of 256 KiB: too small to hold a save of the test script."""
+    return mount_tmpfs("256k")
 
 
 def test_a_full_tier_never_fails_a_save_every_save_is_durable_and_says_why_memory_was_skipped(tmp_path, small_tmpfs):
