@@ -31,6 +31,7 @@ durable store together.
 from __future__ import annotations
 
 import logging
+import contextlib
 import fcntl
 import json
 import os
@@ -125,9 +126,14 @@ def memory_directory(options: Any, store_root: str) -> str:
     launched = launch_env.memory_directory()
     if launched is not None:
         return launched
-    parent = DEFAULT_PARENT if os.path.isdir(DEFAULT_PARENT) else tempfile.gettempdir()
     key = blake3.blake3(f"{os.path.abspath(store_root)}\0{options.run}\0{options.step}".encode()).hexdigest()[:16]
-    return os.path.join(parent, f"alpha-ckpt-{os.getuid()}", key)
+    return os.path.join(default_root(), key)
+
+
+def default_root() -> str:
+    """Where the tier directories named by store, run and step lie (one per user)."""
+    parent = DEFAULT_PARENT if os.path.isdir(DEFAULT_PARENT) else tempfile.gettempdir()
+    return os.path.join(parent, f"alpha-ckpt-{os.getuid()}")
 
 
 def store_tier_directory(directory: str, instance: str) -> str:
@@ -207,18 +213,19 @@ class Job:
 
 def claim_store_directory(directory: str, instance: str, job: Job) -> str:
     """Make the holders' directory of store ``instance`` under the tier directory ``directory`` this job's:
-    first remove every store directory there whose job is dead (host memory a crashed job left behind),
-    then create this store's if missing, naming this job. Under a lock: the ranks of one node do it at once."""
+    first remove every store directory there whose job is dead (host memory a crashed job left behind; under
+    the default location, in the tier directories of other stores too), then create this store's if
+    missing, naming this job. Under a lock per tier directory: the ranks of one node do it at once."""
     os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, ".lock"), "a+b") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-        for name in os.listdir(directory):
-            path = os.path.join(directory, name)
-            if not name.startswith(STORE_PREFIX) or os.path.islink(path) or not os.path.isdir(path):
-                continue
-            owner = Job.read(path)
-            if owner is not None and not owner.same_run(job) and not owner.alive():
-                shutil.rmtree(path, ignore_errors=True)
+    root = default_root()
+    if os.path.dirname(os.path.abspath(directory)) == root:
+        for name in sorted(os.listdir(root)):
+            other = os.path.join(root, name)
+            if other != os.path.abspath(directory) and os.path.isdir(other) and not os.path.islink(other):
+                with _locked(other):
+                    _remove_dead_jobs(other, job)
+    with _locked(directory):
+        _remove_dead_jobs(directory, job)
         mine = store_tier_directory(directory, instance)
         os.makedirs(mine, exist_ok=True)
         if not os.path.exists(os.path.join(mine, Job.FILE)):
@@ -231,6 +238,23 @@ def claim_store_directory(directory: str, instance: str, job: Job) -> str:
             finally:
                 os.close(fd)
     return mine
+
+
+@contextlib.contextmanager
+def _locked(directory: str):
+    with open(os.path.join(directory, ".lock"), "a+b") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        yield
+
+
+def _remove_dead_jobs(directory: str, job: Job) -> None:
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if not name.startswith(STORE_PREFIX) or os.path.islink(path) or not os.path.isdir(path):
+            continue
+        owner = Job.read(path)
+        if owner is not None and not owner.same_run(job) and not owner.alive():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def replica_stride(world: int) -> int:

@@ -162,6 +162,22 @@ def test_opening_a_tier_removes_the_directories_of_dead_jobs_and_keeps_live_ones
         [f"store-{'b' * 32}", f"store-{'c' * 32}", f"store-{'f' * 32}"]
 
 
+def test_opening_a_tier_in_the_default_location_removes_dead_jobs_of_other_stores_there_too(tmp_path):
+    import uuid
+    from alpha_ckpt.memory.tier import default_root
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    mine, other = (Path(default_root()) / f"test-{uuid.uuid4().hex}" for _ in range(2))
+    try:
+        crashed = _job_dir(other, "a" * 32, Job(dead.pid, None, "run-1"))   # another store's crashed job
+        living = _job_dir(other, "b" * 32, Job(os.getppid(), None, "run-1"))
+        claim_store_directory(str(mine), "c" * 32, Job(os.getpid(), None, "run-2"))
+        assert not crashed.exists() and living.exists()
+    finally:
+        shutil.rmtree(mine, ignore_errors=True)
+        shutil.rmtree(other, ignore_errors=True)
+
+
 TORCHRUN_SCRIPT = """
 import os, sys, torch, torch.distributed as dist
 from alpha_ckpt import Checkpointer
