@@ -134,6 +134,12 @@ def memory_directory() -> str | None:
     return os.environ.get(MEMORY) or None
 
 
+def run_id() -> str | None:
+    """The launch's run id as torch's agent gives it to every worker (torchrun's ``--rdzv-id``, a random one
+    with ``--standalone``; alpha-run's launch), or None outside a launcher."""
+    return os.environ.get("TORCHELASTIC_RUN_ID") or None
+
+
 def ranks_per_node() -> int | None:
     """torch's LOCAL_WORLD_SIZE (ranks on this node), as torchrun and alpha-run set it, or None."""
     value = os.environ.get("LOCAL_WORLD_SIZE", "")

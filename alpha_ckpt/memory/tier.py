@@ -190,7 +190,7 @@ class Job:
     @classmethod
     def this(cls) -> "Job":
         parent = os.getppid()
-        return cls(parent, process_start(parent), os.environ.get("TORCHELASTIC_RUN_ID"))
+        return cls(parent, process_start(parent), launch_env.run_id())
 
     def to_json(self) -> dict:
         return {"launcher": self.launcher, "started": self.started, "run_id": self.run_id}

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import blake3
 import numpy as np
 import pytest
 import torch
@@ -56,6 +57,23 @@ def _bits(value):
     return (type(value).__name__, value)
 
 
+def _bits_digest(state: dict) -> str:
+    """The digest of a state's exact values (its generators aside)."""
+    return blake3.blake3(repr(_bits({k: v for k, v in state.items() if k != "rng"})).encode()).hexdigest()
+
+
+def _arithmetic_is_format1s() -> bool:
+    """Whether this machine's kernels round old_state's training as the machine that wrote format1 did. Where
+    they do not (another CPU, another kernel path: a last-bit difference in a Linear), a state rebuilt by
+    training differs from the stored one in its last bits, and only the checks that need no training run."""
+    return _bits_digest(old_state.state()) == EXPECTED["state"]["bits"]
+
+
+needs_format1_arithmetic = pytest.mark.skipif(not _arithmetic_is_format1s(), reason=(
+    "this machine's kernels round the format1 training differently (the stored values are checked exactly "
+    "by the other tests)"))
+
+
 def test_the_one_process_store_verifies_and_restores_every_value_bit_for_bit(tmp_path):
     store = _copy("state", tmp_path)
     root = EXPECTED["state"]["root"]
@@ -67,11 +85,19 @@ def test_the_one_process_store_verifies_and_restores_every_value_bit_for_bit(tmp
     after_restore = torch.rand(4)  # the saved RNG state is back: the draws that followed the save
     torch.manual_seed(10)  # the seed old_state.state() captured
     assert torch.equal(after_restore, torch.rand(4))
-    saved = old_state.state()
-    assert _bits({k: v for k, v in blank.items() if k != "rng"}) == _bits({k: v for k, v in saved.items() if k != "rng"})
+    # exactly the values format1 holds: the digest of the state old_state.state() built where format1 was written
+    assert _bits_digest(blank) == EXPECTED["state"]["bits"]
 
 
 def test_todays_save_of_the_same_state_publishes_the_same_root_digest(tmp_path):
+    same = old_state.state(blank=True)  # the very state format1 holds, on any machine
+    alpha_ckpt.restore(same, store=_copy("state", tmp_path), root=EXPECTED["state"]["root"])
+    root = alpha_ckpt.save(same, store=tmp_path / "again", run="old", step="s", update=7, cursor=70, epoch=0)
+    assert root == EXPECTED["state"]["root"]
+
+
+@needs_format1_arithmetic
+def test_todays_save_of_the_state_rebuilt_by_training_publishes_the_same_root_digest(tmp_path):
     root = alpha_ckpt.save(old_state.state(), store=tmp_path / "again", run="old", step="s", update=7, cursor=70,
                            epoch=0)
     assert root == EXPECTED["state"]["root"]
@@ -84,6 +110,7 @@ def test_the_dcp_store_loads_bit_for_bit_through_the_storage_reader(tmp_path):
     assert _bits(blank) == _bits(old_state.dcp_state())
 
 
+@needs_format1_arithmetic
 @pytest.mark.timeout(600)
 def test_the_job_resumes_a_format1_store_to_the_state_of_an_uninterrupted_run(tmp_path):
     store = _copy("job", tmp_path)
@@ -95,6 +122,7 @@ def test_the_job_resumes_a_format1_store_to_the_state_of_an_uninterrupted_run(tm
         straight["state_digest"], straight["update"], straight["cursor"])
 
 
+@needs_format1_arithmetic
 @pytest.mark.timeout(600)
 def test_the_job_publishes_the_same_state_and_root_digests_as_format1(tmp_path):
     fresh = _job(tmp_path / "fresh", "--updates", "3", "--checkpoint-every", "2")

@@ -31,7 +31,7 @@ LAYERS: dict[int, tuple[str, set[str]]] = {
     2: ("plan, state, reader, writer: what a generation holds and how it is read and written",
         {"manifest", "planner", "destinations", "device", "dcp_metadata", "reader", "generation", "payloads", "writer",
          "packing", "hashing", "async_save",
-         "state", "state.capture", "state.compiled", "state.load", "state.loaders", "state.placement", "state.rng",
+         "state", "state.capture", "state.compiled", "state.load", "state.loaders", "state.optimizers", "state.placement", "state.rng",
          "state.rules"}),
     3: ("store maintenance over whole generations: completeness, pins, gc",
         {"complete", "pins", "gc"}),
