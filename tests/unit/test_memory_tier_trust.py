@@ -189,7 +189,8 @@ start = counters.update if counters else 0
 for update in range(start + 1, start + 3):
     state["w"] += 1
     ckpt.save(state, update=update)
-print("TIER", os.path.dirname(ckpt.memory.directory), flush=True)
+if dist.get_rank() == 0:  # one line: the ranks share stdout
+    print("TIER", os.path.dirname(ckpt.memory.directory), flush=True)
 os._exit(0)  # a crash: no close(), no destroy_process_group()
 """
 
