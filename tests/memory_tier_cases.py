@@ -297,3 +297,73 @@ def check(case: dict, results: list[list]) -> str | None:
             elif w is not None and not g["exact"]:
                 return f"{where}: the state restored as {w} is not that state's bytes"
     return None
+
+
+# ---------------------------------------------------------------------------------------------- kills inside a save
+
+def draw_kill(rng: random.Random, world: int) -> dict:
+    """A job killed inside its k-th save: every rank dies at its ``at``-th durable-commit stage of that save
+    (or right after it, when the save has fewer), so ranks die at different moments of one publish."""
+    saves = rng.randint(1, 4)
+    return {"world": world, "replicas": rng.choice([1, 2]) if world > 2 else 1,
+            "durable_every": rng.randint(1, 3), "killed_save": saves,
+            "at": [rng.randint(1, 40) for _ in range(world)]}
+
+
+class _KillAt:
+    """Hooks: SIGKILL this process at the ``at``-th fault point once armed."""
+
+    def __init__(self, at: int):
+        self.at, self.seen, self.armed = at, 0, False
+
+    def fault(self, kind, point):
+        if self.armed:
+            self.seen += 1
+            if self.seen >= self.at:
+                os.kill(os.getpid(), 9)
+
+    def tamper(self, role, message):
+        return message
+
+    def after_update(self, rank, update):
+        pass
+
+
+def save_until_killed(rank: int, world: int, kill: dict, store: str, tier: str) -> None:
+    """Every rank: saves 1..k, armed to die inside save k (and dies after it at the latest)."""
+    from alpha_ckpt import Checkpointer, hooks
+    hook = _KillAt(kill["at"][rank])
+    hooks.install(hook)
+    ckpt = Checkpointer(store, run="p", identity=IDENTITY, memory=tier, replicas=kill["replicas"],
+                        durable_every=kill["durable_every"])
+    ckpt.restore(_blank())
+    for update in range(1, kill["killed_save"] + 1):
+        hook.armed = update == kill["killed_save"]
+        ckpt.save(state_at([0, 0, 0, update], rank, world), update=update)
+    os.kill(os.getpid(), 9)  # killed right after the save, if not inside it
+
+
+def restore_after_kill(rank: int, world: int, store: str, tier: str) -> dict:
+    from alpha_ckpt import Checkpointer
+    ckpt = Checkpointer(store, run="p", identity=IDENTITY, memory=tier)
+    state = _blank()
+    counters = ckpt.restore(state)
+    key = state["progress"]["key"] if counters is not None else None
+    exact = _exact(state, state_at(key, rank, world) if key is not None else _blank())
+    ckpt.close()
+    return {"key": key, "exact": exact}
+
+
+def check_kill(kill: dict, results: list[dict]) -> str | None:
+    """A restore after a kill inside save k gives save k or save k-1 (a fresh start for k = 1), the same on
+    every rank, bit for bit."""
+    k = kill["killed_save"]
+    allowed = [[0, 0, 0, k], [0, 0, 0, k - 1] if k > 1 else None]
+    keys = [r["key"] for r in results]
+    if any(key != keys[0] for key in keys):
+        return f"the ranks restored different states: {keys}"
+    if keys[0] not in allowed:
+        return f"restored {keys[0]}, expected one of {allowed}"
+    if not all(r["exact"] for r in results):
+        return f"the state restored as {keys[0]} is not that state's bytes"
+    return None
