@@ -81,7 +81,7 @@ class MemoryGeneration(Record):
     holders: list = field(default_factory=list)  # recovery: the ranks whose holders name the root
     epoch: int = 0
     update: int = 0
-    lineage: dict | None = None  # {"store": instance id, "follows": [generation, root] or None}: see Lineage
+    lineage: dict | None = None  # {"store": instance id, "follows": [generation, root] or None}: see lineage()
     skipped: list = field(default_factory=list)  # recovery: why newer generations were not taken
 
 
