@@ -23,6 +23,10 @@ environment torchrun gives a worker), and watches them:
   status: a restart would meet the same verdict.
 - restarts run out: every rank is stopped, one line names the failed rank, exit 75.
 - every rank exits 0: exit 0.
+- a rank whose heartbeat (:mod:`alpha_ckpt.heartbeat`, ``beat/PID`` in the
+  control store) is silent past ``--heartbeat-limit`` is hung: it is SIGKILLed,
+  and once it is gone it is handled as a rank that exited with a failure (the
+  rank named in the round and its messages).
 
 The control store (``launch_env.IN_PLACE_CONTROL``, ``host:port``) holds ``round``
 (the newest round), ``round/R`` (its JSON: the rendezvous port, the failed rank
@@ -43,7 +47,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from . import launch_env
+from . import heartbeat, launch_env
 from .errors import UsageError
 from .launch_env import (EXIT_INTERRUPTED, EXIT_OK, EXIT_REFUSED, EXIT_RETRY, EXIT_USAGE,
                          IN_PLACE_CONTROL as CONTROL, IN_PLACE_TIMEOUT as TIMEOUT, ROUND_KEY, describe_exit,
@@ -84,8 +88,10 @@ def worker_command(args) -> list[str]:
 
 
 def worker_environment(base: dict, *, rank: int, world: int, round_: int, port: int, control_port: int,
-                       run_id: str, max_restarts: int, timeout: float) -> dict[str, str]:
-    """The environment torchrun gives a worker on one node, and the control store's address."""
+                       run_id: str, max_restarts: int, timeout: float,
+                       heartbeat_period: float | None = None) -> dict[str, str]:
+    """The environment torchrun gives a worker on one node, the control store's address, and (with
+    ``heartbeat_period``) the beats it sends there."""
     env = dict(base)
     env.update({
         "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
@@ -97,6 +103,8 @@ def worker_environment(base: dict, *, rank: int, world: int, round_: int, port: 
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         CONTROL: f"{HOST}:{control_port}", TIMEOUT: str(timeout),
     })
+    if heartbeat_period is not None:
+        env.update(launch_env.heartbeat_environment(f"{HOST}:{control_port}", heartbeat_period))
     if world > 1 and "OMP_NUM_THREADS" not in base:
         env["OMP_NUM_THREADS"] = "1"  # as torchrun: ranks on one host must not oversubscribe its cores
     return env
@@ -138,6 +146,7 @@ def run_in_place(args, env: dict | None = None) -> int:
     from torch.distributed import TCPStore
 
     world, timeout = args.nproc, float(args.timeout)
+    period = args.heartbeat_period
     base = launch_env.launcher_environment() if env is None else dict(env)
     run_id = uuid.uuid4().hex[:12]
     store_timeout = timedelta(seconds=timeout)
@@ -147,6 +156,8 @@ def run_in_place(args, env: dict | None = None) -> int:
     interrupted: list[int] = []
     spare: list = []  # at most one (Popen, number): the next replacement, torch imported, no rank yet
     spares_started: list[int] = []
+    watcher = heartbeat.Watcher(control, args.heartbeat_limit, startup=timeout) if period is not None else None
+    hung: dict[int, heartbeat.Hung] = {}  # rank -> how it was found hung, until its exit is handled
 
     def begin_round(r: int, failed: int | None, code: int | None) -> int:
         rendezvous[r] = TCPStore(HOST, 0, world, True, timeout=store_timeout, wait_for_workers=False)
@@ -162,7 +173,7 @@ def run_in_place(args, env: dict | None = None) -> int:
     def environment(rank: int, r: int) -> dict[str, str]:
         return worker_environment(base, rank=rank, world=world, round_=r, port=rendezvous[r].port,
                                   control_port=control.port, run_id=run_id, max_restarts=args.max_restarts,
-                                  timeout=timeout)
+                                  timeout=timeout, heartbeat_period=period)
 
     def start(rank: int, r: int) -> None:
         env = environment(rank, r)
@@ -179,11 +190,17 @@ def run_in_place(args, env: dict | None = None) -> int:
         """A process that imports torch and alpha_ckpt now and becomes the next replacement (:func:`spare_main`)."""
         number = len(spares_started)
         env = {**base, CONTROL: f"{HOST}:{control.port}", TIMEOUT: str(timeout)}
+        if period is not None:  # it beats once it takes a rank
+            env.update(launch_env.heartbeat_environment(f"{HOST}:{control.port}", period))
         if world > 1 and "OMP_NUM_THREADS" not in base:
             env["OMP_NUM_THREADS"] = "1"  # read when torch is imported: the rank's value, before its rank is known
         command = [sys.executable, "-m", "alpha_ckpt.inplace", "--spare", str(number), *worker_command(args)[3:]]
         spares_started.append(number)
         spare.append((subprocess.Popen(command, env=env, start_new_session=True), number))
+
+    def what_happened(rank: int, code: int) -> str:
+        each = hung.pop(rank, None)
+        return each.describe() if each is not None else f"failed ({describe_exit(code)})"
 
     def everyone_joined(r: int) -> bool:
         return control.check([joined_key(r, rank) for rank in range(world)])
@@ -200,10 +217,17 @@ def run_in_place(args, env: dict | None = None) -> int:
         while True:
             if interrupted:
                 return EXIT_INTERRUPTED
+            # A hung rank is killed and gone before its exit is handled below: nothing takes its number
+            # while it lives, and it is the failure of the round it begins.
+            for each in watcher.hung({rank: proc.pid for rank, proc in state.procs.items()}) if watcher else ():
+                heartbeat.kill(each.pid)
+                state.procs[each.rank].wait()
+                hung[each.rank] = each
             exited = [(rank, proc.returncode) for rank, proc in list(state.procs.items()) if proc.poll() is not None]
             # A rank killed by a signal first: the others' failures in the same look may follow from it.
             for rank, code in sorted(exited, key=lambda item: (item[1] >= 0, item[0])):
                 del state.procs[rank]
+                cause = what_happened(rank, code)
                 action = on_exit(code, started_in=state.started_in[rank], round_=r,
                                  joined=code != 0 and control.check([joined_key(r, rank)]),
                                  restarts=restarts, max_restarts=args.max_restarts)
@@ -214,13 +238,13 @@ def run_in_place(args, env: dict | None = None) -> int:
                 elif action is Action.REPLACE:
                     start(rank, r)
                 elif action is Action.EXHAUSTED:
-                    print(f"alpha-run: rank {rank} failed ({describe_exit(code)}); no restart left of "
+                    print(f"alpha-run: rank {rank} {cause}; no restart left of "
                           f"--max-restarts {args.max_restarts}; retry with --resume latest", file=sys.stderr)
                     return EXIT_RETRY
                 else:
                     restarts, r = restarts + 1, r + 1
                     begin_round(r, rank, code)
-                    print(f"alpha-run: rank {rank} failed ({describe_exit(code)}); round {r}: rank {rank} restarted, "
+                    print(f"alpha-run: rank {rank} {cause}; round {r}: rank {rank} restarted, "
                           f"the others recover in place (restart {restarts} of {args.max_restarts})",
                           file=sys.stderr)
                     start(rank, r)
@@ -287,6 +311,8 @@ def spare_main(argv: list[str]) -> None:
     from .script_runner import main as run_script
     from .testing.faults import install_from_environment
     install_from_environment()
+    heartbeat.start_from_environment()  # a rank now: the launcher watches its beats
+    heartbeat.bound_collectives_from_environment()
     try:
         status = run_script(script)
     except SystemExit as exc:

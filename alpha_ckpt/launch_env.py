@@ -8,7 +8,9 @@ its life to it (:mod:`alpha_ckpt.lifeline`). This module holds the variable
 names, :func:`script_environment` (what the launcher writes),
 :func:`launcher_settings` (what :meth:`Checkpointer.from_launcher_env
 <alpha_ckpt.Checkpointer.from_launcher_env>` reads),
-:func:`pop_launcher_pid`, and a restart's context: :func:`export_restart`
+:func:`pop_launcher_pid`, the heartbeat's store and period (:func:`heartbeat_environment`,
+:func:`pop_heartbeat`, for :mod:`alpha_ckpt.heartbeat`), the process groups' ``--timeout``
+(:func:`process_group_timeout`), and a restart's context: :func:`export_restart`
 (the launcher, as its agent restarts the workers) and :func:`restart_context`
 (a restarted worker). torch's own ``TORCHELASTIC_RESTART_COUNT`` is read here
 too (:func:`restart_attempt`). No other product module reads or writes them.
@@ -45,6 +47,9 @@ REPLICAS = "ALPHA_CKPT_REPLICAS"
 DURABLE_EVERY = "ALPHA_CKPT_DURABLE_EVERY"
 IN_PLACE_CONTROL = "ALPHA_CKPT_INPLACE_CONTROL"  # alpha-run --in-place: host:port of the launcher's control store
 IN_PLACE_TIMEOUT = "ALPHA_CKPT_INPLACE_TIMEOUT"  # seconds: every wait of a rank for a rendezvous round
+TIMEOUT = "ALPHA_CKPT_TIMEOUT"  # alpha-run --timeout, seconds: every process group's timeout in a script's rank
+HEARTBEAT = "ALPHA_CKPT_HEARTBEAT"  # host:port of the launcher's store each rank beats to (alpha_ckpt/heartbeat.py)
+HEARTBEAT_PERIOD = "ALPHA_CKPT_HEARTBEAT_PERIOD"  # seconds between a rank's beats
 LAUNCHER_PID = "ALPHA_CKPT_LAUNCHER_PID"  # set by alpha-run for every process it starts
 # Set by alpha-run's agent just before it starts the workers of a restart (JSON, see export_restart):
 # torch's agent copies the launcher's environment into every worker it starts, so each attempt's
@@ -58,12 +63,13 @@ SEPARATE_RANK_STORE = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 
 def script_environment(args: Any, run: str) -> dict[str, str]:
-    """What alpha-run hands a script's ranks: the store, ``run``, the resume choice, and how to save
+    """What alpha-run hands a script's ranks: the store, ``run``, the resume choice, how to save
     (--publisher, --fanout, --commit-timeout, --save, --in-flight, --checkpoint-every, --mtbf,
-    --checkpoint-cost). Neither --resume nor --resume-from: "latest", as under torchrun."""
+    --checkpoint-cost) and the process groups' --timeout. Neither --resume nor --resume-from:
+    "latest", as under torchrun."""
     env = {STORE: os.path.abspath(args.store), RUN: run, RESUME: args.resume_from or args.resume or "latest",
            PUBLISHER: args.publisher, FANOUT: str(args.fanout), COMMIT_TIMEOUT: str(args.commit_timeout),
-           SAVE: args.save, IN_FLIGHT: args.in_flight}
+           SAVE: args.save, IN_FLIGHT: args.in_flight, TIMEOUT: str(args.timeout)}
     if str(args.checkpoint_every) != "0":  # the script's ckpt.due(step) follows --checkpoint-every
         env[EVERY] = str(args.checkpoint_every)
         for flag, name in (("mtbf", MTBF), ("checkpoint_cost", CHECKPOINT_COST)):
@@ -281,6 +287,34 @@ def in_place_settings() -> tuple[str | None, float | None]:
     return os.environ.get(IN_PLACE_CONTROL) or None, float(timeout) if timeout else None
 
 
+def process_group_timeout() -> float | None:
+    """alpha-run's --timeout for this rank's process groups, in seconds, or None (not started by alpha-run)."""
+    value = os.environ.get(TIMEOUT)
+    try:
+        seconds = float(value) if value else None
+    except ValueError:
+        return None
+    return seconds if seconds is not None and math.isfinite(seconds) and seconds > 0 else None
+
+
+def heartbeat_environment(endpoint: str, period: float) -> dict[str, str]:
+    """What alpha-run hands every rank so that it beats: the store's ``host:port`` and the period in seconds."""
+    return {HEARTBEAT: endpoint, HEARTBEAT_PERIOD: repr(float(period))}
+
+
+def pop_heartbeat() -> tuple[str | None, float | None]:
+    """(the store's host:port, the period) this rank beats with, or (None, None); taken out of the
+    environment, as the launcher's pid is: a process this rank starts is no rank of the launcher's."""
+    endpoint, period = os.environ.pop(HEARTBEAT, None), os.environ.pop(HEARTBEAT_PERIOD, None)
+    try:
+        seconds = float(period) if period else None
+    except ValueError:
+        seconds = None
+    if not endpoint or seconds is None or not math.isfinite(seconds) or seconds <= 0:
+        return None, None
+    return endpoint, seconds
+
+
 def rank_and_world() -> tuple[int, int]:
     """torchrun's RANK and WORLD_SIZE of this process."""
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -311,3 +345,8 @@ def joined_key(r: int, rank: int) -> str:
 
 def spare_key(number: int) -> str:
     return f"spare/{number}"
+
+
+def heartbeat_key(pid: int) -> str:
+    """The counter the process ``pid`` adds one to at every beat, in its launcher's store."""
+    return f"beat/{pid}"

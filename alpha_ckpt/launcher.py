@@ -47,7 +47,8 @@ import time
 from typing import Callable, Iterator
 
 from .format import NAME_RE
-from . import launch_env
+from . import heartbeat, launch_env
+from .heartbeat import check_heartbeat_args
 from .inplace import check_in_place_args, run_in_place
 from .job.usage import check_job_args
 from .usage import OneLineArgumentParser, UsageError, check_checkpoint_flags, check_store_writable
@@ -117,7 +118,13 @@ def parser() -> OneLineArgumentParser:
     p.add_argument("--fanout", type=int, default=8, help="tree: children per owner at most (default 8)")
     p.add_argument("--commit-timeout", type=float, default=60.0,
                    help="tree: seconds a parent waits for its children's commitments (default 60)")
-    p.add_argument("--timeout", type=float, default=120.0, help="process-group timeout in seconds (default 120)")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds every collective of a rank's process groups may wait (default 120)")
+    p.add_argument("--heartbeat-limit", type=float, metavar="SECONDS",
+                   help="a rank whose heartbeat is silent this long is hung: killed and handled as a failed rank "
+                        "(default: half of --timeout; below --timeout)")
+    p.add_argument("--heartbeat-period", type=float, metavar="SECONDS",
+                   help="seconds between a rank's heartbeats (default 1, or a quarter of --heartbeat-limit)")
     p.add_argument("--in-place", action="store_true", help="with --max-restarts on one node: replace only a failed "
                    "rank; the others recover in their processes (the script calls alpha_ckpt.run_resilient)")
     return p
@@ -311,6 +318,7 @@ def main(argv=None) -> int:
         else:
             check_script_args(args)
         check_in_place_args(args)
+        check_heartbeat_args(args)
         check_launch_args(args)
         check_store_writable(args.store)
     except UsageError as exc:
@@ -326,12 +334,19 @@ def main(argv=None) -> int:
         parent = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         remove_orphaned_tiers(parent)
         args.memory_dir = tempfile.mkdtemp(prefix=f"{MEMORY_PREFIX}{os.getpid()}-", dir=parent)
+    outcome = Outcome()
     try:
         if args.in_place:  # this launcher's own agent (alpha_ckpt/inplace.py), not torch's
             with launch_env.exported(os.getpid(), script_environment(args)):
                 return run_in_place(args)
-        with launch_env.exported(os.getpid(), None if is_job(args) else script_environment(args)), \
-                restarting_agent(lambda attempt, failure: on_restart(args, branch_into, attempt, failure)):
+        # The store this node's ranks beat to, for as long as the launch lives (alpha_ckpt/heartbeat.py).
+        beats, endpoint = heartbeat.serve(BEAT_HOST)
+        watcher = heartbeat.Watcher(beats, args.heartbeat_limit, startup=args.timeout)
+        ranks = {} if is_job(args) else script_environment(args)
+        with launch_env.exported(os.getpid(), {**ranks, **launch_env.heartbeat_environment(endpoint,
+                                                                                           args.heartbeat_period)}), \
+                restarting_agent(lambda attempt, failure: on_restart(args, branch_into, attempt, failure),
+                                 watcher, outcome):
             run(torchrun_args(torchrun_argv(args) if is_job(args) else script_argv(args)))
     except ChildFailedError as exc:
         codes = {failure.exitcode for failure in exc.failures.values()}
@@ -341,10 +356,10 @@ def main(argv=None) -> int:
             return EXIT_REFUSED
         # A usage error (a script's argparse) stops the first rank; the agent then
         # signals the rest, so only the first failure tells the cause.
-        first = first_failure(exc.failures, time.time())
+        first = outcome.failure or first_failure(exc.failures, time.time())
         if EXIT_USAGE in codes and first.exitcode == EXIT_USAGE:
             return EXIT_USAGE
-        print(f"alpha-run: rank {first.rank} failed ({describe_exit(first.exitcode)})"
+        print(f"alpha-run: rank {first.rank} {first.describe()}"
               + (f"; no restart left of --max-restarts {args.max_restarts}" if args.max_restarts else "")
               + "; retry with --resume latest", file=sys.stderr)
         return EXIT_RETRY
@@ -364,6 +379,7 @@ def main(argv=None) -> int:
     return EXIT_OK
 
 
+BEAT_HOST = "127.0.0.1"  # each node's ranks beat to their own launcher, on their host
 MEMORY_PREFIX = "alpha-ckpt-memory-"  # + the launcher's pid: a tier whose launcher is gone is removed
 
 
@@ -389,6 +405,8 @@ def remove_orphaned_tiers(parent: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+KILLED_GONE_S = 10.0  # how long the agent waits to see a killed hung worker gone (SIGKILL: at once)
+
 # Worker exits that a restart would only repeat: a refusal (the same store gives the same verdict)
 # and a usage error. The agent stops at the first attempt that has one.
 VERDICTS = frozenset({EXIT_REFUSED, EXIT_USAGE})
@@ -397,10 +415,25 @@ VERDICTS = frozenset({EXIT_REFUSED, EXIT_USAGE})
 @dataclasses.dataclass(frozen=True)
 class Failure:
     """What the agent saw fail: when (``time.time()``), the global rank that failed first and its exit
-    code (negative: the signal), both None when unknown (a worker stuck in the kernel, a node joining)."""
+    code (negative: the signal), both None when unknown (a worker stuck in the kernel, a node joining);
+    ``hung``: the rank was killed for its silent heartbeat (:class:`alpha_ckpt.heartbeat.Hung`)."""
     detected_at: float
     rank: int | None = None
     exitcode: int | None = None
+    hung: heartbeat.Hung | None = None
+
+    def describe(self) -> str:
+        """What happened to the rank, for a message: "failed (exit code 1)", "hung: no heartbeat for 5.0 s, killed"."""
+        if self.hung is not None:
+            return self.hung.describe()
+        return "failed" + (f" ({describe_exit(self.exitcode)})" if self.exitcode is not None else "")
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What :func:`restarting_agent` learned of the current attempt that torch's result does not say: the
+    rank it killed as hung (None: none)."""
+    failure: Failure | None = None
 
 
 def first_failure(failures: dict, detected_at: float) -> Failure:
@@ -420,10 +453,13 @@ def first_failure(failures: dict, detected_at: float) -> Failure:
 
 
 @contextlib.contextmanager
-def restarting_agent(on_restart: Callable[[int, Failure], None]) -> Iterator[None]:
+def restarting_agent(on_restart: Callable[[int, Failure], None], watcher: heartbeat.Watcher | None = None,
+                     outcome: Outcome | None = None) -> Iterator[None]:
     """torch's elastic agent, for the block, as alpha-run runs it: a worker exit in :data:`VERDICTS`
-    ends the restarts, and ``on_restart(attempt, failure)`` runs before the workers of each restart
-    start (the previous attempt's all stopped, the rendezvous done).
+    ends the restarts, ``on_restart(attempt, failure)`` runs before the workers of each restart
+    start (the previous attempt's all stopped, the rendezvous done), and with ``watcher`` a worker
+    whose heartbeat is silent past its limit is killed and is the attempt's failure (kept in
+    ``outcome`` too, for the message when no restart is left).
 
     torch's launcher builds its agent inside ``launch_agent`` and offers no other way to give it
     another class; the class it names is replaced for the block and put back after.
@@ -431,6 +467,7 @@ def restarting_agent(on_restart: Callable[[int, Failure], None]) -> Iterator[Non
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.launcher import api as launcher_api
     base = launcher_api.LocalElasticAgent
+    seen = Outcome() if outcome is None else outcome
 
     class RestartingAgent(base):
         _failure: Failure | None = None
@@ -438,13 +475,31 @@ def restarting_agent(on_restart: Callable[[int, Failure], None]) -> Iterator[Non
 
         def _monitor_workers(self, worker_group):
             result = super()._monitor_workers(worker_group)
+            if result.state == WorkerState.HEALTHY and watcher is not None:
+                hung = watcher.hung({worker.global_rank: worker.id for worker in worker_group.workers})
+                if hung:
+                    result = self._kill_hung(worker_group, hung)
             if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
-                self._failure = first_failure(result.failures, time.time())
+                self._failure = seen.failure or first_failure(result.failures, time.time())
                 if any(failure.exitcode in VERDICTS for failure in result.failures.values()):
                     # torch's own way to end restarts (its check of workers stuck in the kernel does so too):
                     # with none left, its loop stops the workers and returns the failure.
                     self._remaining_restarts = 0
             return result
+
+        def _kill_hung(self, worker_group, hung: list):
+            """Kill the hung workers (the first is the attempt's failure) and return torch's result once it
+            sees them gone, so that nothing starts in their place before."""
+            detected_at = time.time()
+            for each in hung:
+                heartbeat.kill(each.pid)
+            seen.failure = Failure(detected_at, hung[0].rank, -signal.SIGKILL, hung=hung[0])
+            deadline = time.monotonic() + KILLED_GONE_S
+            while True:
+                result = super()._monitor_workers(worker_group)
+                if result.state != WorkerState.HEALTHY or time.monotonic() > deadline:
+                    return result
+                time.sleep(0.01)
 
         def _restart_workers(self, worker_group):
             # After a failure, or when another node joins or leaves (then no rank of ours failed).
@@ -458,6 +513,7 @@ def restarting_agent(on_restart: Callable[[int, Failure], None]) -> Iterator[Non
                 attempt = worker_group.spec.max_restarts - self._remaining_restarts
                 on_restart(attempt, self._failure)
                 self._failure, self._restarting = None, False
+            seen.failure = None  # a new attempt: no rank of it was found hung yet
             return super()._start_workers(worker_group)
 
     launcher_api.LocalElasticAgent = RestartingAgent
@@ -474,8 +530,7 @@ def on_restart(args, branch_into: tuple[str, str] | None, attempt: int, failure:
     launch_env.export_restart(attempt=attempt, detected_at=failure.detected_at, failed_rank=failure.rank,
                               failed_exit=failure.exitcode, resume=resume)
     cause = ("another node joined or left" if failure.rank is None and failure.exitcode is None else
-             f"rank {failure.rank if failure.rank is not None else '?'} failed"
-             + (f" ({describe_exit(failure.exitcode)})" if failure.exitcode is not None else ""))
+             f"rank {failure.rank if failure.rank is not None else '?'} {failure.describe()}")
     what = {None: f"branches from {str(args.branch_from)[:16]}... again", "latest": "resumes the newest generation"}
     # The restarts that run out end with the one line that starts "alpha-run: rank R failed".
     print(f"alpha-run: restart {attempt} of {args.max_restarts} after {cause}: it "

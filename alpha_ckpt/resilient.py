@@ -24,8 +24,9 @@ or :class:`~alpha_ckpt.UsageError` at once, any other exception when the
 launcher names no failure within :data:`PEER_FAILURE_GRACE_S` (the launcher
 sees a death within milliseconds; a bug of this rank's own is raised after
 that wait). Under plain torchrun, or alpha-run without ``--in-place``, it
-joins the default group as ``dist.init_process_group(backend)`` does and calls
-``main()`` once: the same script runs everywhere.
+joins the default group as ``dist.init_process_group(backend)`` does (under
+alpha-run with ``--timeout`` as the group's timeout) and calls ``main()``
+once: the same script runs everywhere.
 """
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def run_resilient(main: Callable[[], Any], *, backend: str | None = None) -> Any
     control, timeout = launch_env.in_place_settings()
     if control is None:
         if not dist.is_initialized():
-            dist.init_process_group(backend)
+            seconds = launch_env.process_group_timeout()  # alpha-run's --timeout; torch's default elsewhere
+            dist.init_process_group(backend, timeout=None if seconds is None else timedelta(seconds=seconds))
         _JOINED_GROUPS.append(dist.group.WORLD)
         return main()
     timeout = timeout or DEFAULT_TIMEOUT_S

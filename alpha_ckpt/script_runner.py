@@ -117,6 +117,9 @@ if __name__ == "__main__":
     bind_to_named_launcher()
     from .testing.faults import install_from_environment
     install_from_environment()  # the fault and kill points a test asks of this rank, if any
+    from . import heartbeat
+    heartbeat.start_from_environment()  # beats to alpha-run, which kills a rank whose beats stop (hung)
+    heartbeat.bound_collectives_from_environment()  # --timeout: the script's own init_process_group too
     try:
         status = main()
     except SystemExit as exc:  # the script's own sys.exit, argparse's usage errors (2)

@@ -6,20 +6,27 @@
 AdamW with two param groups, a warmup scheduler, a DistributedSampler's data
 position and every rank's own generators (Python, NumPy, torch), a checkpoint
 after every step. ``--kill-rank K --kill-at S``: rank K SIGKILLs itself after
-step S + R's checkpoint in round R, for each of the first ``--kills`` rounds. Every call of
+step S + R's checkpoint in round R, for each of the first ``--kills`` rounds.
+``--stop-rank K --stop-at S``: rank K stops itself (SIGSTOP) after step S's checkpoint in
+the first round, hung for good, or with ``--stop-for SECONDS`` until a process it started
+continues it (SIGCONT) that much later. Every call of
 main() appends one JSON line per rank to DIR/events-RANK.jsonl (pid, round,
-the step it resumed at), the killed rank the time it died, and each call the
+the step it resumed at, the restart context it read), the killed or stopped rank the time it died
+or stopped, and each call the
 time its first step after the restore completed, and the times it was imported, started main() (the
 group joined) and restored. Rank 0 prints the final
 state's SHA-256 as one JSON line.
 """
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -30,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import alpha_ckpt
+from alpha_ckpt import launch_env
 
 VOCAB, CONTEXT, WIDTH = 32, 16, 32
 
@@ -133,6 +141,9 @@ def parse():
     p.add_argument("--events", default=None)
     p.add_argument("--model-name", default="gpt-in-place", help="the identity's model: another refuses the store's")
     p.add_argument("--step-seconds", type=float, default=0.0, help="sleep after every step (compute, simulated)")
+    p.add_argument("--stop-rank", type=int, default=-1)
+    p.add_argument("--stop-at", type=int, default=0)
+    p.add_argument("--stop-for", type=float, default=0.0, help="seconds until SIGCONT (0: stopped for good)")
     return p.parse_args()
 
 
@@ -169,7 +180,9 @@ def main():
     state = {"model": model, "optim": optim, "sched": sched, "data": alpha_ckpt.PerRank(data),
              "rng": alpha_ckpt.PerRank(alpha_ckpt.RNGState()), "progress": alpha_ckpt.PerRank(progress)}
     ckpt.restore(state)
-    record(rank, call=CALLS[0], round=round_, resumed_at=progress["step"], restored=time.time())
+    context = launch_env.restart_context()
+    record(rank, call=CALLS[0], round=round_, resumed_at=progress["step"], restored=time.time(),
+           restart=None if context is None else dataclasses.asdict(context))
     first = True
     while progress["step"] < ARGS.steps:
         seq = next(data)
@@ -187,6 +200,13 @@ def main():
         if rank == ARGS.kill_rank and progress["step"] == ARGS.kill_at + round_ and round_ < ARGS.kills:
             record(rank, call=CALLS[0], killed_at=time.time())
             os.kill(os.getpid(), signal.SIGKILL)
+        if rank == ARGS.stop_rank and progress["step"] == ARGS.stop_at and round_ == 0:
+            if ARGS.stop_for:
+                subprocess.Popen([sys.executable, "-c", "import os, signal, sys, time; time.sleep(float(sys.argv[1]));"
+                                  " os.kill(int(sys.argv[2]), signal.SIGCONT)", str(ARGS.stop_for), str(os.getpid())])
+            record(rank, call=CALLS[0], stopped_at=time.time())
+            os.kill(os.getpid(), signal.SIGSTOP)
+            record(rank, call=CALLS[0], continued_at=time.time())
 
     digest = hashlib.sha256()
     for t in list(model.state_dict().values()) + [v for s in optim.state_dict()["state"].values() for v in s.values()]:

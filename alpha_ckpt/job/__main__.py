@@ -11,6 +11,8 @@ if __name__ == "__main__":
     lifeline.bind_to_parent()
     from ..testing.faults import install_from_environment
     install_from_environment()  # the fault and kill points a test asks of this owner, if any
+    from .. import heartbeat
+    heartbeat.start_from_environment()  # beats to alpha-run, which kills an owner whose beats stop (hung)
     from .owner import main
     exit_code = main()
     sys.stdout.flush()

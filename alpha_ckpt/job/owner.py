@@ -29,6 +29,7 @@ from ..collective import Checkpointer
 from ..progress import emit, format_bytes, is_tty
 from ..errors import DurableWriteError, PublishFailed, Refusal, RefusalCode
 from ..format import canonical_json
+from ..heartbeat import bound_collectives
 from ..learner.config import JobConfig
 from ..learner.data import shares
 from ..learner.digest import state_digest
@@ -426,6 +427,7 @@ def run_owner(args) -> int:
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     device = compute_device(backend)
     configure_determinism()  # before the first CUDA kernel: cuBLAS reads its workspace setting once
+    bound_collectives(args.timeout)  # the Checkpointer's own groups are bounded by --timeout too
     if device.type == "cuda":
         torch.cuda.set_device(device)
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout), device_id=device)

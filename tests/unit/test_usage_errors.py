@@ -67,6 +67,10 @@ LAUNCHER_ONLY_CASES = [
     pytest.param(["--rdzv-endpoint", "host:port"], id="rdzv-endpoint-bad-port"),
     pytest.param(["--rdzv-backend", "carrier-pigeon"], id="rdzv-backend-unknown"),
     pytest.param(["--branch-from", "a" * 64], id="branch-from-without-run"),
+    pytest.param(["--heartbeat-limit", "120"], id="heartbeat-limit-not-below-timeout"),
+    pytest.param(["--heartbeat-limit", "nan"], id="heartbeat-limit-nan"),
+    pytest.param(["--heartbeat-period", "0"], id="heartbeat-period-zero"),
+    pytest.param(["--heartbeat-limit", "4", "--heartbeat-period", "3"], id="heartbeat-period-above-half-the-limit"),
 ]
 
 
