@@ -56,6 +56,7 @@ from .launch_env import (EXIT_INTERRUPTED, EXIT_OK, EXIT_REFUSED, EXIT_RETRY, EX
 HOST = "127.0.0.1"  # one node: every store listens on the loopback interface
 POLL_S = 0.02  # how often the agent looks at its ranks: a death is seen within this
 STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this
+KILLED_GONE_S = 10.0  # how long the agent waits for a hung rank it SIGKILLed to be gone
 
 
 def check_in_place_args(args) -> None:
@@ -219,9 +220,13 @@ def run_in_place(args, env: dict | None = None) -> int:
                 return EXIT_INTERRUPTED
             # A hung rank is killed and gone before its exit is handled below: nothing takes its number
             # while it lives, and it is the failure of the round it begins.
-            for each in watcher.hung({rank: proc.pid for rank, proc in state.procs.items()}) if watcher else ():
-                heartbeat.kill(each.pid)
-                state.procs[each.rank].wait()
+            running = {rank: proc.pid for rank, proc in state.procs.items() if proc.poll() is None}
+            for each in watcher.hung(running) if watcher else ():
+                heartbeat.kill(each.pid)  # not reaped yet (polled above): the pid is still the rank's
+                try:
+                    state.procs[each.rank].wait(timeout=KILLED_GONE_S)
+                except subprocess.TimeoutExpired:  # in the kernel, uninterruptible: it dies when it leaves
+                    continue
                 hung[each.rank] = each
             exited = [(rank, proc.returncode) for rank, proc in list(state.procs.items()) if proc.poll() is not None]
             # A rank killed by a signal first: the others' failures in the same look may follow from it.

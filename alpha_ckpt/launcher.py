@@ -476,7 +476,7 @@ def restarting_agent(on_restart: Callable[[int, Failure], None], watcher: heartb
         def _monitor_workers(self, worker_group):
             result = super()._monitor_workers(worker_group)
             if result.state == WorkerState.HEALTHY and watcher is not None:
-                hung = watcher.hung({worker.global_rank: worker.id for worker in worker_group.workers})
+                hung = watcher.hung({rank: proc.pid for rank, proc in self._running(worker_group).items()})
                 if hung:
                     result = self._kill_hung(worker_group, hung)
             if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
@@ -487,12 +487,21 @@ def restarting_agent(on_restart: Callable[[int, Failure], None], watcher: heartb
                     self._remaining_restarts = 0
             return result
 
+        def _running(self, worker_group) -> dict:
+            """Global rank -> the process (Popen) of each worker still running: one that ended is not watched,
+            and its pid, once reaped, may be another process's."""
+            handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}  # torch's, for a command
+            return {worker_group.workers[local_rank].global_rank: handler.proc
+                    for local_rank, handler in handlers.items() if handler.proc.poll() is None}
+
         def _kill_hung(self, worker_group, hung: list):
             """Kill the hung workers (the first is the attempt's failure) and return torch's result once it
             sees them gone, so that nothing starts in their place before."""
             detected_at = time.time()
+            running = self._running(worker_group)
             for each in hung:
-                heartbeat.kill(each.pid)
+                if each.rank in running and running[each.rank].pid == each.pid:  # not reaped: the pid is its own
+                    heartbeat.kill(each.pid)
             seen.failure = Failure(detected_at, hung[0].rank, -signal.SIGKILL, hung=hung[0])
             deadline = time.monotonic() + KILLED_GONE_S
             while True:

@@ -53,7 +53,9 @@ def test_a_refusal_under_max_restarts_exits_3_after_one_attempt(tmp_path):
     started = time.monotonic()
     run = alpha_run("--nproc", 2, "--store", tmp_path / "s", "--max-restarts", 3, script, attempts, cwd=tmp_path)
     assert run.returncode == 3, run.stderr[-2000:]
-    assert attempts.read_text().split() == ["0", "0"]  # both ranks of the first attempt, and no other attempt
+    # The first attempt's ranks, and no other attempt (a rank still starting when its peer refused is stopped
+    # before it writes: a rank imports torch before its script, to beat).
+    assert set(attempts.read_text().split()) == {"0"}
     assert time.monotonic() - started < 60
 
 
