@@ -1,6 +1,8 @@
 """A rank's heartbeat and the launcher's watch over it (alpha_ckpt/heartbeat.py)."""
 import argparse
+import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -111,6 +113,48 @@ def test_a_stopped_process_stops_beating_is_found_hung_past_the_limit_and_killed
             proc.wait()
 
 
+BUSY = """
+import json, sys, time
+import torch
+from alpha_ckpt import heartbeat
+torch.set_num_threads(1)
+heartbeat.start_from_environment()
+print("beating", flush=True)
+matrix = torch.randn(4000, 4000)
+started = time.monotonic()
+matrix @ matrix  # one torch call of seconds: C++ with the GIL released
+in_torch = time.monotonic() - started
+started, n = time.monotonic(), 0
+while time.monotonic() - started < 3:  # pure Python: it holds the GIL but gives it up every few ms
+    n += 1
+print(json.dumps({"in_torch": in_torch}), flush=True)
+time.sleep(60)  # until the test has looked
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_busy_in_one_long_torch_call_or_in_python_keeps_beating():
+    from torch.distributed import TCPStore
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           **launch_env.heartbeat_environment(f"127.0.0.1:{store.port}", 0.1)}
+    proc = subprocess.Popen([sys.executable, "-c", BUSY], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "beating\n"
+        watcher = Watcher(store, limit=1.0, startup=60.0, check_every=0.0)
+        hung, done = [], []
+        while not done and not hung and proc.poll() is None:
+            hung = watcher.hung({0: proc.pid})
+            if select.select([proc.stdout], [], [], 0.05)[0]:
+                done.append(json.loads(proc.stdout.readline()))
+        assert hung == [] and done, proc.poll()
+        assert done[0]["in_torch"] > 1.0  # the torch call outlasted the limit
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 IMPORTS_AND_BEATS = """
 import json, os, threading, time
 from alpha_ckpt import heartbeat, launch_env
@@ -124,8 +168,6 @@ print(json.dumps({"before": before, "during": threading.active_count(), "daemon"
 
 @pytest.mark.timeout(120)
 def test_a_rank_beats_from_a_daemon_thread_its_children_do_not_inherit_and_its_exit_is_clean():
-    import json
-
     from torch.distributed import TCPStore
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
