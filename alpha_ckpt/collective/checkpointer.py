@@ -251,6 +251,7 @@ class Checkpointer:
         rank and its peers, and one in ``durable_every`` also to the store; ``durable=True``
         sends this one to the store too (the last save of a job: the tier is host memory).
         """
+        launch_env.note_checkpoint_call()  # under alpha-run: a failure from here on is retryable
         self._recovery.first_step(self.run, self.step, self.rank, self.options.announce)
         prefix = CapturePrefix(self.run, self.step, update, cursor, self.epoch)
         if self._saver is not None and self._saver.in_flight == "skip" and self._any_rank(self._saver.busy()):
@@ -467,6 +468,7 @@ class Checkpointer:
         copies a byte, when anything is wrong. ``branch=True`` starts this run (epoch 0; it
         must have no generation yet) from generation ``root`` of another run.
         """
+        launch_env.note_checkpoint_call()  # under alpha-run: a failure from here on is retryable
         self._restore_started = time.monotonic()
         if root is _FROM_OPTIONS:
             root = self.options.resume
