@@ -3,8 +3,8 @@
 A ``save`` or ``restore`` called on some ranks only (``if rank == 0: ckpt.save(...)``) waits in its
 first collective for ranks that never come, until the group's timeout, or fails at once when one of
 them leaves; either way gloo says only that a receive timed out or a connection closed. So each rank,
-as it enters such a call, writes how many calls of this Checkpointer it has entered into the group's
-own store (torch's rendezvous store for the group; one key per rank, overwritten, so nothing grows).
+as it enters such a call, writes how many such calls it has entered on the group into the group's own
+store (torch's rendezvous store for the group; one key per rank, overwritten, so nothing grows).
 Nothing is waited for: when the call fails, the ranks whose count is behind this rank's are the ones
 that did not come, and :class:`~alpha_ckpt.errors.CollectiveIncomplete` names them (the transport's
 error as its cause). A call that fails with every rank present raises its own error unchanged.
@@ -12,7 +12,6 @@ error as its cause). A call that fails with every rank present raises its own er
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 from typing import Any, Iterator
 
@@ -22,7 +21,10 @@ from ..errors import CollectiveIncomplete, Refusal, UsageError
 
 logger = logging.getLogger("alpha_ckpt")
 
-_made = itertools.count()  # this process's Checkpointers, in the order made (collectively: the same on every rank)
+# The group's store (by id, kept so that no other store takes its id) -> the calls this process entered on that
+# group, all its Checkpointers together: calls are collective, so the counts agree across the group's ranks,
+# and a group made anew (a rank recovering in place joins a new round's group and store) starts again at 0.
+_entered: dict[int, list] = {}
 
 
 def _group_store(group: Any):
@@ -36,23 +38,24 @@ def _group_store(group: Any):
 
 
 class Arrivals:
-    """One Checkpointer's record of its collective calls in the group's store (the module docstring)."""
+    """A Checkpointer's record of the collective calls it enters, in the group's store (the module docstring)."""
 
     def __init__(self, group: Any, rank: int, world: int):
         self.rank, self.world = rank, world
         self._store = _group_store(group)
-        self._prefix = f"alpha-ckpt/arrived/{next(_made)}/"
-        self._calls = 0
+        self._prefix = "alpha-ckpt/arrived/"
 
     def arrive(self) -> int:
-        """This rank enters its next call: the call's number, recorded for the others to read."""
-        self._calls += 1
-        if self._store is not None:
-            try:
-                self._store.set(f"{self._prefix}{self.rank}", str(self._calls))
-            except Exception as exc:  # noqa: BLE001 - the store is gone: the call's own error will say so
-                logger.debug("arrival not recorded: %s", exc)
-        return self._calls
+        """This rank enters its next call on the group: the call's number, recorded for the others to read."""
+        if self._store is None:
+            return 0
+        entry = _entered.setdefault(id(self._store), [self._store, 0])
+        entry[1] += 1
+        try:
+            self._store.set(f"{self._prefix}{self.rank}", str(entry[1]))
+        except Exception as exc:  # noqa: BLE001 - the store is gone: the call's own error will say so
+            logger.debug("arrival not recorded: %s", exc)
+        return entry[1]
 
     def missing(self, number: int) -> list[int]:
         """The ranks that had not entered call ``number`` (read without waiting), or [] when unknown."""
