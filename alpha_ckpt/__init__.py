@@ -23,8 +23,8 @@ import importlib
 
 # Importing the package starts no thread and installs no signal handler: alpha-run's processes
 # bind their lives to the launcher themselves (alpha_ckpt/script_runner.py, alpha_ckpt/job/__main__.py).
-from .errors import (DurableWriteError, PublishConflict, Refusal, RefusalCode, RestoreIncomplete,  # torch-free
-                     UsageError, WorkerRNGWarning)
+from .errors import (CollectiveIncomplete, DurableWriteError, PublishConflict, Refusal, RefusalCode,  # torch-free
+                     RestoreIncomplete, UsageError, WorkerRNGWarning)
 
 __version__ = "0.1.0"
 
@@ -43,7 +43,7 @@ _LAZY = {
 __all__ = ["save", "save_async", "AsyncSaver", "SaveHandle", "ShardCarry", "restore", "verify", "latest", "Latest",
            "Skipped", "RNGState", "WorkerRNGDataset", "Checkpointer", "CheckpointerOptions", "SaveResult", "PerRank",
            "Partitioned", "Store", "Refusal", "RefusalCode", "Counters", "DurableWriteError", "PublishConflict",
-           "UsageError", "WorkerRNGWarning", "RestoreIncomplete", "run_resilient"]
+           "UsageError", "WorkerRNGWarning", "RestoreIncomplete", "CollectiveIncomplete", "run_resilient"]
 
 
 def __getattr__(name: str):

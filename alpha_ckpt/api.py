@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from .async_save import AsyncSaver, SaveHandle
+from .launch_env import note_checkpoint_call
 from .errors import OldSpellingWarning, RefusalCode, UsageError
 from .format import CapturePrefix
 from .reader import Counters, latest_generation, load_state, verify_generation
@@ -82,6 +83,7 @@ def save(state: Mapping[str, Any], *, store: Store | str | os.PathLike, run: str
     and a region (of at least 1 MiB) whose bytes did not change is not
     written again: the new generation names the shard an earlier one wrote.
     """
+    note_checkpoint_call()  # under alpha-run: a failure from here on is retryable (launch_env)
     prefix = _prefix(run, step, update, cursor, epoch)
     s, owned = _store(store, create=True)
     try:
@@ -108,6 +110,7 @@ def save_async(state: Mapping[str, Any], *, store: Store, run: str, step: str, u
     ``defer_snapshot=True`` the copy is made in the background too and the
     caller must call ``handle.wait_snapshot()`` before changing any tensor.
     """
+    note_checkpoint_call()  # under alpha-run: a failure from here on is retryable (launch_env)
     prefix = _prefix(run, step, update, cursor, epoch)
     if not isinstance(store, Store):
         raise TypeError("save_async needs an open Store (the background publish outlives this call)")
@@ -140,6 +143,7 @@ def restore(state: Mapping[str, Any], *, store: Store | str | os.PathLike, root:
     ``[("Adam", "AdamW")]``, between classes of the same hyperparameters).
     Returns the counters (update, cursor, epoch) and metadata.
     """
+    note_checkpoint_call()  # under alpha-run: a failure from here on is retryable (launch_env)
     allowed = _allowed_changes(allow_optimizer_change)
     s, owned = _store(store, create=False)
     try:

@@ -13,9 +13,13 @@
 ROOT is a generation's root digest (64 hex), as ``alpha_ckpt.save`` returns it. The JSON
 outputs name it ``root``; they also carry it as ``digest``, its old name, for one release.
 
-Exit codes: 0 done (verify: valid), 3 refused (verify: the refusal code is
-printed), 2 usage error, 1 export could not write its file, or the store
-cannot be written (gc, pin, unpin on a read-only store: one line says so).
+Exit codes: 0 done (verify: valid), 3 refused (the code and message are one
+line on stderr; ``latest``: no complete generation; ``unpin``: not pinned),
+2 usage error (one line on stderr: a bad name, digest, ``--keep`` or
+``--grace``, or a store that is not one), 1 export could not write its file,
+or the store cannot be written (gc, pin, unpin on a read-only store: one line
+says so). stdout holds only the answer: with ``--json`` one JSON document,
+a refusal's included.
 
 Entries of the store that alpha_ckpt never writes where they are (a FIFO,
 a directory or a symlink where a file is expected, a file where a directory
@@ -32,6 +36,7 @@ import contextlib
 import datetime
 import errno
 import json
+import math
 import os
 import sys
 import time
@@ -39,7 +44,7 @@ from typing import Iterator, Sequence
 
 from .errors import Refusal, StoreUsageError
 from .export import FORMATS, check_destination, export_bytes, export_opened, format_for
-from .format import is_digest
+from .format import NAME_RE, is_digest
 from .gc import DEFAULT_GRACE_S, apply_gc, plan_gc
 from .pins import MAX_NOTE_CHARS, Pin, list_pins, pin_generation, unpin_generation
 from .progress import Progress, emit, is_tty
@@ -55,18 +60,57 @@ def _root_arg(value: str) -> str:
     return value
 
 
+def _name_arg(value: str) -> str:
+    if not NAME_RE.match(value):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a plain run or step name ([A-Za-z0-9._-], 1-128 "
+                                         "chars, starting with a letter or digit)")
+    return value
+
+
+def _keep_arg(value: str) -> int:
+    try:
+        keep = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+    if keep < 2:
+        raise argparse.ArgumentTypeError(f"{keep}: at least two generations are kept (the previous complete one "
+                                         "must survive a failed publish)")
+    return keep
+
+
+def _grace_arg(value: str) -> float:
+    try:
+        grace = float(value)
+    except ValueError:
+        grace = math.nan
+    if not (math.isfinite(grace) and grace >= 0):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds (finite, not negative)")
+    return grace
+
+
+class _BadArguments(Exception):
+    """argparse's verdict on the command line: one line, which :func:`main` writes on stderr (exit 2)."""
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """A usage error is one line (exit 2), as every other usage error of alpha-ckpt, not argparse's usage block."""
+
+    def error(self, message: str):
+        raise _BadArguments(f"{self.prog}: {' '.join(message.split())} (see {self.prog} --help)")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="alpha-ckpt", description="Inspect and verify an alpha_ckpt store.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _OneLineParser(prog="alpha-ckpt", description="Inspect and verify an alpha_ckpt store.")
+    sub = parser.add_subparsers(dest="command", required=True)  # subcommands' parsers are of the same class
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--store", required=True, help="store directory")
     common.add_argument("--json", action="store_true", help="machine-readable output")
     p = sub.add_parser("list", parents=[common], help="generations of a run/step (default: all)")
-    p.add_argument("--run")
-    p.add_argument("--step")
+    p.add_argument("--run", type=_name_arg)
+    p.add_argument("--step", type=_name_arg)
     p = sub.add_parser("latest", parents=[common], help="newest complete generation of a run/step (validated)")
-    p.add_argument("--run", required=True)
-    p.add_argument("--step", required=True)
+    p.add_argument("--run", required=True, type=_name_arg)
+    p.add_argument("--step", required=True, type=_name_arg)
     for name, text in (("inspect", "manifest, regions and shards of a generation"),
                        ("verify", "validate every object of a generation (exit 3 when refused)")):
         p = sub.add_parser(name, parents=[common], help=text)
@@ -81,8 +125,8 @@ def _parser() -> argparse.ArgumentParser:
                         "torch.load(PATH, weights_only=True) outside alpha_ckpt (alpha_ckpt never reads it back); "
                         "default torch when PATH ends in .pt or .pth")
     p = sub.add_parser("gc", parents=[common], help="remove stale temp files, old generations, unreachable objects")
-    p.add_argument("--keep", type=int, help="keep the K newest generations of each run/step (K >= 2; default all)")
-    p.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
+    p.add_argument("--keep", type=_keep_arg, help="keep the K newest generations of each run/step (K >= 2; default all)")
+    p.add_argument("--grace", type=_grace_arg, default=DEFAULT_GRACE_S,
                    help=f"never remove objects or temp files younger than this many seconds (default {DEFAULT_GRACE_S:g})")
     p.add_argument("--completed-steps", action="store_true",
                    help="also remove every generation of a run/step published before its declared output "
@@ -257,7 +301,10 @@ def cmd_unpin(store: Store, args, out, err=None) -> int:
     if args.json:
         print(json.dumps({"root": args.root, "digest": args.root, "unpinned": removed}), file=out)
     else:
-        print(f"unpinned {args.root}" if removed else f"not pinned: {args.root}", file=out)
+        if removed:
+            print(f"unpinned {args.root}", file=out)
+        else:
+            print(f"alpha-ckpt: not pinned: {args.root}", file=err or sys.stderr)
     return EXIT_OK if removed else EXIT_REFUSED
 
 
@@ -320,9 +367,13 @@ def cmd_latest(store: Store, args, out, err) -> int:
     if args.json:
         print(json.dumps({"latest": _ref_json(record) if record else None, "skipped": why}), file=out)
     else:
+        # stdout is the root alone (ROOT=$(alpha-ckpt latest ...)); what was passed over goes to stderr.
         for s in why:
-            print(f"skipped {s['root']}: [{s['code']}] {s['message']}", file=out)
-        print(record.root if record else f"no complete generation of {args.run}/{args.step}", file=out)
+            print(f"alpha-ckpt: skipped {s['root']}: [{s['code']}] {s['message']}", file=err)
+        if record:
+            print(record.root, file=out)
+        else:
+            print(f"alpha-ckpt: no complete generation of {args.run}/{args.step}", file=err)
     return EXIT_OK if record else EXIT_REFUSED
 
 
@@ -332,7 +383,10 @@ def main(argv: Sequence[str] | None = None, out=None, err=None) -> int:
     parser = _parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:
+    except _BadArguments as exc:
+        print(exc, file=err)
+        return EXIT_USAGE
+    except SystemExit as exc:  # --help
         return EXIT_USAGE if exc.code else EXIT_OK
     try:
         store = Store(args.store, create=False)
@@ -340,13 +394,13 @@ def main(argv: Sequence[str] | None = None, out=None, err=None) -> int:
         print(f"alpha-ckpt: {exc}", file=err)
         return EXIT_USAGE
     except Refusal as refusal:
-        return _refused(refusal, args, out)
+        return _refused(refusal, args, out, err)
     try:
         return {"list": cmd_list, "inspect": cmd_inspect, "verify": cmd_verify, "export": cmd_export,
                 "latest": cmd_latest, "gc": cmd_gc, "pin": cmd_pin, "unpin": cmd_unpin,
                 "pins": cmd_pins}[args.command](store, args, out, err)
     except Refusal as refusal:
-        return _refused(refusal, args, out)
+        return _refused(refusal, args, out, err)
     except StoreUsageError as exc:
         print(f"alpha-ckpt: {exc}", file=err)
         return EXIT_USAGE
@@ -364,13 +418,14 @@ def main(argv: Sequence[str] | None = None, out=None, err=None) -> int:
 _NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
-def _refused(refusal: Refusal, args, out) -> int:
+def _refused(refusal: Refusal, args, out, err) -> int:
+    """A refusal: with --json the answer on stdout (one JSON document), else one line on stderr."""
     if args.json:
         root = getattr(args, "root", None)
         print(json.dumps({"root": root, "digest": root, "valid": False, "code": refusal.code.value,
                           "message": refusal.message}), file=out)
     else:
-        print(f"refused {refusal.code.value}: {refusal.message}", file=out)
+        print(f"alpha-ckpt: refused {refusal.code.value}: {refusal.message}", file=err)
     return EXIT_REFUSED
 
 

@@ -52,6 +52,7 @@ from .dcp_metadata import (DCP_KEY, check_chunks, check_generation, check_metada
                            encode_metadata)
 from .dcp_reader import StorageReader, box_words  # noqa: F401 (re-exported: imported from here)
 from .errors import Refusal, RefusalCode
+from .launch_env import note_checkpoint_call
 from .format import DTYPES, CapturePrefix, RegionDecl, ShardRef, canonical_json, check_name, digest_bytes
 from .manifest import check_root_manifest, dtype_name, matches_any
 from .planner import Piece
@@ -124,6 +125,7 @@ class StorageWriter(_DcpStorageWriter):
 
     def __init__(self, store: str | os.PathLike | Store, *, run: str, step: str = "train", update: int,
                  cursor: int = 0, allow_nonfinite=(), group: Any = None, slice_bytes: int = SLICE_BYTES):
+        note_checkpoint_call()  # under alpha-run: a failure from here on is retryable (launch_env)
         self.run, self.step = check_name(run, "run"), check_name(step, "step")
         counters(self.run, self.step, update, cursor, 0)  # alpha_ckpt.save's check: a usage error (ValueError)
         self.update, self.cursor = update, cursor

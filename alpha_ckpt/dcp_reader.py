@@ -21,6 +21,7 @@ from torch.futures import Future
 from .dcp_common import CHAINS, Chain, chain_key, close_own_store
 from .dcp_metadata import DCP_KEY, check_generation
 from .errors import Refusal, RefusalCode
+from .launch_env import note_checkpoint_call
 from .format import DTYPES, CapturePrefix, RegionDecl, check_name
 from .manifest import torch_dtype
 from .planner import WantedSlice
@@ -50,6 +51,7 @@ class StorageReader(_DcpStorageReader):
 
     def __init__(self, store: str | os.PathLike | Store, root: str = "latest", *, run: str | None = None,
                  step: str = "train", group: Any = None):
+        note_checkpoint_call()  # under alpha-run: a failure from here on is retryable (launch_env)
         if root == "latest" and run is None:
             raise ValueError("StorageReader(root='latest') needs run= (or pass root=<root digest>)")
         self.run, self.step = (None if run is None else check_name(run, "run")), check_name(step, "step")

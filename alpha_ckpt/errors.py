@@ -104,6 +104,19 @@ class PublishFailed(Exception):
     """A collective publication did not publish this generation; every owner raises it (exit 75)."""
 
 
+class CollectiveIncomplete(RuntimeError):
+    """A collective call (``call``: "save", "restore") that not every rank of the group made: ``missing``, the
+    ranks that did not come to it (they never called it, or died before), named when the call failed (the
+    group's timeout, or a peer that left) instead of the transport's own error (``__cause__``)."""
+
+    def __init__(self, call: str, missing: list[int], world: int, cause: BaseException):
+        self.call, self.missing, self.world = call, list(missing), world
+        ranks = ("rank " if len(missing) == 1 else "ranks ") + ", ".join(map(str, missing))
+        first = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:200]
+        super().__init__(f"{call} is collective: every rank of the group ({world}) calls it, in the same order; "
+                         f"{ranks} did not come to this {call} (it failed: {first})")
+
+
 class UsageError(ValueError):
     """The call or the command must change (exit 2 under alpha-run); ``str()`` is one line."""
 

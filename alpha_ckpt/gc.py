@@ -63,6 +63,7 @@ with unlink and then fsyncs its directory.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
@@ -133,8 +134,8 @@ def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRA
     if keep is not None and keep < 2:
         raise StoreUsageError(f"--keep {keep}: at least two generations are kept (the previous complete one "
                               "must survive a failed publish)")
-    if grace < 0:
-        raise StoreUsageError("--grace must not be negative")
+    if not (math.isfinite(grace) and grace >= 0):  # NaN compares false to everything: no object would be young
+        raise StoreUsageError(f"--grace {grace}: a number of seconds, finite and not negative")
     now = time.time() if now is None else now
     plan = GcPlan()
 

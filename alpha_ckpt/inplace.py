@@ -20,7 +20,8 @@ environment torchrun gives a worker), and watches them:
   ``run_resilient`` dies with its peer): it is replaced in the same round, and
   no restart is counted for it.
 - exit 3 (a refusal) or 2 (a usage error) stops every rank and is the exit
-  status: a restart would meet the same verdict.
+  status: a restart would meet the same verdict. So does a rank's error before
+  any checkpoint call of its round (the script's own), with exit 1.
 - restarts run out: every rank is stopped, one line names the failed rank, exit 75.
 - every rank exits 0: exit 0.
 - a rank whose heartbeat (:mod:`alpha_ckpt.heartbeat`, ``beat/PID`` in the
@@ -49,7 +50,7 @@ from dataclasses import dataclass, field
 
 from . import heartbeat, launch_env
 from .errors import UsageError
-from .launch_env import (EXIT_INTERRUPTED, EXIT_OK, EXIT_REFUSED, EXIT_RETRY, EXIT_USAGE,
+from .launch_env import (EXIT_INTERRUPTED, EXIT_OK, EXIT_REFUSED, EXIT_RETRY, EXIT_SCRIPT_ERROR, EXIT_USAGE,
                          IN_PLACE_CONTROL as CONTROL, IN_PLACE_TIMEOUT as TIMEOUT, ROUND_KEY, describe_exit,
                          joined_key, round_key, spare_key)
 
@@ -117,17 +118,23 @@ class Action(enum.Enum):
     REPLACE = "replace"  # fell with the failure that began the current round: replaced in it, no restart counted
     NEW_ROUND = "new_round"  # a failure of its own: round r + 1 and one replacement
     EXHAUSTED = "exhausted"  # a failure and no restart left: stop every rank, exit 75
+    OWN_ERROR = "own_error"  # the script's own error before any checkpoint call: stop every rank, exit 1
 
 
-def on_exit(code: int, *, started_in: int, round_: int, joined: bool, restarts: int, max_restarts: int) -> Action:
+def on_exit(code: int, *, started_in: int, round_: int, joined: bool, restarts: int, max_restarts: int,
+            before_checkpoint: bool = False) -> Action:
     """What the agent does when a rank exits with ``code``: the rank's process was started in round
-    ``started_in``, the current round is ``round_``, ``joined``: the rank joined the current round's group."""
+    ``started_in``, the current round is ``round_``, ``joined``: the rank joined the current round's group,
+    ``before_checkpoint``: its error came before any checkpoint call of its round
+    (:func:`alpha_ckpt.launch_env.failed_before_checkpoint`)."""
     if code == 0:
         return Action.DONE
     if code in (EXIT_REFUSED, EXIT_USAGE):
         return Action.STOP
     if started_in < round_ and not joined:
         return Action.REPLACE
+    if before_checkpoint:
+        return Action.OWN_ERROR
     return Action.NEW_ROUND if restarts < max_restarts else Action.EXHAUSTED
 
 
@@ -235,11 +242,18 @@ def run_in_place(args, env: dict | None = None) -> int:
                 cause = what_happened(rank, code)
                 action = on_exit(code, started_in=state.started_in[rank], round_=r,
                                  joined=code != 0 and control.check([joined_key(r, rank)]),
-                                 restarts=restarts, max_restarts=args.max_restarts)
+                                 restarts=restarts, max_restarts=args.max_restarts,
+                                 before_checkpoint=launch_env.failed_before_checkpoint(
+                                     base.get(launch_env.LAUNCH_DIR, ""), r, rank, code))
                 if action is Action.DONE:
                     state.done.add(rank)
                 elif action is Action.STOP:
                     return code
+                elif action is Action.OWN_ERROR:
+                    print(f"alpha-run: rank {rank} failed ({describe_exit(code)}) before any checkpoint call of round "
+                          f"{r}: the script's own error (above), which a restart would meet again; not restarted",
+                          file=sys.stderr)
+                    return EXIT_SCRIPT_ERROR
                 elif action is Action.REPLACE:
                     start(rank, r)
                 elif action is Action.EXHAUSTED:

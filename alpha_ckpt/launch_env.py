@@ -12,8 +12,12 @@ names, :func:`script_environment` (what the launcher writes),
 :func:`pop_heartbeat`, for :mod:`alpha_ckpt.heartbeat`), the process groups' ``--timeout``
 (:func:`process_group_timeout`), and a restart's context: :func:`export_restart`
 (the launcher, as its agent restarts the workers) and :func:`restart_context`
-(a restarted worker). torch's own ``TORCHELASTIC_RESTART_COUNT`` is read here
-too (:func:`restart_attempt`). No other product module reads or writes them.
+(a restarted worker), and the notes a rank leaves in the launch's directory:
+:func:`note_checkpoint_call`, :func:`note_peer_failure` and
+:func:`record_verdict` (a rank); :func:`own_error` and
+:func:`recorded_verdicts` (the launcher).
+torch's own ``TORCHELASTIC_RESTART_COUNT`` is read here too
+(:func:`restart_attempt`). No other product module reads or writes them.
 
 Only the standard library and :mod:`alpha_ckpt.errors` are imported here:
 the launcher checks its flags before torch is imported.
@@ -51,6 +55,11 @@ TIMEOUT = "ALPHA_CKPT_TIMEOUT"  # alpha-run --timeout, seconds: every process gr
 HEARTBEAT = "ALPHA_CKPT_HEARTBEAT"  # host:port of the launcher's store each rank beats to (alpha_ckpt/heartbeat.py)
 HEARTBEAT_PERIOD = "ALPHA_CKPT_HEARTBEAT_PERIOD"  # seconds between a rank's beats
 LAUNCHER_PID = "ALPHA_CKPT_LAUNCHER_PID"  # set by alpha-run for every process it starts
+# alpha-run's directory of this launch on this node (removed at its exit), where its ranks leave notes for
+# it: that a rank reached its first checkpoint call of an attempt (reached/ATTEMPT.RANK, empty), that it
+# failed because a peer did (peer/ATTEMPT.RANK), and the verdict it ended with (said/RANK.json), which the
+# launcher prints once, naming the ranks.
+LAUNCH_DIR = "ALPHA_CKPT_LAUNCH_DIR"
 # Set by alpha-run's agent just before it starts the workers of a restart (JSON, see export_restart):
 # torch's agent copies the launcher's environment into every worker it starts, so each attempt's
 # workers see the value of their own restart and no earlier one.
@@ -263,7 +272,139 @@ def _typed(name: str, value: str, kind: type) -> Any:
 
 
 # Exit statuses, for orchestrators (README): the same from alpha-run, its ranks and the job's owners.
-EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_RETRY, EXIT_INTERRUPTED = 0, 2, 3, 75, 130
+# EXIT_SCRIPT_ERROR: alpha-run's, for a script that failed before any checkpoint call (its own error).
+EXIT_OK, EXIT_SCRIPT_ERROR, EXIT_USAGE, EXIT_REFUSED, EXIT_RETRY, EXIT_INTERRUPTED = 0, 1, 2, 3, 75, 130
+
+
+# ---------------------------------------------------------------- notes a rank leaves for its launcher
+
+_noted: set[tuple[str, str, int]] = set()  # (kind, launch directory, attempt) this process noted
+
+
+def _rank() -> int | None:
+    value = os.environ.get("RANK", "")
+    return int(value) if value.isdigit() else None
+
+
+def _note(kind: str) -> None:
+    """An empty file ``KIND/ATTEMPT.RANK`` in the launch's directory, once per attempt; best effort."""
+    directory, rank = os.environ.get(LAUNCH_DIR), _rank()
+    if not directory or rank is None:
+        return
+    attempt = restart_attempt()
+    if (kind, directory, attempt) in _noted:
+        return
+    _noted.add((kind, directory, attempt))
+    try:
+        os.makedirs(os.path.join(directory, kind), exist_ok=True)
+        with open(os.path.join(directory, kind, f"{attempt}.{rank}"), "w"):
+            pass
+    except OSError:
+        pass
+
+
+def noted(directory: str, kind: str, attempt: int, rank: int) -> bool:
+    """The launcher: whether ``rank`` left the note ``kind`` ("reached", "peer") in ``attempt``."""
+    return bool(directory) and os.path.exists(os.path.join(directory, kind, f"{attempt}.{rank}"))
+
+
+def note_checkpoint_call() -> None:
+    """This rank reached a checkpoint call (a Checkpointer's save or restore, the one-process API's, a DCP
+    door's StorageWriter or StorageReader) in its current attempt: under alpha-run, an empty file
+    ``reached/ATTEMPT.RANK`` in the launch's directory, written once per attempt (a rank that recovers in
+    place begins a new one). A failure after it is retryable (exit 75); alpha-run answers a rank that exits
+    with an error and no such note with exit 1 and no restart (:func:`failed_before_checkpoint`). Elsewhere
+    (plain torchrun, one process) it does nothing. Best effort: a note that cannot be written is skipped."""
+    _note("reached")
+
+
+def note_peer_failure() -> None:
+    """This rank failed because a peer did (a connection to it broke, a collective with it timed out):
+    ``peer/ATTEMPT.RANK``. Such a rank is not the cause of its attempt's failure, checkpoint call or not."""
+    _note("peer")
+
+
+def failed_before_checkpoint(directory: str, attempt: int, rank: int | None, exitcode: int | None) -> bool:
+    """The launcher: whether ``rank``'s exit in ``attempt`` is the script's own error before any checkpoint
+    call: an error exit (not a signal; not 2, 3 or 75, which say what they are), with no note of a checkpoint
+    call (:func:`note_checkpoint_call`) nor of a peer's failure (:func:`note_peer_failure`). Never without a
+    launch directory (``directory`` empty): then nothing was noted."""
+    return (bool(directory) and rank is not None and exitcode is not None and exitcode > 0
+            and exitcode not in (EXIT_USAGE, EXIT_REFUSED, EXIT_RETRY)
+            and not noted(directory, "reached", attempt, rank) and not noted(directory, "peer", attempt, rank))
+
+
+def own_error(directory: str, attempt: int, failures: list[tuple[int, int]]) -> tuple[int, int] | None:
+    """The launcher, on the failures of ``attempt`` (rank, exit code), earliest first: the (rank, code) whose
+    failure is the script's own error before any checkpoint call, or None (retryable). A rank killed by a
+    signal makes it retryable, except SIGTERM: the agent's own, stopping the others once one failed (torch
+    lists those too). A rank that noted a peer's failure is not the cause; of the others the earliest is,
+    and it is the script's own error when :func:`failed_before_checkpoint` holds for it."""
+    if any(code < 0 and code != -signal.SIGTERM for _, code in failures):
+        return None
+    for rank, code in failures:
+        if code < 0 or code in (EXIT_USAGE, EXIT_REFUSED, EXIT_RETRY) or noted(directory, "peer", attempt, rank):
+            continue
+        return (rank, code) if failed_before_checkpoint(directory, attempt, rank, code) else None
+    return None
+
+
+def record_verdict(kind: str, text: str) -> bool:
+    """A rank ending with a verdict that every rank usually meets alike (``kind`` "refused" or "usage", its
+    one-line ``text``): under alpha-run it is left for the launcher, which prints it once naming the ranks
+    (True); elsewhere nothing is written (False) and the rank prints it itself. One JSON file per rank,
+    written whole (a temporary file renamed); no pickle."""
+    directory, rank = os.environ.get(LAUNCH_DIR), _rank()
+    if not directory or rank is None:
+        return False
+    said = os.path.join(directory, "said")
+    try:
+        os.makedirs(said, exist_ok=True)
+        temporary = os.path.join(said, f".{rank}.{os.getpid()}.tmp")
+        with open(temporary, "w") as out:
+            json.dump({"kind": kind, "text": text}, out)
+        os.replace(temporary, os.path.join(said, f"{rank}.json"))
+    except OSError:
+        return False
+    return True
+
+
+def recorded_verdicts(directory: str) -> list[tuple[str, str, list[int]]]:
+    """The launcher: the verdicts its ranks recorded (:func:`record_verdict`), each once: (kind, text, ranks)."""
+    said = os.path.join(directory, "said")
+    try:
+        names = os.listdir(said)
+    except OSError:
+        return []
+    by_verdict: dict[tuple[str, str], list[int]] = {}
+    for name in names:
+        stem, dot, suffix = name.partition(".")
+        if suffix != "json" or not stem.isdigit():
+            continue
+        try:
+            with open(os.path.join(said, name)) as f:
+                record = json.load(f)
+            key = (str(record["kind"]), str(record["text"]))
+        except (OSError, ValueError, TypeError, KeyError):
+            continue
+        by_verdict.setdefault(key, []).append(int(stem))
+    return sorted(((kind, text, sorted(ranks)) for (kind, text), ranks in by_verdict.items()),
+                  key=lambda item: item[2][0])
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """Ranks as a person reads them: "rank 3", "ranks 0-3", "ranks 0, 2, 5-7"."""
+    parts, run = [], []
+    for rank in sorted(set(ranks)):
+        if run and rank == run[-1] + 1:
+            run.append(rank)
+            continue
+        if run:
+            parts.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+        run = [rank]
+    if run:
+        parts.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+    return ("ranks " if len(set(ranks)) > 1 else "rank ") + ", ".join(parts)
 
 
 def describe_exit(code: int) -> str:

@@ -21,8 +21,11 @@ checked here, in one process, before any owner starts: a usage error is one
 line on stderr and exit 2. The owners die with this process, however it dies
 (see alpha_ckpt/lifeline.py).
 
-Exit codes: 0 done, 3 checkpoint refused, 75 retryable failure (an owner
-died, a publish failed), 2 usage error, 130 interrupted.
+Exit codes: 0 done, 1 a script's own error before any checkpoint call (not
+restarted), 3 checkpoint refused, 75 retryable failure (an owner died, a
+publish failed, a script failed after a checkpoint call), 2 usage error, 130
+interrupted. A refusal or usage error the ranks meet is printed once, naming
+the ranks (they leave it in this launch's directory, launch_env.LAUNCH_DIR).
 
 With ``--max-restarts N`` torch's elastic agent restarts every rank when one
 fails, through :func:`restarting_agent`: a worker that exits 3 (refused) or 2
@@ -53,7 +56,8 @@ from .inplace import check_in_place_args, run_in_place
 from .job.usage import check_job_args
 from .usage import OneLineArgumentParser, UsageError, check_checkpoint_flags, check_store_writable
 
-from .launch_env import EXIT_INTERRUPTED, EXIT_OK, EXIT_REFUSED, EXIT_RETRY, EXIT_USAGE, describe_exit  # noqa: F401
+from .launch_env import (EXIT_INTERRUPTED, EXIT_OK, EXIT_REFUSED, EXIT_RETRY, EXIT_SCRIPT_ERROR,  # noqa: F401
+                         EXIT_USAGE, describe_exit)
 
 # torchrun flags we pass through unchanged: (flag, argparse kwargs)
 _TORCHRUN_FLAGS = (
@@ -335,18 +339,31 @@ def main(argv=None) -> int:
         remove_orphaned_tiers(parent)
         args.memory_dir = tempfile.mkdtemp(prefix=f"{MEMORY_PREFIX}{os.getpid()}-", dir=parent)
     outcome = Outcome()
+    # Where the ranks leave notes for this process (launch_env.LAUNCH_DIR), for as long as this launch lives.
+    remove_orphaned_tiers(tempfile.gettempdir(), LAUNCH_PREFIX)
+    args.launch_dir = tempfile.mkdtemp(prefix=f"{LAUNCH_PREFIX}{os.getpid()}-")
+    notes = {launch_env.LAUNCH_DIR: args.launch_dir}
+    own_errors: list[Failure] = []  # a script's rank that failed before any checkpoint call (no restart)
+
+    def ends_restarts(attempt: int, failures: dict) -> bool:
+        in_order = sorted(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+        found = None if is_job(args) else launch_env.own_error(
+            args.launch_dir, attempt, [(rank, failure.exitcode) for rank, failure in in_order])
+        if found is not None:
+            own_errors.append(Failure(time.time(), *found))
+        return found is not None
     try:
         if args.in_place:  # this launcher's own agent (alpha_ckpt/inplace.py), not torch's
-            with launch_env.exported(os.getpid(), script_environment(args)):
+            with launch_env.exported(os.getpid(), {**script_environment(args), **notes}):
                 return run_in_place(args)
         # The store this node's ranks beat to, for as long as the launch lives (alpha_ckpt/heartbeat.py).
         beats, endpoint = heartbeat.serve(BEAT_HOST)
         watcher = heartbeat.Watcher(beats, args.heartbeat_limit, startup=args.timeout)
         ranks = {} if is_job(args) else script_environment(args)
-        with launch_env.exported(os.getpid(), {**ranks, **launch_env.heartbeat_environment(endpoint,
-                                                                                           args.heartbeat_period)}), \
+        with launch_env.exported(os.getpid(), {**ranks, **notes, **launch_env.heartbeat_environment(
+                    endpoint, args.heartbeat_period)}), \
                 restarting_agent(lambda attempt, failure: on_restart(args, branch_into, attempt, failure),
-                                 watcher, outcome):
+                                 watcher, outcome, ends_restarts):
             run(torchrun_args(torchrun_argv(args) if is_job(args) else script_argv(args)))
     except ChildFailedError as exc:
         codes = {failure.exitcode for failure in exc.failures.values()}
@@ -359,6 +376,9 @@ def main(argv=None) -> int:
         first = outcome.failure or first_failure(exc.failures, time.time())
         if EXIT_USAGE in codes and first.exitcode == EXIT_USAGE:
             return EXIT_USAGE
+        if own_errors:
+            print(own_error_line(own_errors[-1]), file=sys.stderr)
+            return EXIT_SCRIPT_ERROR
         print(f"alpha-run: rank {first.rank} {first.describe()}"
               + (f"; no restart left of --max-restarts {args.max_restarts}" if args.max_restarts else "")
               + "; retry with --resume latest", file=sys.stderr)
@@ -374,24 +394,43 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     finally:
+        say_verdicts(args.launch_dir)
+        shutil.rmtree(args.launch_dir, ignore_errors=True)
         if args.memory:
             shutil.rmtree(args.memory_dir, ignore_errors=True)
     return EXIT_OK
 
 
 BEAT_HOST = "127.0.0.1"  # each node's ranks beat to their own launcher, on their host
+
+
+def own_error_line(failure: Failure) -> str:
+    """The line of a script whose rank failed before any checkpoint call (its traceback is above it)."""
+    return (f"alpha-run: rank {failure.rank} failed ({describe_exit(failure.exitcode)}) before any checkpoint call: "
+            "the script's own error (above), which a restart would meet again; not restarted")
+
+
+def say_verdicts(directory: str) -> None:
+    """Each verdict the ranks recorded (a refusal, a usage error), once, naming the ranks that met it."""
+    for kind, text, ranks in launch_env.recorded_verdicts(directory):
+        what = "checkpoint refused" if kind == "refused" else "usage error"
+        print(f"alpha-run: {what} on {launch_env.ranks_text(ranks)}: {text}", file=sys.stderr)
+
+
 MEMORY_PREFIX = "alpha-ckpt-memory-"  # + the launcher's pid: a tier whose launcher is gone is removed
+LAUNCH_PREFIX = "alpha-run-"  # + the launcher's pid: the notes of a launch whose launcher is gone are removed
 
 
-def remove_orphaned_tiers(parent: str) -> None:
-    """Remove the memory tiers of launchers that died without removing theirs (SIGKILL): host memory."""
+def remove_orphaned_tiers(parent: str, prefix: str = MEMORY_PREFIX) -> None:
+    """Remove the directories (``prefix`` + a launcher's pid) of launchers that died without removing theirs
+    (SIGKILL): the memory tiers (host memory), the launches' notes."""
     try:
         names = os.listdir(parent)
     except OSError:
         return
     for name in names:
-        pid = name[len(MEMORY_PREFIX):].split("-", 1)[0]
-        if not name.startswith(MEMORY_PREFIX) or not pid.isdigit():
+        pid = name[len(prefix):].split("-", 1)[0]
+        if not name.startswith(prefix) or not pid.isdigit():
             continue
         try:
             os.kill(int(pid), 0)
@@ -454,12 +493,15 @@ def first_failure(failures: dict, detected_at: float) -> Failure:
 
 @contextlib.contextmanager
 def restarting_agent(on_restart: Callable[[int, Failure], None], watcher: heartbeat.Watcher | None = None,
-                     outcome: Outcome | None = None) -> Iterator[None]:
+                     outcome: Outcome | None = None,
+                     ends_restarts: Callable[[int, dict], bool] | None = None) -> Iterator[None]:
     """torch's elastic agent, for the block, as alpha-run runs it: a worker exit in :data:`VERDICTS`
-    ends the restarts, ``on_restart(attempt, failure)`` runs before the workers of each restart
-    start (the previous attempt's all stopped, the rendezvous done), and with ``watcher`` a worker
-    whose heartbeat is silent past its limit is killed and is the attempt's failure (kept in
-    ``outcome`` too, for the message when no restart is left).
+    ends the restarts, and so do the failures of attempt ``a`` (global rank -> torch's ProcessFailure)
+    for which ``ends_restarts(a, failures)`` holds (a script's own error before any checkpoint call,
+    :func:`alpha_ckpt.launch_env.own_error`); ``on_restart(attempt, failure)`` runs before the workers
+    of each restart start (the previous attempt's all stopped, the rendezvous done), and with
+    ``watcher`` a worker whose heartbeat is silent past its limit is killed and is the attempt's
+    failure (kept in ``outcome`` too, for the message when no restart is left).
 
     torch's launcher builds its agent inside ``launch_agent`` and offers no other way to give it
     another class; the class it names is replaced for the block and put back after.
@@ -481,7 +523,9 @@ def restarting_agent(on_restart: Callable[[int, Failure], None], watcher: heartb
                     result = self._kill_hung(worker_group, hung)
             if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
                 self._failure = seen.failure or first_failure(result.failures, time.time())
-                if any(failure.exitcode in VERDICTS for failure in result.failures.values()):
+                attempt = worker_group.spec.max_restarts - self._remaining_restarts
+                if any(failure.exitcode in VERDICTS for failure in result.failures.values()) or (
+                        ends_restarts is not None and ends_restarts(attempt, result.failures)):
                     # torch's own way to end restarts (its check of workers stuck in the kernel does so too):
                     # with none left, its loop stops the workers and returns the failure.
                     self._remaining_restarts = 0

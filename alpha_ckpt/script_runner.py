@@ -10,8 +10,14 @@ carrying one) exits 3 with one line naming the code (a checkpoint refused:
 an orchestrator must not retry, and alpha-run's ``--max-restarts`` does not); a :class:`~alpha_ckpt.UsageError` (a
 ``Checkpointer`` argument that cannot be) and a module or script that does not
 exist exit 2 with one line; ``SystemExit`` keeps its code (argparse's usage
-errors are 2); any other exception exits 1 with its traceback, which
-alpha-run reports as retryable (75). A script that ends (or exits) leaves
+errors are 2); any other exception exits 1 with its traceback. alpha-run
+answers that with exit 1 and no restart when the rank had not reached a
+checkpoint call yet (the script's own error: a restart would meet it again),
+else as retryable (75); an error that says a peer failed (a broken
+connection, a collective timed out) counts as retryable wherever it comes
+(:func:`peer_failed`). Under alpha-run the refusal and usage lines are left
+for the launcher, which prints each once naming the ranks
+(:func:`alpha_ckpt.launch_env.record_verdict`). A script that ends (or exits) leaves
 through :func:`exit_now`: atexit handlers run and stdio is flushed, but the
 interpreter's own teardown is skipped, so a file object the script left open
 and unflushed loses its buffer; close files (``with open(...)``) as usual.
@@ -22,6 +28,8 @@ import atexit
 import os
 import runpy
 import sys
+
+from . import launch_env
 
 EXIT_USAGE, EXIT_REFUSED = 2, 3
 
@@ -46,18 +54,48 @@ def main(argv: list[str] | None = None) -> int:
             sys.path.insert(0, os.path.dirname(os.path.abspath(target)))  # as `python train.py` does
             runpy.run_path(target, run_name="__main__")
     except UsageError as exc:
-        print(f"alpha-run: usage error: {exc}", file=sys.stderr)
+        _say("usage", "usage error", str(exc))
         _leave_group()
         return EXIT_USAGE
     except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException; others re-raised
         refusal = refusal_in(exc)  # a Refusal, or DCP's CheckpointException carrying one
         if refusal is None:
+            if isinstance(exc, Exception) and peer_failed(exc):
+                launch_env.note_peer_failure()  # retryable, checkpoint call or not
             raise
-        print(f"alpha-run: checkpoint refused: [{refusal.code.value}] {refusal.message}", file=sys.stderr)
+        _say("refused", "checkpoint refused", f"[{refusal.code.value}] {refusal.message}")
         _leave_group()
         return EXIT_REFUSED
     _leave_group()
     return 0
+
+
+def _say(kind: str, what: str, text: str) -> None:
+    """A verdict this rank ends with: under alpha-run left for the launcher, which prints it once naming every
+    rank that met it (not once per rank); elsewhere printed here."""
+    if not launch_env.record_verdict(kind, text):
+        print(f"alpha-run: {what}: {text}", file=sys.stderr)
+
+
+# What torch.distributed's transports say when a peer is gone or silent (gloo, torch 2.13), in messages of
+# plain RuntimeErrors; torch's DistError types, resilient's PeerFailed and ConnectionError say it by their type.
+_PEER_TYPES = ("DistError", "PeerFailed")  # torch.distributed's (and its subclasses), alpha_ckpt.resilient's
+_PEER_WORDS = ("third_party/gloo/", "Connection closed by peer", "Connection reset by peer", "Broken pipe",
+               "Timed out waiting", "Socket Timeout", "NCCL communicator was aborted")
+
+
+def peer_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it was raised from) says that a peer of this rank failed, not this rank's script:
+    a connection to a peer broke or a collective with it timed out, or alpha-run --in-place began a new round."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, ConnectionError) or any(base.__name__ in _PEER_TYPES for base in type(exc).__mro__):
+            return True
+        if any(words in str(exc) for words in _PEER_WORDS):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def module_problem(name: str) -> str | None:
@@ -88,7 +126,10 @@ def _leave_group() -> None:
     """A process group left alive at exit aborts the process (gloo's threads): a refusal would read as a crash."""
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+        try:
+            dist.destroy_process_group()
+        except (RuntimeError, ValueError):  # a group a broken connection left half torn down: the exit goes on
+            pass
 
 
 def exit_now(code) -> None:
@@ -125,4 +166,8 @@ if __name__ == "__main__":
     except SystemExit as exc:  # the script's own sys.exit, argparse's usage errors (2)
         _leave_group()
         status = exc.code
+    except Exception:  # noqa: BLE001 - the script's own error: its traceback as Python prints it, exit 1
+        sys.excepthook(*sys.exc_info())
+        _leave_group()
+        status = 1
     exit_now(status)

@@ -21,7 +21,7 @@ from ..errors import Refusal, RefusalCode
 from ..format import CapturePrefix, DTYPES, RegionDecl, block_digests, joined_digest
 from ..manifest import check_coverage, check_region_names
 from ..planner import Piece, shares
-from ..publish.messages import Descriptor, Layout, Outcome, short
+from ..publish.messages import Descriptor, Layout, Outcome, per_rank_hint, short
 from ..publish.wire import global_rank
 from ..publish.wire import broadcast_json, gather_json
 from ..store import Store
@@ -177,7 +177,17 @@ def merge_skeletons(skeletons: list[Any], path: str = "state") -> Any:
         for r, s in enumerate(skeletons):
             if not isinstance(s, dict) or set(s) != set(first):
                 raise Refusal(RefusalCode.MIXED_CAPTURE, f"{path}: rank {r}'s state differs from rank 0's")
-        return {k: merge_skeletons([s[k] for s in skeletons], f"{path}.{k}" if k != "dict" else path) for k in first}
+        if set(first) == {"dict"} and isinstance(first["dict"], list):  # a dict's [key, value] pairs
+            pairs = [s["dict"] for s in skeletons]
+            keys = [p[0] if isinstance(p, list) and len(p) == 2 else p for p in first["dict"]]
+            for r, theirs in enumerate(pairs):
+                if not isinstance(theirs, list) or [p[0] if isinstance(p, list) and len(p) == 2 else p
+                                                    for p in theirs] != keys:
+                    raise Refusal(RefusalCode.MIXED_CAPTURE, f"{path}: rank {r}'s state differs from rank 0's")
+            return {"dict": [[key, merge_skeletons([theirs[i][1] for theirs in pairs], f"{path}.{key}")]
+                             for i, key in enumerate(keys)]}
+        # Any other dict of a skeleton is one typed value ({"float": ...}, {"tuple": [...]}): its tag is no name.
+        return {k: merge_skeletons([s[k] for s in skeletons], path) for k in first}
     if isinstance(first, list):
         for r, s in enumerate(skeletons):
             if not isinstance(s, list) or len(s) != len(first):
@@ -186,7 +196,7 @@ def merge_skeletons(skeletons: list[Any], path: str = "state") -> Any:
     for r, s in enumerate(skeletons):
         if s != first or type(s) is not type(first):
             raise Refusal(RefusalCode.MIXED_CAPTURE, f"{path}: rank {r} holds {short(s)}, rank 0 {short(first)} "
-                          "(a replicated value diverged; wrap what differs per rank in PerRank)")
+                          + per_rank_hint(path.partition(".")[2] or path))
     return first
 
 

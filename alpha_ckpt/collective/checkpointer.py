@@ -83,6 +83,7 @@ from ..store import Store
 from ..writer import ShardCarry, word_view
 from . import agreement  # agreement.agree_layout, looked up at each call (a probe may time it)
 from .agreement import agreed_regions, describe, own_parts, replica_digests, shared_digests, split_shared
+from .arrival import Arrivals, group_timeout
 from .options import CheckpointerOptions
 from .recovery import RecoveryClock
 from .result import SaveResult, completed
@@ -161,6 +162,7 @@ class Checkpointer:
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.hierarchy = Hierarchy(self.world, fanout)
+        self._arrivals = Arrivals(group, self.rank, self.world)  # save and restore name the ranks that did not come
         # A Store handle given is the caller's.
         self._own_store = not isinstance(store, Store)
         self.store = store if isinstance(store, Store) else _open_store(store, self.rank, group)
@@ -177,15 +179,17 @@ class Checkpointer:
         # publish must never interleave with the training collectives of the main thread.
         ranks = None if group is None else dist.get_process_group_ranks(group)
         nccl = dist.get_backend(group) == "nccl"
-        self._control = dist.new_group(ranks=ranks, backend="gloo") if nccl else group
+        # The groups made here wait as long as the script's group does (new_group's own default is 30 minutes).
+        timeout = group_timeout(group)
+        self._control = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout) if nccl else group
         self._saver = AsyncSaver(in_flight=in_flight) if save == "async" else None
-        self._save_group = dist.new_group(ranks=ranks, backend="gloo") if save == "async" else None
+        self._save_group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout) if save == "async" else None
         # The memory tier, on a gloo group of its own: its copies between peers never interleave with
         # the training's collectives or a background publish's messages.
         self.memory: MemoryTier | None = None
         self.memory_skipped: list[str] = []  # the last restore: newer memory generations passed over, and why
         self._ancestor: tuple[int, str] | None = None  # rank 0: (generation, root) of self.follows
-        tier_group = dist.new_group(ranks=ranks, backend="gloo") if options.memory is not None else None
+        tier_group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout) if options.memory is not None else None
         if options.memory is not None:
             # A memory generation belongs to one store: it is taken only with this store's instance id.
             instance = broadcast_json(self.store.instance if self.rank == 0 else None, global_rank(0, tier_group),
@@ -250,7 +254,17 @@ class Checkpointer:
         optimizer step). With the memory tier (``memory=``), a save goes to host memory on this
         rank and its peers, and one in ``durable_every`` also to the store; ``durable=True``
         sends this one to the store too (the last save of a job: the tier is host memory).
+
+        Every rank of the group calls it, in the same order: when ranks do not, the call fails (at the
+        group's timeout, or as soon as one of them leaves) with :class:`~alpha_ckpt.CollectiveIncomplete`
+        naming them.
         """
+        launch_env.note_checkpoint_call()  # under alpha-run: a failure from here on is retryable
+        with self._arrivals.call("save") as number:
+            return self._save(state, update, cursor, defer_snapshot, durable, number)
+
+    def _save(self, state: Mapping[str, Any], update: int, cursor: int, defer_snapshot: bool, durable: bool,
+              number: int) -> SaveResult:
         self._recovery.first_step(self.run, self.step, self.rank, self.options.announce)
         prefix = CapturePrefix(self.run, self.step, update, cursor, self.epoch)
         if self._saver is not None and self._saver.in_flight == "skip" and self._any_rank(self._saver.busy()):
@@ -284,7 +298,8 @@ class Checkpointer:
 
             @cyclic_gc_paused()
             def publish(snapshot):
-                root = self._exchange(prefix, captured, regions, snapshot, self._save_group, refused, durable)
+                with self._arrivals.named("save", number):  # on the save thread: its failure names who did not come
+                    root = self._exchange(prefix, captured, regions, snapshot, self._save_group, refused, durable)
                 stats.update(self.last_save)  # this save's, before a later save replaces last_save
                 return root
             handle = self._saver.submit(tensors, publish, defer_snapshot=defer_snapshot)
@@ -465,8 +480,14 @@ class Checkpointer:
         (whose ``--resume-from D`` sets it). Returns the generation's counters, or None when
         there was nothing to resume. Every rank raises the same Refusal, before any rank
         copies a byte, when anything is wrong. ``branch=True`` starts this run (epoch 0; it
-        must have no generation yet) from generation ``root`` of another run.
+        must have no generation yet) from generation ``root`` of another run. Every rank of the group calls
+        it: when ranks do not, it fails with :class:`~alpha_ckpt.CollectiveIncomplete` naming them, as ``save``.
         """
+        launch_env.note_checkpoint_call()  # under alpha-run: a failure from here on is retryable
+        with self._arrivals.call("restore"):
+            return self._restore(state, root, per_rank, branch)
+
+    def _restore(self, state: Mapping[str, Any], root: Any, per_rank: str, branch: bool) -> Counters | None:
         self._restore_started = time.monotonic()
         if root is _FROM_OPTIONS:
             root = self.options.resume

@@ -491,7 +491,9 @@ def main(argv=None) -> int:
     try:
         code = run_owner(args)
     except Refusal as refusal:
-        say(f"alpha-run: refused [{refusal.code.value}] {refusal.message}")
+        # Under alpha-run the launcher tells it once, naming the owners that met it (launch_env.record_verdict).
+        if not launch_env.record_verdict("refused", f"[{refusal.code.value}] {refusal.message}"):
+            say(f"alpha-run: refused [{refusal.code.value}] {refusal.message}")
         code = EXIT_REFUSED
     except (PublishFailed, DurableWriteError) as exc:
         say(f"alpha-run: publish failed: {exc}")

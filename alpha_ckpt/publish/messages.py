@@ -151,7 +151,7 @@ def check_replicas(digests: Sequence[Mapping[str, str]]) -> None:
         for name in sorted(d):
             if d[name] != digests[0][name]:
                 raise Refusal(RefusalCode.MIXED_CAPTURE, f"rank {r}'s replica of {name!r} differs from rank 0's "
-                              "(a replicated entry diverged; wrap what differs per rank in PerRank)")
+                              + per_rank_hint(name))
 
 
 def check_shared(pieces: Sequence[Sequence[Sequence]]) -> None:
@@ -253,6 +253,13 @@ class Candidates(Record):
     @classmethod
     def of(cls, candidates: Sequence[Candidate]) -> "Candidates":
         return cls([c.to_json() for c in candidates])
+
+
+def per_rank_hint(name: str) -> str:
+    """What a mixed-capture refusal of a diverged replicated entry ``name`` (its dotted name) suggests: the
+    Checkpointer's ``per_rank`` option naming it, which needs no change to the objects of the state."""
+    return (f"(a replicated entry diverged: if it differs per rank by nature, save it per rank with "
+            f"Checkpointer(..., per_rank=[{json.dumps(name)}]))")
 
 
 def short(value: Any) -> str:

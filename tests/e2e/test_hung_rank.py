@@ -1,6 +1,7 @@
 """A hung rank (SIGSTOP) under alpha-run: found by its silent heartbeat, killed, named and replaced, bit-exact;
 a rank that is slow but beats within the limit is left alone; --timeout bounds every process group."""
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -121,13 +122,13 @@ def test_a_rank_stopped_for_less_than_the_limit_is_left_alone_and_ends_bit_exact
 
 
 ONE_RANK_ENDS_FIRST = """
-import dataclasses, json, os, sys, time
+import dataclasses, json, os, signal, sys, time
 from alpha_ckpt import launch_env
 rank = int(os.environ["RANK"])
 if launch_env.restart_attempt() == 0:
     if rank == 1:
         time.sleep(float(sys.argv[2]))
-        sys.exit(1)
+        os.kill(os.getpid(), signal.SIGUSR1)  # a signal's death is restarted (an exit before any checkpoint is not)
     sys.exit(0)
 with open(os.path.join(sys.argv[1], f"context-{rank}.json"), "w") as f:
     json.dump(dataclasses.asdict(launch_env.restart_context()), f)
@@ -136,15 +137,15 @@ with open(os.path.join(sys.argv[1], f"context-{rank}.json"), "w") as f:
 
 @pytest.mark.timeout(200)
 def test_a_rank_that_ended_while_the_others_run_is_not_taken_for_hung(tmp_path):
-    # Attempt 0: rank 0 exits 0 at once and beats no more; rank 1 runs on for three limits, then fails.
+    # Attempt 0: rank 0 exits 0 at once and beats no more; rank 1 runs on for three limits, then dies (SIGUSR1).
     script = tmp_path / "ends_first.py"
     script.write_text(ONE_RANK_ENDS_FIRST)
     proc = alpha_run("--nproc", 2, "--max-restarts", 1, "--timeout", 20, "--heartbeat-limit", 2,
                      "--store", tmp_path / "s", script, tmp_path, 6, cwd=tmp_path, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for rank in (0, 1):  # the restart names rank 1 and its exit, not rank 0 as hung
+    for rank in (0, 1):  # the restart names rank 1 and its signal, not rank 0 as hung (SIGKILL)
         context = json.loads((tmp_path / f"context-{rank}.json").read_text())
-        assert (context["failed_rank"], context["failed_exit"]) == (1, 1), rank
+        assert (context["failed_rank"], context["failed_exit"]) == (1, -signal.SIGUSR1), rank
 
 
 GROUP_TIMEOUTS = """

@@ -114,6 +114,34 @@ def test_a_refusal_under_in_place_exits_3_without_a_restart(tmp_path):
     assert time.monotonic() - started < 120
 
 
+OWN_ERROR = """
+import os, sys
+import alpha_ckpt
+
+
+def main():
+    with open(os.path.join(sys.argv[1], f"main-{os.environ['RANK']}-{os.getpid()}"), "w"):
+        pass
+    raise ValueError("hidden size must be positive, not -3")
+
+
+if __name__ == "__main__":
+    alpha_ckpt.run_resilient(main, backend="gloo")
+"""
+
+
+@pytest.mark.timeout(200)
+def test_a_scripts_own_error_before_any_checkpoint_call_exits_1_without_a_new_round(tmp_path):
+    script = tmp_path / "own_error.py"
+    script.write_text(OWN_ERROR)
+    (tmp_path / "calls").mkdir()
+    proc = alpha_run("--nproc", 2, "--max-restarts", 3, "--in-place", "--store", tmp_path / "s", script,
+                     tmp_path / "calls", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert sorted(p.name.split("-")[1] for p in (tmp_path / "calls").iterdir()) == ["0", "1"]  # one call each
+    assert "hidden size must be positive, not -3" in proc.stderr
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("flags", [
     ["--in-place"],  # no --max-restarts

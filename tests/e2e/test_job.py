@@ -83,6 +83,7 @@ def test_a_changed_learning_rate_is_another_learner(saved):
     before = store_hash(store)
     proc = alpha_run(store, "--updates", "3", "--resume-from", first["last_generation"], "--set", "lr=0.5")
     assert proc.returncode == 3 and "foreign-learner" in proc.stderr
+    assert proc.stderr.count("foreign-learner") == 1  # both owners refused it; alpha-run tells it once
     assert store_hash(store) == before
 
 

@@ -40,6 +40,26 @@ with open(os.path.join(out, f"context-{rank}.json"), "w") as f:
 """
 
 
+# argv: ATTEMPTS_FILE WHEN. Each rank notes its attempt, then fails with its own error: "before" any
+# checkpoint call (a bad model size), "rank1-before" (rank 1 only, while rank 0 waits in its restore for
+# it), or "after" its restore in the first attempt only (the restart then finishes).
+OWN_ERROR = """
+import os, sys
+import torch, torch.distributed as dist
+import alpha_ckpt
+attempt, rank, when = os.environ["TORCHELASTIC_RESTART_COUNT"], int(os.environ["RANK"]), sys.argv[2]
+with open(sys.argv[1], "a") as attempts:
+    attempts.write(attempt + "\\n")
+dist.init_process_group("gloo")
+if when == "before" or (when == "rank1-before" and rank == 1):
+    raise ValueError("hidden size must be positive, not -3")
+ckpt = alpha_ckpt.Checkpointer.from_launcher_env()
+ckpt.restore({"w": torch.zeros(4)})
+if when == "after" and attempt == "0":
+    raise ValueError("the loss diverged")
+"""
+
+
 def alpha_run(*args, cwd, env=None, timeout=200):
     return subprocess.run([sys.executable, "-m", "alpha_ckpt.launcher", *map(str, args)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
@@ -57,6 +77,30 @@ def test_a_refusal_under_max_restarts_exits_3_after_one_attempt(tmp_path):
     # before it writes: a rank imports torch before its script, to beat).
     assert set(attempts.read_text().split()) == {"0"}
     assert time.monotonic() - started < 60
+    assert run.stderr.count("a checkpoint of another model") == 1  # told once, naming both ranks, not per rank
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("when", ["before", "rank1-before"])
+def test_a_scripts_own_error_before_any_checkpoint_call_exits_1_after_one_attempt(tmp_path, when):
+    script = tmp_path / "own_error.py"
+    script.write_text(OWN_ERROR)
+    attempts = tmp_path / "attempts"
+    run = alpha_run("--nproc", 2, "--store", tmp_path / "s", "--max-restarts", 3, script, attempts, when, cwd=tmp_path)
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert attempts.read_text().split() == ["0", "0"]  # no restart spent on it
+    assert "hidden size must be positive, not -3" in run.stderr  # the script's own error is shown
+
+
+@pytest.mark.timeout(180)
+def test_a_scripts_error_after_a_checkpoint_call_is_retried(tmp_path):
+    script = tmp_path / "own_error.py"
+    script.write_text(OWN_ERROR)
+    attempts = tmp_path / "attempts"
+    run = alpha_run("--nproc", 2, "--store", tmp_path / "s", "--max-restarts", 1, script, attempts, "after",
+                    cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert attempts.read_text().split() == ["0", "0", "1", "1"]
 
 
 @pytest.mark.timeout(120)

@@ -102,9 +102,13 @@ def test_a_checkpointer_argument_that_cannot_be_exits_2_with_one_line(tmp_path, 
 @pytest.mark.timeout(120)
 def test_a_checkpointer_argument_error_under_alpha_run_exits_2(tmp_path):
     script = tmp_path / "bad.py"
-    script.write_text(BAD_CHECKPOINTER)
-    run = alpha_run("--nproc", 1, "--store", tmp_path / "s", script, "keep", tmp_path / "s", cwd=tmp_path)
+    # Both ranks meet the bad argument at once, after a barrier.
+    script.write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\ndist.barrier()\n"
+                      + BAD_CHECKPOINTER)
+    run = alpha_run("--nproc", 2, "--store", tmp_path / "s", script, "keep", tmp_path / "s", cwd=tmp_path)
     assert run.returncode == 2, run.stderr[-2000:]
+    # Both ranks meet it; it is told once (naming them), not once per rank.
+    assert len([line for line in run.stderr.splitlines() if "keep" in line]) == 1, run.stderr[-2000:]
 
 
 @pytest.mark.parametrize("script_args", [["--run", "x"], ["--run-p", "y"], ["--st", "z", "--nproc", "3"]])

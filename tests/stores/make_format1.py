@@ -42,10 +42,11 @@ def main() -> None:
                        "updates_5": {k: straight[k] for k in ("state_digest", "update", "cursor")}}
     # The one-process API: every kind of value a state may hold.
     root = alpha_ckpt.save(old_state.state(), store=out / "state", run="old", step="s", update=7, cursor=70, epoch=0)
-    expected["state"] = {"root": root}
+    expected["state"] = {"root": root, "bits": old_state.bits_digest(old_state.state())}
     # DCP with alpha_ckpt's storage backend, one process.
     dcp.save(old_state.dcp_state(), storage_writer=StorageWriter(out / "dcp", run="old", update=1))
-    expected["dcp"] = {"root": alpha_ckpt.latest(out / "dcp", "old", "train")}
+    expected["dcp"] = {"root": alpha_ckpt.latest(out / "dcp", "old", "train"),
+                       "bits": old_state.bits_digest(old_state.dcp_state())}
     (out / "expected.json").write_text(json.dumps(expected, indent=1, sort_keys=True) + "\n")
 
 

@@ -1,4 +1,5 @@
 """The states tests/stores/make_format1.py saved, rebuilt bit for bit from seeds (and blank ones to restore into)."""
+import blake3
 import numpy as np
 import torch
 
@@ -42,3 +43,26 @@ def dcp_state(blank: bool = False) -> dict:
     w = torch.randn(8, 3, generator=g)
     return {"w": torch.zeros_like(w) if blank else w, "b": torch.zeros(3) if blank else torch.full((3,), 0.25),
             "step": torch.tensor(0 if blank else 9)}
+
+
+def bits(value):
+    """A value reduced to what restore must reproduce exactly: tensors and arrays as dtype, shape and bytes."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", str(value.dtype), tuple(value.shape), value.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+                if value.numel() else b"")
+    if isinstance(value, np.ndarray):
+        return ("array", str(value.dtype), value.shape, value.tobytes())
+    if isinstance(value, dict):
+        return {k: bits(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, [bits(v) for v in value])
+    if isinstance(value, float):
+        return ("float", value.hex())
+    if hasattr(value, "state_dict") and not isinstance(value, alpha_ckpt.RNGState):
+        return bits(value.state_dict())
+    return (type(value).__name__, value)
+
+
+def bits_digest(state: dict) -> str:
+    """The digest of a state's exact values (its generators aside): what expected.json records as "bits"."""
+    return blake3.blake3(repr(bits({k: v for k, v in state.items() if k != "rng"})).encode()).hexdigest()

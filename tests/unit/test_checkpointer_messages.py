@@ -63,3 +63,24 @@ def test_the_verdict_on_the_writes_is_the_first_failure_then_a_diverged_replica_
     assert (failed.ok, failed.code) == (False, "non-finite")
     diverged = written_verdict([ok, WriteReport(replicas={"w": "bb"})])
     assert (diverged.ok, diverged.code) == (False, RefusalCode.MIXED_CAPTURE.value)
+
+
+def _diverged(states) -> Refusal:
+    from alpha_ckpt.collective.agreement import merge_skeletons
+    from alpha_ckpt.state.capture import capture_state
+    with pytest.raises(Refusal) as refused:
+        merge_skeletons([capture_state(state, rank, len(states)).skeleton for rank, state in enumerate(states)])
+    return refused.value
+
+
+def test_a_diverged_replicated_value_is_refused_naming_it_and_the_per_rank_option_that_saves_it():
+    refusal = _diverged([{"model": {"step": 0, "lr": 0.1}}, {"model": {"step": 1, "lr": 0.1}}])
+    assert refusal.code is RefusalCode.MIXED_CAPTURE
+    assert 'per_rank=["model.step"]' in refusal.message and "PerRank(" not in refusal.message
+
+
+def test_a_diverged_replicated_tensor_is_refused_naming_it_and_the_per_rank_option_that_saves_it():
+    verdict = written_verdict([WriteReport(replicas={"model.bn.running_mean": "aa"}),
+                               WriteReport(replicas={"model.bn.running_mean": "bb"})])
+    assert verdict.code == RefusalCode.MIXED_CAPTURE.value
+    assert 'per_rank=["model.bn.running_mean"]' in verdict.reason and "PerRank(" not in verdict.reason

@@ -244,18 +244,18 @@ def test_a_pinned_generation_survives_keep_2_with_five_newer_generations_until_u
 def test_only_a_published_fully_valid_generation_can_be_pinned(tmp_path):
     store = Store(tmp_path / "s")
     root = _save(store, 1)
-    out = io.StringIO()
-    assert cli.main(["pin", "--store", str(tmp_path / "s"), "ab" * 32], out=out) == 3
-    assert "no ref names it" in out.getvalue()
+    out, err = io.StringIO(), io.StringIO()
+    assert cli.main(["pin", "--store", str(tmp_path / "s"), "ab" * 32], out=out, err=err) == 3
+    assert "no ref names it" in err.getvalue() and out.getvalue() == ""  # a refusal is on stderr
     shard = next(d for d in _objects_of(store, root) if d != root)
     path = store.object_path(shard)
     os.chmod(path, 0o644)
     data = bytearray(open(path, "rb").read())
     data[-1] ^= 0x01
     open(path, "wb").write(data)
-    out = io.StringIO()
-    assert cli.main(["pin", "--store", str(tmp_path / "s"), root], out=out) == 3
-    assert "corrupt-shard" in out.getvalue()
+    err = io.StringIO()
+    assert cli.main(["pin", "--store", str(tmp_path / "s"), root], out=io.StringIO(), err=err) == 3
+    assert "corrupt-shard" in err.getvalue()
     assert not os.path.exists(tmp_path / "s" / "pins" / root)
 
 

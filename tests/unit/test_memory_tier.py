@@ -119,13 +119,18 @@ def test_a_damaged_or_lost_memory_copy_makes_every_rank_fall_back_to_the_newest_
     newest = _memory_refs(memory, store, 0)[-1].root
     assert newest == saved[0]["saves"][3]["root"]
     if damage == "flipped-peer-copy":
-        # a shard rank 1 wrote, in the copy its peer (rank 2) holds
+        # A shard of the newest memory generation, and of no older one the tier holds (so the damage is to the
+        # generation meant, whatever order a directory lists its objects in), in the copy rank 2 holds of
+        # rank 1's objects; the lowest digest of those, so every run flips the same one.
         with Store(holder_directory(holders_of(str(memory), str(store)), 1), create=False) as h1, \
                 Store(holder_directory(holders_of(str(memory), str(store)), 2), create=False) as h2:
-            with open_generation(h1, newest, role=0, wanted=[]) as head:  # a shard of the newest, not an older one
-                named = {s.digest for s in head.manifest.shards}
-            shared = sorted(d for d in h1.iter_objects() if h2.has_object(d) and d in named)
-            _flip_one_byte(h2.object_path(shared[0]))
+            def shards_of(root: str) -> set[str]:
+                with open_generation(h1, root, role=0, wanted=[]) as head:
+                    return {s.digest for s in head.manifest.shards}
+            older = set().union(*(shards_of(r.root) for r in _memory_refs(memory, store, 1) if r.root != newest))
+            only_newest = sorted(d for d in shards_of(newest) - older if h1.has_object(d) and h2.has_object(d))
+            assert only_newest, "no shard of the newest generation alone is held by ranks 1 and 2"
+            _flip_one_byte(h2.object_path(only_newest[0]))
     else:
         shutil.rmtree(holder_directory(holders_of(str(memory), str(store)), 0))
         shutil.rmtree(holder_directory(holders_of(str(memory), str(store)), 1))  # rank 0's shards had copies only there

@@ -81,7 +81,8 @@ def test_emit_writes_one_parseable_json_line():
 
 
 def _events(text: str) -> list[dict]:
-    return [json.loads(line) for line in text.splitlines()]
+    """The JSON event lines of stderr (a refusal's or an error's own line beside them is text)."""
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
 
 def test_verify_emits_exactly_one_json_event_when_stderr_is_not_a_tty(saved):
@@ -89,6 +90,7 @@ def test_verify_emits_exactly_one_json_event_when_stderr_is_not_a_tty(saved):
     out, err = io.StringIO(), io.StringIO()
     assert cli.main(["verify", "--store", str(store_dir), root], out=out, err=err) == 0
     assert out.getvalue() == f"valid {root}\n"  # stdout as before
+    assert len(err.getvalue().splitlines()) == 1  # the event alone
     (event,) = _events(err.getvalue())
     assert (event["event"], event["root"], event["outcome"]) == ("verify", root, "ok")
     assert event["bytes"] > 0 and event["seconds"] >= 0
@@ -112,6 +114,8 @@ def test_a_refused_verify_logs_its_code_in_its_one_event(saved):
     assert cli.main(["verify", "--store", str(store_dir), root], out=io.StringIO(), err=err) == 3
     (event,) = _events(err.getvalue())
     assert (event["outcome"], event["code"]) == ("refused", "missing-shard")
+    # The event, and the refusal's own line (the code and message) for a person.
+    assert sorted(line.startswith("{") for line in err.getvalue().splitlines()) == [False, True]
 
 
 @pytest.mark.timeout(120)

@@ -163,7 +163,7 @@ def test_console_script_exit_codes(saved):
     shard, path = next((d, p) for d, p in _objects(store_dir).items() if d != root)
     os.unlink(path)
     bad = run("verify", "--store", str(store_dir), root)
-    assert bad.returncode == 3 and "missing-shard" in bad.stdout
+    assert bad.returncode == 3 and "missing-shard" in bad.stderr and bad.stdout == ""
 
 
 def test_latest_skips_a_damaged_newer_generation_and_names_it(store_dir):
