@@ -125,7 +125,8 @@ LATE_THREAD = """
 import os, sys, threading, time
 
 def finish():
-    time.sleep(0.5)
+    while threading.main_thread().is_alive():  # the script has returned: the interpreter is exiting
+        time.sleep(0.01)
     with open(sys.argv[1], "w") as f:
         f.write("done")
 
