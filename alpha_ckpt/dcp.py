@@ -59,6 +59,7 @@ from .planner import Piece
 from .state.capture import pattern_list
 from .values import encode_value
 from .store import Store, check_fence
+from .teardown import exit_clean
 from .writer import group_parts, word_bytes, write_manifest, write_shards
 
 __all__ = ["StorageWriter", "StorageReader", "encode_metadata", "decode_metadata", "DCP_KEY"]
@@ -140,6 +141,7 @@ class StorageWriter(_DcpStorageWriter):
         self._planned: tuple | None = None  # the coordinator's: (regions, epoch, follows)
         self._local_items: dict[str, Any] = {}  # this rank's items before DCP's dedup, by key (_item_key)
         self.is_coordinator = False  # set_up_storage_writer says
+        exit_clean()  # DCP's collectives over gloo: the process leaves them cleanly at exit (alpha_ckpt.teardown)
 
     # DCP's call order: reset, set_up_storage_writer, prepare_local_plan, (coordinator)
     # prepare_global_plan, write_data, (coordinator) finish.

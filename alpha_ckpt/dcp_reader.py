@@ -28,6 +28,7 @@ from .planner import WantedSlice
 from .reader import PreparedRestore, check_structure, latest_generation, open_generation
 from .state.placement import box_ranges
 from .store import Store
+from .teardown import exit_clean
 from .values import decode_value
 
 
@@ -57,6 +58,7 @@ class StorageReader(_DcpStorageReader):
         self.run, self.step = (None if run is None else check_name(run, "run")), check_name(step, "step")
         self.wanted_root, self.group = root, group
         self._store_arg, self._store = store, store if isinstance(store, Store) else None
+        exit_clean()  # DCP's collectives over gloo: the process leaves them cleanly at exit (alpha_ckpt.teardown)
         self.root: str | None = None  # the generation read_metadata chose; ``prefix`` its run/step/update/cursor/epoch
         self.prefix: CapturePrefix | None = None
         self.regions: tuple[RegionDecl, ...] = ()

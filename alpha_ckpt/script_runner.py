@@ -18,9 +18,10 @@ connection, a collective timed out) counts as retryable wherever it comes
 (:func:`peer_failed`). Under alpha-run the refusal and usage lines are left
 for the launcher, which prints each once naming the ranks
 (:func:`alpha_ckpt.launch_env.record_verdict`). A script that ends (or exits) leaves
-through :func:`exit_now`: atexit handlers run and stdio is flushed, but the
-interpreter's own teardown is skipped, so a file object the script left open
-and unflushed loses its buffer; close files (``with open(...)``) as usual.
+through :func:`exit_now`: its other threads are joined, atexit handlers run and
+stdio is flushed, but the interpreter's own teardown is skipped, so a file
+object the script left open and unflushed loses its buffer; close files
+(``with open(...)``) as usual.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import atexit
 import os
 import runpy
 import sys
+import threading
 
 from . import launch_env
 
@@ -133,15 +135,18 @@ def _leave_group() -> None:
 
 
 def exit_now(code) -> None:
-    """Exit with ``code`` once the script's atexit handlers have run and stdio is flushed, skipping the
-    interpreter's teardown: there gloo's threads can still be joinable while C++ destructors run,
-    and the std::terminate that follows (SIGABRT, seen now and then after a refusal) would turn exit
-    3 or 0 into a crash that alpha-run reports as 75."""
+    """Exit with ``code`` as the interpreter would (the script's other threads joined, then its atexit
+    handlers run, then stdio flushed), but skip the interpreter's teardown: a gloo worker thread still
+    releasing a finished collective's tensors then aborts the process (std::terminate, SIGABRT; see
+    alpha_ckpt.teardown), and would turn exit 0 or 3 into a crash that alpha-run reports as 75."""
     if code is None:
         code = 0
     elif not isinstance(code, int):
         print(code, file=sys.stderr)  # sys.exit("message"), as Python itself reports it
         code = 1
+    shutdown = getattr(threading, "_shutdown", None)  # what Py_Finalize runs first: non-daemon threads and
+    if shutdown is not None:                          # thread pools (an async save in flight) finish
+        shutdown()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -80,6 +80,7 @@ from ..publish.wire import any_rank, broadcast_json, global_rank
 from ..reader import Counters
 from ..state.capture import capture_state
 from ..store import Store
+from ..teardown import on_exit
 from ..writer import ShardCarry, word_view
 from . import agreement  # agreement.agree_layout, looked up at each call (a probe may time it)
 from .agreement import agreed_regions, describe, own_parts, replica_digests, shared_digests, split_shared
@@ -204,9 +205,10 @@ class Checkpointer:
                                          stride=replica_stride(self.world), group=tier_group,
                                          identity=self.identity)
         # Never closed: at exit, while the interpreter is still whole, the save thread is joined and the
-        # groups made here are destroyed (gloo work outliving the interpreter aborts a finished script).
+        # groups made here are destroyed, before the default group (alpha_ckpt.teardown).
         self._release = weakref.finalize(self, _release, self._saver,
                                          [g for g in (self._save_group, tier_group, self._control if nccl else None) if g])
+        on_exit(self._release)
         self.device = current_device(torch.device("cuda", torch.cuda.current_device()) if nccl
                                      else torch.device("cpu"))
         self._publisher: Publisher = (
@@ -630,6 +632,11 @@ class Checkpointer:
             if self.memory is not None:
                 self.memory.close(discard=True)  # the script is done: its memory generations go with it
             self._release()  # joins the save thread, destroys this Checkpointer's own groups (once)
+            # Their last references: a destroyed gloo group's workers are joined only when it is freed.
+            self._save_group = None
+            self._control = self.group
+            if self.memory is not None:
+                self.memory.group = None
             if self._own_store:
                 self.store.close()
 

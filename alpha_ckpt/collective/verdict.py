@@ -6,7 +6,8 @@ import torch.distributed as dist
 
 from ..errors import Refusal, UsageError
 from ..publish.messages import UsageVerdict, Verdict
-from ..publish.wire import broadcast_json, global_rank, leave_groups_at_exit, wire_device
+from ..publish.wire import broadcast_json, global_rank, wire_device
+from ..teardown import exit_clean
 
 
 def agree(refusal: Refusal | None, group=None) -> None:
@@ -34,7 +35,7 @@ def agree_usage(error: UsageError | None, group=None) -> None:
 
 def _lowest_rank_says(message: dict | None, group) -> dict | None:
     """Collective: the message of the lowest-ranked rank that has one (the others pass None); None if no rank has."""
-    leave_groups_at_exit()
+    exit_clean()
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     first = torch.tensor([rank if message is not None else world], dtype=torch.int64, device=wire_device(group))
     dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)

@@ -5,7 +5,6 @@ nothing else); under gloo they stay on the host.
 """
 from __future__ import annotations
 
-import atexit
 import json
 import warnings
 
@@ -13,37 +12,12 @@ import torch
 import torch.distributed as dist
 
 from ..format import canonical_json
-
-
-_leaving = False
-
-
-def leave_groups_at_exit() -> None:
-    """Once per process, on first use of a collective of ours: destroy the process groups at exit.
-
-    Run by atexit while the interpreter is whole: gloo's threads are joined and the work they
-    hold released then, not in the interpreter's teardown, where releasing it takes the GIL
-    from a gloo thread and aborts a script that returned ("terminate called without an active
-    exception", SIGABRT, under plain torchrun). The default group is destroyed only when it is
-    gloo (NCCL's teardown may need its peers) and still alive: the script is done with it by then.
-    """
-    global _leaving
-    if not _leaving:
-        _leaving = True
-        atexit.register(_leave_groups)
-
-
-def _leave_groups() -> None:
-    try:
-        if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
-            dist.destroy_process_group()
-    except (RuntimeError, ValueError):  # nothing to leave
-        pass
+from ..teardown import exit_clean
 
 
 def any_rank(flag: bool, group=None) -> bool:
     """Collective: whether ``flag`` holds on any rank of ``group`` (the same answer on every rank)."""
-    leave_groups_at_exit()
+    exit_clean()  # the process leaves gloo cleanly at exit (alpha_ckpt.teardown)
     value = torch.tensor([int(flag)], dtype=torch.int64, device=wire_device(group))
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return bool(value.item())
@@ -97,7 +71,7 @@ def recv_bytes(src: int, group=None) -> bytes:
 
 def send_views(views, dst: int, group=None) -> None:
     """Point to point: an 8-byte length, then the views' bytes one after another (copied once)."""
-    leave_groups_at_exit()
+    exit_clean()
     with warnings.catch_warnings():  # read-only views are only read here
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         parts = [torch.frombuffer(v, dtype=torch.uint8) for v in views if len(v)]
@@ -110,7 +84,7 @@ def send_views(views, dst: int, group=None) -> None:
 
 def recv_view(src: int, group=None) -> memoryview:
     """What :func:`send_views` sent, as a view of the received buffer (no copy on gloo)."""
-    leave_groups_at_exit()
+    exit_clean()
     length = torch.zeros(1, dtype=torch.int64, device=wire_device(group))
     dist.recv(length, src, group=group)
     buf = torch.empty(int(length.item()), dtype=torch.uint8, device=wire_device(group))
@@ -122,7 +96,7 @@ def recv_view(src: int, group=None) -> memoryview:
 def broadcast_json(obj, src: int = 0, group=None, *, echo: bool = True):
     """Every owner gets owner ``src``'s JSON value (others pass None); ``src`` gets it back decoded,
     or None with ``echo=False`` (a source that keeps using its own value decodes nothing)."""
-    leave_groups_at_exit()
+    exit_clean()
     device = wire_device(group)
     if dist.get_rank() == src:
         data = canonical_json(obj)

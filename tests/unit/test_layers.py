@@ -21,10 +21,10 @@ ROOT = "alpha_ckpt"
 
 # Bottom to top, in the order the package is built: each module may import its own layer and below.
 LAYERS: dict[int, tuple[str, set[str]]] = {
-    0: ("format and durable: bytes on disk, the one commit, the test hooks' call sites, and what needs nothing else "
-        "(a rank's life and heartbeat under its launcher)",
+    0: ("format and durable: bytes on disk, the one commit, the test hooks' call sites, a clean exit, and what needs "
+        "nothing else (a rank's life and heartbeat under its launcher)",
         {"errors", "format", "decoding", "values", "durable", "hooks", "heap", "progress", "interval", "lifeline",
-         "launch_env", "heartbeat"}),
+         "launch_env", "heartbeat", "teardown"}),
     1: ("store: the layout, the storage backend, objects, refs, write modes and leases of a store",
         {"store", "store._posix", "store.backend", "store.layout", "store.leases", "store.objects", "store.pending",
          "store.pinfiles", "store.posix", "store.records", "store.refs", "store.store", "store.sweep",
