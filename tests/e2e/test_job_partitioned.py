@@ -1,10 +1,10 @@
 """The built-in job with partitioned parameters on more owners than a region has words: it resumes."""
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from alpha_ckpt.testing import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "forecast.toml")
@@ -14,8 +14,7 @@ SMALL = ["--set", "batch=24", "--set", "hidden=16", "--set", "stores=2", "--set"
 
 
 def alpha_run(store, *args):
-    cmd = [sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", "8", "--store", str(store), *SMALL, *args, CONFIG]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    return launch.alpha_run("--nproc", "8", "--store", store, *SMALL, *args, CONFIG, timeout=240)
 
 
 def final(proc) -> dict:
@@ -29,8 +28,5 @@ def test_the_partitioned_job_on_eight_owners_with_an_empty_share_resumes_latest_
     first = final(alpha_run(store, "--updates", "1", "--checkpoint-every", "1"))
     resumed = final(alpha_run(store, "--updates", "2", "--resume", "latest"))
     assert (resumed["update"], resumed["epoch"], resumed["owners"]) == (2, 1, 8)
-    oracle = subprocess.run([sys.executable, "-m", "alpha_ckpt.testing.oracle", CONFIG, "--updates", "2", "--placements", "8",
-                             *SMALL], capture_output=True, text=True, timeout=120)
-    assert oracle.returncode == 0, oracle.stderr[-2000:]
-    assert resumed["state_digest"] == json.loads(oracle.stdout)["state_digest"]
+    assert resumed["state_digest"] == launch.oracle_digest(CONFIG, "--updates", "2", "--placements", "8", *SMALL)
     assert first["last_generation"] != resumed["last_generation"]
