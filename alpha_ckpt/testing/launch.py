@@ -281,10 +281,11 @@ def wait_until(predicate: Callable[[], Any], *, timeout: float, what: str, every
 
 # --- alpha-run forked from the server ---
 
-def _module_main(module: str, argv: list[str], cwd: str, env: dict, new_session: bool, out: str, err: str,
+def _python_main(how: str, what: str, argv: list[str], cwd: str, env: dict, new_session: bool, out: str, err: str,
                  code_path: str) -> None:
-    """``python -m MODULE ARGV`` in this forked process: the module run as ``__main__`` from the folder ``cwd``
-    (first on the path), stdout and stderr to files (what it starts inherits them), its exit code written."""
+    """``python -m MODULE ARGV`` (``how`` "-m") or ``python -c CODE ARGV`` ("-c") in this forked process, as the
+    interpreter runs them: ``__main__``, the folder ``cwd`` first on the path, stdout and stderr to files (what it
+    starts inherits them), the exit code written."""
     code = 1
     try:
         if new_session:
@@ -296,11 +297,18 @@ def _module_main(module: str, argv: list[str], cwd: str, env: dict, new_session:
             target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(target, fd)
             os.close(target)
-        sys.argv = [module, *argv]
-        sys.path.insert(0, cwd)
-        import runpy
+        sys.path.insert(0, cwd if how == "-m" else "")
+        multiprocessing.set_start_method(None, force=True)  # the platform's default again, as in a new interpreter
         try:
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            if how == "-m":
+                import runpy
+                sys.argv = [what, *argv]
+                runpy.run_module(what, run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = ["-c", *argv]
+                main = type(sys)("__main__")
+                sys.modules["__main__"] = main
+                exec(compile(what, "<string>", "exec"), main.__dict__)
             code = 0
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
@@ -321,17 +329,17 @@ def _module_main(module: str, argv: list[str], cwd: str, env: dict, new_session:
 
 
 class ForkedRun:
-    """``python -m MODULE ARGV...`` forked from the server (see :func:`python_m`): ``pid``, ``poll()``,
-    ``wait(timeout)``, ``kill()``, and ``result(timeout)``, its :class:`subprocess.CompletedProcess` once it
-    ended (killed at ``timeout``)."""
+    """``python -m MODULE ARGV...`` or ``python -c CODE ARGV...`` forked from the server (see :func:`python_m`):
+    ``pid``, ``poll()``, ``wait(timeout)``, ``kill()``, ``output()`` (stdout and stderr so far), and
+    ``result(timeout)``, its :class:`subprocess.CompletedProcess` once it ended (killed at ``timeout``)."""
 
-    def __init__(self, module: str, argv: list[str], cwd, env: dict | None, new_session: bool):
+    def __init__(self, how: str, what: str, argv: list[str], cwd, env: dict | None, new_session: bool):
         import tempfile
-        self.args = [sys.executable, "-m", module, *argv]
+        self.args = [sys.executable, how, what, *argv]
         self._folder = tempfile.TemporaryDirectory(prefix="forked-")
         self._paths = [os.path.join(self._folder.name, name) for name in ("out", "err", "code")]
-        self._proc = fork_context().Process(target=_module_main, args=(
-            module, argv, os.path.abspath(cwd or os.getcwd()), child_env(env), new_session, *self._paths))
+        self._proc = fork_context().Process(target=_python_main, args=(
+            how, what, argv, os.path.abspath(cwd or os.getcwd()), child_env(env), new_session, *self._paths))
         self._proc.start()
         self.pid = self._proc.pid
 
@@ -374,7 +382,7 @@ class ForkedRun:
 def python_m_start(module: str, *args, cwd=None, env: dict | None = None, new_session: bool = False) -> ForkedRun:
     """``python -m MODULE ARGS...`` started and not waited for, forked from the server (see :func:`python_m`).
     ``new_session``: a session of its own, so ``os.killpg(run.pid, ...)`` signals it as a terminal would."""
-    return ForkedRun(module, [str(a) for a in args], cwd, env, new_session)
+    return ForkedRun("-m", module, [str(a) for a in args], cwd, env, new_session)
 
 
 def python_m(module: str, *args, cwd=None, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -382,6 +390,11 @@ def python_m(module: str, *args, cwd=None, env: dict | None = None, timeout: flo
     runs as ``__main__`` with the folder ``cwd`` first on the path, as ``python -m`` runs it, with torch (and
     what :data:`PRELOAD` names) imported already. Its exit code, stdout and stderr (text)."""
     return python_m_start(module, *args, cwd=cwd, env=env).result(timeout)
+
+
+def python_c(code: str, *args, cwd=None, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -c CODE ARGS...`` to its end, forked from the server as :func:`python_m` runs a module."""
+    return ForkedRun("-c", code, [str(a) for a in args], cwd, env, False).result(timeout)
 
 
 def alpha_run_start(*args, cwd=None, env: dict | None = None, new_session: bool = False) -> ForkedRun:
