@@ -283,9 +283,10 @@ def wait_until(predicate: Callable[[], Any], *, timeout: float, what: str, every
 
 def _python_main(how: str, what: str, argv: list[str], cwd: str, env: dict, new_session: bool, out: str, err: str,
                  code_path: str) -> None:
-    """``python -m MODULE ARGV`` (``how`` "-m") or ``python -c CODE ARGV`` ("-c") in this forked process, as the
-    interpreter runs them: ``__main__``, the folder ``cwd`` first on the path, stdout and stderr to files (what it
-    starts inherits them), the exit code written."""
+    """``python -m MODULE ARGV`` (``how`` "-m"), ``python -c CODE ARGV`` ("-c") or ``python SCRIPT ARGV`` ("")
+    in this forked process, as the interpreter runs them: as ``__main__``, with the folder ``cwd`` (the script's
+    folder for a script) first on the path, stdout and stderr to files (what it starts inherits them), the exit
+    code written."""
     code = 1
     try:
         if new_session:
@@ -297,13 +298,17 @@ def _python_main(how: str, what: str, argv: list[str], cwd: str, env: dict, new_
             target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(target, fd)
             os.close(target)
-        sys.path.insert(0, cwd if how == "-m" else "")
+        sys.path.insert(0, {"-m": cwd, "-c": ""}.get(how, os.path.dirname(os.path.abspath(what))))
         multiprocessing.set_start_method(None, force=True)  # the platform's default again, as in a new interpreter
         try:
             if how == "-m":
                 import runpy
                 sys.argv = [what, *argv]
                 runpy.run_module(what, run_name="__main__", alter_sys=True)
+            elif how == "":
+                import runpy
+                sys.argv = [what, *argv]
+                runpy.run_path(what, run_name="__main__")
             else:
                 sys.argv = ["-c", *argv]
                 main = type(sys)("__main__")
@@ -335,7 +340,7 @@ class ForkedRun:
 
     def __init__(self, how: str, what: str, argv: list[str], cwd, env: dict | None, new_session: bool):
         import tempfile
-        self.args = [sys.executable, how, what, *argv]
+        self.args = [sys.executable, *([how] if how else []), what, *argv]
         self._folder = tempfile.TemporaryDirectory(prefix="forked-")
         self._paths = [os.path.join(self._folder.name, name) for name in ("out", "err", "code")]
         self._proc = fork_context().Process(target=_python_main, args=(
@@ -395,6 +400,12 @@ def python_m(module: str, *args, cwd=None, env: dict | None = None, timeout: flo
 def python_c(code: str, *args, cwd=None, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """``python -c CODE ARGS...`` to its end, forked from the server as :func:`python_m` runs a module."""
     return ForkedRun("-c", code, [str(a) for a in args], cwd, env, False).result(timeout)
+
+
+def python_script(script, *args, cwd=None, env: dict | None = None,
+                  timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGS...`` to its end, forked from the server as :func:`python_m` runs a module."""
+    return ForkedRun("", str(script), [str(a) for a in args], cwd, env, False).result(timeout)
 
 
 def alpha_run_start(*args, cwd=None, env: dict | None = None, new_session: bool = False) -> ForkedRun:

@@ -5,13 +5,12 @@ No timing is asserted: only what the probe measured, stored and verified, and it
 import importlib.util
 import json
 import math
-import os
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
+
+from alpha_ckpt.testing import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "probe_sharded_saves.py"
@@ -27,9 +26,7 @@ def probe(monkeypatch):
 
 
 def run_probe(tmp_path, *args):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, str(SCRIPT), "--dir", str(tmp_path), *args],
-                          capture_output=True, text=True, env=env, timeout=240)
+    return launch.python_script(SCRIPT, "--dir", tmp_path, *args, timeout=240)
 
 
 def test_the_probe_times_every_method_every_round_stores_each_layout_asked_and_checks_every_restore(tmp_path):
