@@ -92,9 +92,10 @@ def test_usage_errors_exit_2(tmp_path):
 
 
 @pytest.mark.timeout(400)
-def test_after_a_continuation_publishes_the_older_generation_is_stale_and_a_branch_is_explicit(tmp_path):
+def test_after_a_continuation_publishes_the_older_generation_is_stale_and_a_branch_is_explicit(saved, tmp_path):
     store = tmp_path / "store"
-    first = final(alpha_run(store, "--updates", "2", "--checkpoint-every", "2"))
+    subprocess.run(["cp", "-a", str(saved[0]), str(store)], check=True)  # 2 updates, a checkpoint at 2
+    first = saved[1]
     cont = final(alpha_run(store, "--updates", "3", "--resume-from", first["last_generation"]))
     assert cont["epoch"] == 1
     branch = final(alpha_run(store, "--updates", "3", "--branch-from", first["last_generation"], "--run", "what-if"))
