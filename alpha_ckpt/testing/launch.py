@@ -170,9 +170,17 @@ def fork_context():
     return ctx
 
 
+def _as_a_new_interpreter() -> None:
+    """A process forked from the server starts what it starts as a new interpreter would: multiprocessing's
+    default start method is the platform's again (the server's children inherit "forkserver"; a DataLoader's
+    workers would each come from another fork server, a new interpreter, instead of a fork)."""
+    multiprocessing.set_start_method(None, force=True)
+
+
 def _rank_main(fn, args, rank: int, world: int, rendezvous: str, out: str, pg_timeout: float = 60.0) -> None:
     import torch.distributed as dist
     from alpha_ckpt.errors import Refusal
+    _as_a_new_interpreter()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     try:
         # A file rendezvous: no port to race for with tests running beside this one.
@@ -225,6 +233,7 @@ def run_ranks(world: int, fn: Callable, *args, tmp: Path, timeout: float = 120.0
 
 
 def _fresh_main(fn, args, out: str) -> None:
+    _as_a_new_interpreter()
     try:
         result = {"result": fn(*args)}
     except BaseException:  # noqa: BLE001 - reported to the parent
@@ -299,7 +308,7 @@ def _python_main(how: str, what: str, argv: list[str], cwd: str, env: dict, new_
             os.dup2(target, fd)
             os.close(target)
         sys.path.insert(0, {"-m": cwd, "-c": ""}.get(how, os.path.dirname(os.path.abspath(what))))
-        multiprocessing.set_start_method(None, force=True)  # the platform's default again, as in a new interpreter
+        _as_a_new_interpreter()
         try:
             if how == "-m":
                 import runpy
