@@ -50,8 +50,11 @@ def _uninterrupted_digest(tmp_path: Path, script: list[str], nproc: int) -> str:
     return _uninterrupted[key]
 
 
-JOBS = [("train_gpt_ddp.py", 2, 8, "--save-every"), ("train_gpt_ddp.py", 4, 8, "--save-every"),
-        ("train_fsdp2.py", 4, 8, "--every")]
+# The 4-rank jobs are long-haul runs that CI runs with -m slow; the 2-rank one runs by default.
+SLOW = pytest.mark.slow
+JOBS = [("train_gpt_ddp.py", 2, 8, "--save-every"),
+        pytest.param("train_gpt_ddp.py", 4, 8, "--save-every", marks=SLOW),
+        pytest.param("train_fsdp2.py", 4, 8, "--every", marks=SLOW)]
 
 
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "restarted"])

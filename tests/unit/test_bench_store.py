@@ -25,6 +25,7 @@ OWNER_METHODS = {"ours", "dcp", "dcp-t2", "raw"}
 CKPT_METHODS = {"ckpt-star", "ckpt-tree", "dcp", "dcp-t2", "raw"}
 
 
+@pytest.mark.slow  # a long-haul run: CI runs it (python -m pytest -n 2 -m slow)
 def test_every_section_runs_verifies_and_reports_its_medians_and_ratios(tmp_path):
     run = launch.python_script(SCRIPT, "--section", "all", "--size-mib", "16", "--tensors", "4", "--reps", "1",
                                "--warmup", "0", "--prefault", "0", "--compute-s", "0.02", "--owners", "1", "2", "4",
@@ -236,6 +237,7 @@ def test_fastest_round_ratios_compare_each_methods_own_fastest_round_whatever_th
                                     "ckpt-star_load_GBps/dcp_t2_load_GBps": 0.5 / 0.2})
 
 
+@pytest.mark.slow  # a long-haul run: CI runs it (python -m pytest -n 2 -m slow)
 def test_a_subset_of_the_sharded_methods_is_measured_and_compared_alone(tmp_path):
     run = launch.python_script(SCRIPT, "--section", "sharded", "--ckpt-methods", "dcp", "ckpt-star-bf", "ckpt-star",
                                "--ckpt-ranks", "2", "--size-mib", "16", "--tensors", "4", "--reps", "1", "--warmup",
@@ -274,6 +276,7 @@ def test_a_method_subset_needs_dcp_and_one_of_ours_and_known_names():
             bench.chosen_methods(wanted, sharded=sharded)
 
 
+@pytest.mark.slow  # a long-haul run: CI runs it (python -m pytest -n 2 -m slow)
 def test_the_sharded_restore_ab_saves_restores_and_verifies_every_method(tmp_path):
     run = launch.python_script(SCRIPT.parent / "ab_sharded_restore.py", "--ranks", "2", "--rounds", "2", "--size-mib",
                                "16", "--prefault", "0", "--dir", tmp_path, env=env_with_repo(), timeout=180)
@@ -285,6 +288,7 @@ def test_the_sharded_restore_ab_saves_restores_and_verifies_every_method(tmp_pat
     assert list(tmp_path.iterdir()) == []  # its working directory is removed
 
 
+@pytest.mark.slow  # a long-haul run: CI runs it (python -m pytest -n 2 -m slow)
 def test_the_sharded_restore_ab_resumes_every_method_in_new_processes(tmp_path):
     run = launch.python_script(SCRIPT.parent / "ab_sharded_restore.py", "--ranks", "2", "--rounds", "1", "--size-mib",
                                "16", "--prefault", "0", "--dir", tmp_path, "--resume-in-new-processes", "--methods",
@@ -298,6 +302,7 @@ def test_the_sharded_restore_ab_resumes_every_method_in_new_processes(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # a long-haul run: CI runs it (python -m pytest -n 2 -m slow)
 def test_the_sharded_section_can_restore_every_round_in_new_processes(tmp_path):
     run = launch.python_script(SCRIPT, "--section", "sharded", "--ckpt-methods", "ckpt-star", "dcp", "--ckpt-ranks",
                                "2", "--size-mib", "16", "--tensors", "4", "--reps", "1", "--warmup", "0", "--prefault",
