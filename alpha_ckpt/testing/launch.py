@@ -92,12 +92,15 @@ def alpha_ckpt(*args, cwd=None, env: dict | None = None, timeout: float = 120, c
     return _run(alpha_ckpt_command(*args, console=console), cwd=cwd, env=env, timeout=timeout, **kwargs)
 
 
-def torchrun(script, nproc: int, *args, cwd=None, env: dict | None = None,
-             timeout: float = 120) -> subprocess.CompletedProcess:
-    """Plain ``torchrun --standalone --nproc-per-node N SCRIPT ARGS...``: no alpha-run anywhere."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
-           str(script), *map(str, args)]
-    return _run(cmd, cwd=cwd, env=env, timeout=timeout)
+def torchrun(script, nproc: int, *args, cwd=None, env: dict | None = None, timeout: float = 120,
+             new_interpreter: bool = False) -> subprocess.CompletedProcess:
+    """Plain ``torchrun --standalone --nproc-per-node N SCRIPT ARGS...``: no alpha-run anywhere. torchrun's own
+    process is forked from the server (:func:`python_m`); ``new_interpreter``: ``python -m torch.distributed.run``
+    as a process. The ranks it starts are new interpreters either way."""
+    argv = ["--nproc-per-node", str(nproc), "--standalone", str(script), *map(str, args)]
+    if new_interpreter:
+        return _run([sys.executable, "-m", "torch.distributed.run", *argv], cwd=cwd, env=env, timeout=timeout)
+    return python_m("torch.distributed.run", *argv, cwd=cwd, env=env, timeout=timeout)
 
 
 def python(*args, cwd=None, env: dict | None = None, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
@@ -406,9 +409,14 @@ def python_m(module: str, *args, cwd=None, env: dict | None = None, timeout: flo
     return python_m_start(module, *args, cwd=cwd, env=env).result(timeout)
 
 
+def python_c_start(code: str, *args, cwd=None, env: dict | None = None, new_session: bool = False) -> ForkedRun:
+    """``python -c CODE ARGS...`` started and not waited for, forked from the server (see :func:`python_m`)."""
+    return ForkedRun("-c", code, [str(a) for a in args], cwd, env, new_session)
+
+
 def python_c(code: str, *args, cwd=None, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """``python -c CODE ARGS...`` to its end, forked from the server as :func:`python_m` runs a module."""
-    return ForkedRun("-c", code, [str(a) for a in args], cwd, env, False).result(timeout)
+    return python_c_start(code, *args, cwd=cwd, env=env).result(timeout)
 
 
 def python_script(script, *args, cwd=None, env: dict | None = None,
