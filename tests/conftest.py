@@ -87,11 +87,17 @@ def saved(store_dir):
 
 
 def pytest_collection_modifyitems(config, items):
-    """``full`` tests (slow variants of what CI already covers) run only with ALPHA_CKPT_FULL=1."""
+    """``full`` tests (slow variants of what CI already covers) run only with ALPHA_CKPT_FULL=1. ``slow`` ones
+    (long-haul cases CI runs after the default command, with ``-m slow``) run when the marker expression names
+    them, or with ALPHA_CKPT_FULL=1."""
     import os
     if os.environ.get("ALPHA_CKPT_FULL") == "1":
         return
-    skip = pytest.mark.skip(reason="full set: run with ALPHA_CKPT_FULL=1")
+    skip_full = pytest.mark.skip(reason="full set: run with ALPHA_CKPT_FULL=1")
+    wanted_slow = "slow" in (config.getoption("markexpr") or "")
+    skip_slow = pytest.mark.skip(reason="slow: CI runs it with python -m pytest -n 2 -m slow")
     for item in items:
         if "full" in item.keywords:
-            item.add_marker(skip)
+            item.add_marker(skip_full)
+        elif "slow" in item.keywords and not wanted_slow:
+            item.add_marker(skip_slow)

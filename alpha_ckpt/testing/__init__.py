@@ -6,4 +6,6 @@
 - :mod:`.simulate`: the tree publication at any size in one process.
 - :mod:`.oracle`: the built-in learner in one process, the reference every distributed run must match
   (``python -m alpha_ckpt.testing.oracle``).
+- :mod:`.launch`: how tests and gates start alpha-run, alpha-ckpt, torchrun and gloo ranks, each the cheapest
+  way that still proves the point (above the launcher it starts: the layer of the processes' entry points).
 """

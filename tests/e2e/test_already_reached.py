@@ -1,12 +1,11 @@
 """A resume whose generation is at --updates already trains nothing, publishes nothing and exits 0."""
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from alpha_ckpt.testing import launch
 from test_job import store_hash
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -16,9 +15,7 @@ SMALL = ["--set", "batch=24", "--set", "hidden=16"]
 
 def alpha_run(cwd, *args):
     # --store is relative: the output path printed must be absolute all the same.
-    cmd = [sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", "2", "--store", "store", *SMALL, *args, CONFIG]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=cwd, env=env)
+    return launch.alpha_run("--nproc", "2", "--store", "store", *SMALL, *args, CONFIG, cwd=cwd, timeout=240)
 
 
 def final(proc) -> dict:

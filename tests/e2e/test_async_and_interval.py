@@ -1,12 +1,11 @@
 """The job's asynchronous save and its checkpoint interval, as a user runs them."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from cli_in_process import alpha_ckpt_cli
+from alpha_ckpt.testing import launch
+from alpha_ckpt.testing.launch import alpha_ckpt_cli
 from test_job import CONFIG, SMALL, alpha_run, final
 
 
@@ -42,15 +41,13 @@ def test_async_save_publishes_the_same_generations_as_sync_save(tmp_path, publis
 
 @pytest.mark.timeout(400)
 def test_an_owner_killed_while_saving_asynchronously_resumes_latest_to_the_same_state(tmp_path):
-    straight = final(alpha_run(tmp_path / "straight", "--updates", "6"))
+    straight = launch.oracle_digest(CONFIG, "--updates", "6", "--placements", "2", *SMALL)  # an uninterrupted run's
     store = tmp_path / "store"
-    env = dict(os.environ, ALPHA_CKPT_KILL_OWNER="1:5")
-    cmd = [sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", "2", "--store", str(store), *SMALL,
-           "--updates", "6", "--checkpoint-every", "1", "--save", "async", "--timeout", "30", CONFIG]
-    killed = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    killed = alpha_run(store, "--updates", "6", "--checkpoint-every", "1", "--save", "async", "--timeout", "30",
+                       env=launch.child_env(ALPHA_CKPT_KILL_OWNER="1:5"))
     assert killed.returncode == 75, killed.stderr[-2000:]
     resumed = final(alpha_run(store, "--updates", "6", "--resume", "latest", "--save", "async"))
-    assert resumed["state_digest"] == straight["state_digest"]
+    assert resumed["state_digest"] == straight
 
 
 @pytest.mark.timeout(300)
@@ -68,8 +65,7 @@ def test_skip_policy_keeps_every_published_generation_resumable(tmp_path):
         root = line.split(" as ")[1]
         check = alpha_ckpt_cli("verify", "--store", tmp_path / "store", root)
         assert check.returncode == 0, check.stdout + check.stderr
-    straight = final(alpha_run(tmp_path / "straight", *wide, "--updates", "8"))
-    assert out["state_digest"] == straight["state_digest"]
+    assert out["state_digest"] == launch.oracle_digest(CONFIG, "--updates", "8", "--placements", "2", *SMALL, *wide)
 
 
 @pytest.mark.timeout(300)
@@ -103,7 +99,7 @@ def test_auto_interval_measures_the_cost_with_a_first_checkpoint_and_replans(tmp
     (["--checkpoint-every", "2", "--mtbf", "6h"], "go with --checkpoint-every auto"),
 ])
 def test_bad_schedule_flags_are_usage_errors_before_any_owner_starts(tmp_path, args, message):
-    run = alpha_run(tmp_path / "store", "--updates", "2", *args)
+    run = launch.alpha_run_checks("--nproc", 2, "--store", tmp_path / "store", *SMALL, "--updates", "2", *args, CONFIG)
     assert run.returncode == 2 and message in run.stderr
     assert not (tmp_path / "store").exists()
 
@@ -119,9 +115,7 @@ def test_a_frozen_embedding_table_costs_zero_bytes_written_after_the_first_gener
     written = [e["bytes_written"] for e in events(run.stderr, "publish")]
     assert len(written) == 4 and written[0] > table_bytes
     assert all(w < table_bytes // 20 for w in written[1:]), written   # the trained regions and manifests only
-    oracle = subprocess.run([sys.executable, "-m", "alpha_ckpt.testing.oracle", CONFIG, "--updates", "4", "--placements", "2",
-                             *SMALL, *table], capture_output=True, text=True, timeout=120)
-    assert out["state_digest"] == json.loads(oracle.stdout)["state_digest"]
+    assert out["state_digest"] == launch.oracle_digest(CONFIG, "--updates", "4", "--placements", "2", *SMALL, *table)
     # A generation that names a carried shard resumes like any other.
     second = committed(run.stderr)[1].split(" as ")[1]
     resumed = final(alpha_run(tmp_path / "store", *table, "--updates", "4", "--resume-from", second,

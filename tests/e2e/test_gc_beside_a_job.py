@@ -1,8 +1,6 @@
 """gc beside a running job: `alpha-ckpt gc --keep 2 --grace 0` in a tight loop never breaks a generation."""
 import io
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -11,6 +9,7 @@ import pytest
 from alpha_ckpt import cli
 from alpha_ckpt.store.leases import CLOCK_SLACK_S
 from alpha_ckpt.store import RefRecord, Store
+from alpha_ckpt.testing import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "forecast.toml")
@@ -18,10 +17,9 @@ SMALL = ["--set", "batch=24", "--set", "hidden=16"]
 UPDATES = 40  # a checkpoint each: with gc competing for the two cores, several seconds of publishing
 
 
-def _job(store, log, *args):
-    cmd = [sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", "2", "--store", str(store), *SMALL, *args, CONFIG]
-    # Files, not pipes: hundreds of "committed" lines would fill a pipe nobody reads during the loop.
-    return subprocess.Popen(cmd, stdout=open(f"{log}.out", "w"), stderr=open(f"{log}.err", "w"), text=True)
+def _job(store, *args):
+    # Its output goes to files, not pipes: hundreds of "committed" lines would fill a pipe nobody reads meanwhile.
+    return launch.alpha_run_start("--nproc", "2", "--store", store, *SMALL, *args, CONFIG)
 
 
 def _gc_pass(store) -> tuple[int, dict | None]:
@@ -34,8 +32,7 @@ def _gc_pass(store) -> tuple[int, dict | None]:
 @pytest.mark.parametrize("publisher", [pytest.param("star", marks=pytest.mark.full), "tree"])
 def test_gc_looping_beside_a_publishing_job_keeps_every_generation_whole(tmp_path, publisher):
     store = tmp_path / "store"
-    job = _job(store, tmp_path / "job", "--updates", str(UPDATES), "--checkpoint-every", "1",
-               "--publisher", publisher)
+    job = _job(store, "--updates", str(UPDATES), "--checkpoint-every", "1", "--publisher", publisher)
     passes, removed_refs, removed_objects, beside_a_publish = 0, 0, 0, 0
     try:
         while job.poll() is None:
@@ -51,19 +48,22 @@ def test_gc_looping_beside_a_publishing_job_keeps_every_generation_whole(tmp_pat
     finally:
         if job.poll() is None:
             job.kill()
-        job.wait()
-    err = (tmp_path / "job.err").read_text()
-    assert job.returncode == 0, err[-3000:]
-    final = json.loads((tmp_path / "job.out").read_text().strip().splitlines()[-1])
+    done = job.result(timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    final = launch.last_json(done.stdout)
     # gc really ran against the live job: it removed generations, some passes while a publish was pending.
     assert removed_refs > 0 and beside_a_publish > 0, (passes, removed_refs, beside_a_publish)
+
     # The objects of dropped generations go once they are older than gc's clock slack; a fast job can
-    # finish within it, so one more pass after the slack must find them (and every kept generation whole).
-    time.sleep(CLOCK_SLACK_S + 0.5)
-    code, report = _gc_pass(store)
-    assert code == 0
-    removed_objects += report["objects"]
-    assert removed_objects > 0, (passes, removed_refs, removed_objects)
+    # finish within it, so passes go on until one finds them (and every kept generation stays whole).
+    def objects_removed():
+        nonlocal removed_objects
+        code, report = _gc_pass(store)
+        assert code == 0
+        removed_objects += report["objects"]
+        return removed_objects > 0
+    launch.wait_until(objects_removed, timeout=CLOCK_SLACK_S + 30, what="a dropped generation's objects removed",
+                      every=0.1)
 
     with Store(store, create=False) as s:
         records = s.list_refs("nightly", "fit")
@@ -73,8 +73,7 @@ def test_gc_looping_beside_a_publishing_job_keeps_every_generation_whole(tmp_pat
         out = io.StringIO()
         assert cli.main(["verify", "--store", str(store), record.root], out=out) == 0, out.getvalue()
 
-    resumed = subprocess.run([sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", "2", "--store", str(store),
-                              *SMALL, "--updates", str(UPDATES + 1), "--resume", "latest", "--publisher", publisher,
-                              CONFIG], capture_output=True, text=True, timeout=100)
+    resumed = launch.alpha_run("--nproc", "2", "--store", store, *SMALL, "--updates", UPDATES + 1, "--resume", "latest",
+                               "--publisher", publisher, CONFIG, timeout=100)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads(resumed.stdout.strip().splitlines()[-1])["update"] == UPDATES + 1

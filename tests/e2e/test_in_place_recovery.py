@@ -1,11 +1,11 @@
 """alpha-run --in-place: a killed rank is replaced alone, the survivors recover in their own processes."""
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from alpha_ckpt.testing import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "in_place_training.py"
@@ -13,8 +13,7 @@ STEPS = 8
 
 
 def alpha_run(*args, cwd, timeout=240):
-    return subprocess.run([sys.executable, "-m", "alpha_ckpt.launcher", *map(str, args)], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout)
+    return launch.alpha_run(*args, cwd=cwd, timeout=timeout)
 
 
 def final_state(proc) -> dict:
@@ -153,7 +152,7 @@ def test_a_scripts_own_error_before_any_checkpoint_call_exits_1_without_a_new_ro
     ["--in-place", "--max-restarts", "1", "--resume-from", "0" * 64],
 ])
 def test_in_place_usage_errors_exit_2_before_any_rank_starts(tmp_path, flags):
-    proc = alpha_run("--nproc", 2, "--store", tmp_path / "s", *flags, SCRIPT, cwd=tmp_path, timeout=100)
+    proc = launch.alpha_run_checks("--nproc", 2, "--store", tmp_path / "s", *flags, SCRIPT, cwd=tmp_path)
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "s").exists()
@@ -161,8 +160,8 @@ def test_in_place_usage_errors_exit_2_before_any_rank_starts(tmp_path, flags):
 
 @pytest.mark.timeout(120)
 def test_in_place_refuses_the_built_in_job(tmp_path):
-    proc = alpha_run("--nproc", 2, "--store", tmp_path / "s", "--updates", 2, "--max-restarts", 1, "--in-place",
-                     ROOT / "configs" / "forecast.toml", cwd=tmp_path, timeout=100)
+    proc = launch.alpha_run_checks("--nproc", 2, "--store", tmp_path / "s", "--updates", 2, "--max-restarts", 1,
+                                   "--in-place", ROOT / "configs" / "forecast.toml", cwd=tmp_path)
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1
 

@@ -3,22 +3,20 @@ import hashlib
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from cli_in_process import alpha_ckpt_cli
+from alpha_ckpt.testing import launch
+from alpha_ckpt.testing.launch import alpha_ckpt_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "forecast.toml")
 SMALL = ["--set", "batch=24", "--set", "hidden=16"]
 
 
-def alpha_run(store, *args, nproc=2):
-    cmd = [sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", str(nproc), "--store", str(store), *SMALL, *args,
-           CONFIG]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+def alpha_run(store, *args, nproc=2, env=None, timeout=240):
+    return launch.alpha_run("--nproc", nproc, "--store", store, *SMALL, *args, CONFIG, env=env, timeout=timeout)
 
 
 def final(proc) -> dict:
@@ -50,9 +48,7 @@ def test_job_and_split_resume_match_the_oracle(saved, tmp_path):
     subprocess.run(["cp", "-a", str(store), str(tmp_path / "copy")], check=True)
     store = tmp_path / "copy"
     resumed = final(alpha_run(store, "--updates", "3", "--resume-from", first["last_generation"]))
-    oracle = subprocess.run([sys.executable, "-m", "alpha_ckpt.testing.oracle", CONFIG, "--updates", "3", "--placements", "2",
-                             *SMALL], capture_output=True, text=True, timeout=120)
-    assert resumed["state_digest"] == json.loads(oracle.stdout)["state_digest"]
+    assert resumed["state_digest"] == launch.oracle_digest(CONFIG, "--updates", "3", "--placements", "2", *SMALL)
     assert (resumed["update"], resumed["epoch"], resumed["owners"]) == (3, 1, 2)
     assert os.path.exists(resumed["output"]) and resumed["output"].endswith(".safetensors")
 
@@ -89,15 +85,18 @@ def test_a_changed_learning_rate_is_another_learner(saved):
 
 @pytest.mark.timeout(60)
 def test_usage_errors_exit_2(tmp_path):
-    assert alpha_run(tmp_path, "--updates", "1", "--publisher", "ring").returncode == 2
-    assert alpha_run(tmp_path, "--updates", "1", "--publisher", "tree", "--fanout", "0").returncode == 2
-    assert alpha_run(tmp_path, "--updates", "1", "--resume-from", "abc").returncode == 2
+    def checks(*args):
+        return launch.alpha_run_checks("--nproc", 2, "--store", tmp_path, *SMALL, *args, CONFIG)
+    assert checks("--updates", "1", "--publisher", "ring").returncode == 2
+    assert checks("--updates", "1", "--publisher", "tree", "--fanout", "0").returncode == 2
+    assert checks("--updates", "1", "--resume-from", "abc").returncode == 2
 
 
 @pytest.mark.timeout(400)
-def test_after_a_continuation_publishes_the_older_generation_is_stale_and_a_branch_is_explicit(tmp_path):
+def test_after_a_continuation_publishes_the_older_generation_is_stale_and_a_branch_is_explicit(saved, tmp_path):
     store = tmp_path / "store"
-    first = final(alpha_run(store, "--updates", "2", "--checkpoint-every", "2"))
+    subprocess.run(["cp", "-a", str(saved[0]), str(store)], check=True)  # 2 updates, a checkpoint at 2
+    first = saved[1]
     cont = final(alpha_run(store, "--updates", "3", "--resume-from", first["last_generation"]))
     assert cont["epoch"] == 1
     branch = final(alpha_run(store, "--updates", "3", "--branch-from", first["last_generation"], "--run", "what-if"))
@@ -118,10 +117,8 @@ def test_after_a_continuation_publishes_the_older_generation_is_stale_and_a_bran
 def test_a_killed_owner_makes_the_job_exit_75_and_resume_latest_finishes_the_same_state(tmp_path):
     store = tmp_path / "store"
     straight = final(alpha_run(tmp_path / "straight", "--updates", "6"))
-    env = dict(os.environ, ALPHA_CKPT_KILL_OWNER="1:5")
-    cmd = [sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", "2", "--store", str(store), *SMALL,
-           "--updates", "6", "--checkpoint-every", "2", "--timeout", "30", CONFIG]
-    killed = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    killed = alpha_run(store, "--updates", "6", "--checkpoint-every", "2", "--timeout", "30",
+                       env=launch.child_env(ALPHA_CKPT_KILL_OWNER="1:5"))
     assert killed.returncode == 75, killed.stderr[-2000:]
     resumed = final(alpha_run(store, "--updates", "6", "--resume", "latest"))
     assert resumed["state_digest"] == straight["state_digest"]
@@ -138,28 +135,25 @@ def _free_port() -> int:
 def test_two_nodes_on_one_machine_train_the_job_of_four_owners(tmp_path):
     endpoint = f"127.0.0.1:{_free_port()}"
     def node(rank):
-        cmd = [sys.executable, "-m", "alpha_ckpt.launcher", "--nnodes", "2", "--node-rank", str(rank), "--nproc", "2",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes",
-               "--store", str(tmp_path / "shared"), *SMALL, "--updates", "2", CONFIG]
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return launch.alpha_run_start("--nnodes", "2", "--node-rank", rank, "--nproc", "2", "--rdzv-backend", "c10d",
+                                      "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes",
+                                      "--store", tmp_path / "shared", *SMALL, "--updates", "2", CONFIG)
     nodes = [node(1), node(0)]
-    outs = [p.communicate(timeout=240) for p in nodes]
-    assert all(p.returncode == 0 for p in nodes), [err[-1500:] for _, err in outs]
+    done = [p.result(timeout=240) for p in nodes]
+    assert all(p.returncode == 0 for p in done), [p.stderr[-1500:] for p in done]
     # c10d rendezvous assigns ranks by join order: owner 0 may be on either node.
-    (printed,) = [out for out, _ in outs if out.strip()]
+    (printed,) = [p.stdout for p in done if p.stdout.strip()]
     result = json.loads(printed.strip().splitlines()[-1])
-    oracle = subprocess.run([sys.executable, "-m", "alpha_ckpt.testing.oracle", CONFIG, "--updates", "2", "--placements", "4",
-                             *SMALL], capture_output=True, text=True, timeout=120)
-    assert result["owners"] == 4 and result["state_digest"] == json.loads(oracle.stdout)["state_digest"]
+    assert result["owners"] == 4
+    assert result["state_digest"] == launch.oracle_digest(CONFIG, "--updates", "2", "--placements", "4", *SMALL)
 
 
 @pytest.mark.full  # CI: gates/tree_publication and resume_equivalence run 7 owners on this machine
 @pytest.mark.timeout(300)
 def test_eight_owners_run_on_a_two_core_machine_and_match_the_oracle(tmp_path):
     result = final(alpha_run(tmp_path / "store", "--updates", "2", nproc=8))
-    oracle = subprocess.run([sys.executable, "-m", "alpha_ckpt.testing.oracle", CONFIG, "--updates", "2", "--placements", "8",
-                             *SMALL], capture_output=True, text=True, timeout=120)
-    assert result["owners"] == 8 and result["state_digest"] == json.loads(oracle.stdout)["state_digest"]
+    assert result["owners"] == 8
+    assert result["state_digest"] == launch.oracle_digest(CONFIG, "--updates", "2", "--placements", "8", *SMALL)
 
 
 # CI: gates/checkpoint_chunk refuses a generation forged to another device product with exit 3 and
@@ -170,8 +164,8 @@ def test_a_generation_saved_on_another_device_product_is_refused_before_training
     store, first = saved
     copy = tmp_path / "copy"
     subprocess.run(["cp", "-a", str(store), str(copy)], check=True)
-    forged = subprocess.run([sys.executable, "-m", "alpha_ckpt.testing.forge", "--store", str(copy), first["last_generation"],
-                             "--edit", 'devices.0.product="NVIDIA H200"'], capture_output=True, text=True, timeout=60)
+    forged = launch.python("-m", "alpha_ckpt.testing.forge", "--store", copy, first["last_generation"],
+                           "--edit", 'devices.0.product="NVIDIA H200"', timeout=60)
     assert forged.returncode == 0, forged.stderr
     before = store_hash(copy)
     proc = alpha_run(copy, "--updates", "3", "--resume-from", forged.stdout.strip())
@@ -197,27 +191,21 @@ def _processes_mentioning(text: str) -> list[int]:
 @pytest.mark.timeout(300)
 def test_ctrl_c_stops_every_owner_and_leaves_the_last_generation_whole(tmp_path):
     import signal
-    import time
     store = tmp_path / "interrupted"
-    cmd = [sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", "2", "--store", str(store), *SMALL,
-           "--updates", "100000", "--checkpoint-every", "2", CONFIG]
     # A terminal's Ctrl-C signals the whole foreground process group: launcher and owners.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = launch.alpha_run_start("--nproc", "2", "--store", store, *SMALL, "--updates", "100000",
+                                  "--checkpoint-every", "2", CONFIG, new_session=True)
     try:
-        deadline = time.monotonic() + 120
-        while not list((store / "refs").glob("*/*/*")) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert list((store / "refs").glob("*/*/*")), "no generation was published"
+        launch.wait_until(lambda: list((store / "refs").glob("*/*/*")), timeout=120,
+                          what="a generation published")
         os.killpg(proc.pid, signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        done = proc.result(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130, err[-2000:]
-    deadline = time.monotonic() + 10
-    while _processes_mentioning(str(store)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _processes_mentioning(str(store)) == []
+    assert done.returncode == 130, done.stderr[-2000:]
+    launch.wait_until(lambda: _processes_mentioning(str(store)) == [], timeout=10,
+                      what="every owner gone")
     latest = alpha_ckpt_cli("latest", "--store", store, "--run", "nightly", "--step", "fit", "--json")
     assert latest.returncode == 0, latest.stdout + latest.stderr
 
@@ -285,7 +273,6 @@ def test_each_of_four_owners_reads_about_a_quarter_and_three_owners_resume_to_th
     # The same generation on 3 owners (a branch, so the continuation above does not make it stale).
     three = alpha_run(store, *args, "--updates", "3", "--branch-from", first["last_generation"], "--run", "three",
                       nproc=3)
-    oracle = subprocess.run([sys.executable, "-m", "alpha_ckpt.testing.oracle", CONFIG, "--updates", "3", "--placements",
-                             "4:2,3:1", *SMALL, "--set", "optimizer=momentum"], capture_output=True, text=True, timeout=120)
-    assert final(three)["state_digest"] == json.loads(oracle.stdout)["state_digest"]
+    assert final(three)["state_digest"] == launch.oracle_digest(CONFIG, "--updates", "3", "--placements", "4:2,3:1",
+                                                                *SMALL, "--set", "optimizer=momentum")
     assert max(_bytes_read(three.stderr).values()) <= part_bytes / 3 * 1.01 + other_bytes + part_bytes / 4

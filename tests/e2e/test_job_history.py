@@ -1,11 +1,10 @@
 """The job never publishes what a restore refuses and never forks its run/step's history."""
 import json
-import subprocess
-import sys
 
 import pytest
 
-from cli_in_process import alpha_ckpt_cli
+from alpha_ckpt.testing import launch
+from alpha_ckpt.testing.launch import alpha_ckpt_cli
 from test_job import CONFIG, SMALL, alpha_run, final
 
 DIVERGE = ["--set", "optimizer=sgd", "--set", "lr=1e30", "--updates", "4", "--checkpoint-every", "1"]
@@ -46,8 +45,6 @@ def test_a_diverging_job_stops_with_a_refusal_and_its_last_good_generation_survi
 
 @pytest.mark.timeout(300)
 def test_resume_latest_on_an_empty_history_starts_at_update_zero(tmp_path):
-    oracle = subprocess.run([sys.executable, "-m", "alpha_ckpt.testing.oracle", CONFIG, "--updates", "2", "--placements", "2",
-                             *SMALL], capture_output=True, text=True, timeout=120)
     started = final(alpha_run(tmp_path / "store", "--updates", "2", "--resume", "latest"))
-    assert started["state_digest"] == json.loads(oracle.stdout)["state_digest"]
+    assert started["state_digest"] == launch.oracle_digest(CONFIG, "--updates", "2", "--placements", "2", *SMALL)
     assert (started["update"], started["epoch"]) == (2, 0)

@@ -2,12 +2,12 @@
 what failed and when, and the built-in job restarts into the newest generation with no flag added."""
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from alpha_ckpt.testing import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "forecast.toml")
@@ -61,8 +61,7 @@ if when == "after" and attempt == "0":
 
 
 def alpha_run(*args, cwd, env=None, timeout=200):
-    return subprocess.run([sys.executable, "-m", "alpha_ckpt.launcher", *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return launch.alpha_run(*args, cwd=cwd, env=env, timeout=timeout)
 
 
 @pytest.mark.timeout(120)
@@ -147,8 +146,7 @@ def test_the_job_restarts_into_the_newest_generation_without_resume_latest(tmp_p
 
 
 def generations(store) -> list[dict]:
-    listed = subprocess.run([sys.executable, "-m", "alpha_ckpt.cli", "list", "--store", str(store), "--json"],
-                            capture_output=True, text=True, timeout=60)
+    listed = launch.alpha_ckpt_cli("list", "--store", store, "--json")
     assert listed.returncode == 0, listed.stderr
     return json.loads(listed.stdout)["generations"]
 
@@ -186,13 +184,12 @@ def test_two_nodes_restart_together_into_the_newest_generation(tmp_path, straigh
     # Each node's launcher chooses from the same store once its ranks stopped, and both choose alike.
     port = _free_port()
     env = dict(os.environ, ALPHA_CKPT_KILL_OWNER="1:3:0")
-    nodes = [subprocess.Popen([sys.executable, "-m", "alpha_ckpt.launcher", "--nnodes", "2", "--node-rank", str(n),
-                               "--nproc", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                               "--rdzv-id", "restarts", "--max-restarts", "1", "--store", str(tmp_path / "s"), *SMALL,
-                               "--updates", "6", "--checkpoint-every", "2", "--timeout", "30", CONFIG],
-                              cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    nodes = [launch.alpha_run_start("--nnodes", "2", "--node-rank", n, "--nproc", "1", "--rdzv-backend", "c10d",
+                                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "restarts",
+                                    "--max-restarts", "1", "--store", tmp_path / "s", *SMALL, "--updates", "6",
+                                    "--checkpoint-every", "2", "--timeout", "30", CONFIG, cwd=tmp_path, env=env)
              for n in (0, 1)]
-    outs = [node.communicate(timeout=240) for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
-    done = json.loads(outs[0][0].strip().splitlines()[-1])
+    outs = [node.result(timeout=240) for node in nodes]
+    assert [out.returncode for out in outs] == [0, 0], outs[0].stderr[-2000:] + outs[1].stderr[-2000:]
+    done = json.loads(outs[0].stdout.strip().splitlines()[-1])
     assert done["state_digest"] == straight["state_digest"] and (done["update"], done["epoch"]) == (6, 1)

@@ -6,18 +6,18 @@ import os
 import random
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from alpha_ckpt.testing import launch
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 pytestmark = pytest.mark.timeout(600)
 
 
 def _alpha_run(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "alpha_ckpt.launcher", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return launch.alpha_run(*args, timeout=timeout)
 
 
 def _events(stderr: str, name: str) -> list[dict]:
@@ -50,8 +50,11 @@ def _uninterrupted_digest(tmp_path: Path, script: list[str], nproc: int) -> str:
     return _uninterrupted[key]
 
 
-JOBS = [("train_gpt_ddp.py", 2, 8, "--save-every"), ("train_gpt_ddp.py", 4, 8, "--save-every"),
-        ("train_fsdp2.py", 4, 8, "--every")]
+# The 4-rank jobs are long-haul runs that CI runs with -m slow; the 2-rank one runs by default.
+SLOW = pytest.mark.slow
+JOBS = [("train_gpt_ddp.py", 2, 8, "--save-every"),
+        pytest.param("train_gpt_ddp.py", 4, 8, "--save-every", marks=SLOW),
+        pytest.param("train_fsdp2.py", 4, 8, "--every", marks=SLOW)]
 
 
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "restarted"])
@@ -79,14 +82,11 @@ def test_a_whole_job_killed_with_sigkill_recovers_from_the_store(tmp_path):
     script = [str(EXAMPLES / "train_gpt_ddp.py"), "--steps", "9", "--save-every", "1"]
     whole = _result(_alpha_run("--nproc", "2", "--store", str(tmp_path / "whole"), *script))
     store = str(tmp_path / "s")
-    launcher = subprocess.Popen([sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", "2", "--store", store,
-                                 "--memory", "--durable-every", "3", *script], stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
-    try:
-        for line in launcher.stderr:  # kill everything once update 5 is held in memory (4 went to the store)
-            if line.startswith("{") and json.loads(line).get("event") == "checkpoint_saved" \
-                    and json.loads(line)["update"] >= 5:
-                break
+    launcher = launch.alpha_run_start("--nproc", "2", "--store", store, "--memory", "--durable-every", "3", *script,
+                                      new_session=True)
+    try:  # kill everything once update 5 is held in memory (4 went to the store)
+        launch.wait_until(lambda: [e for e in _events(launcher.output()[1], "checkpoint_saved") if e["update"] >= 5],
+                          timeout=300, what="update 5 saved", every=0.01)
         os.killpg(launcher.pid, signal.SIGKILL)
     finally:
         launcher.wait(timeout=60)

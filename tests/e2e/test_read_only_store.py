@@ -1,11 +1,11 @@
 """A store that cannot be written is refused before any owner trains: exit 2, one line naming the store."""
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from alpha_ckpt.testing import launch
 from test_job import store_hash
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -14,8 +14,7 @@ SMALL = ["--set", "batch=24", "--set", "hidden=16"]
 
 
 def alpha_run(store, *args, timeout=120):
-    cmd = [sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", "1", "--store", str(store), *SMALL, *args, CONFIG]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return launch.alpha_run("--nproc", "1", "--store", store, *SMALL, *args, CONFIG, timeout=timeout)
 
 
 @pytest.fixture
@@ -33,7 +32,7 @@ def test_resuming_on_a_read_only_mount_exits_2_before_any_owner_trains(mount_poi
     subprocess.run(["mount", "-o", "remount,ro", str(mount_point)], check=True, capture_output=True, timeout=30)
     before = store_hash(store)
     for resume in (["--resume-from", root], ["--resume", "latest"], []):
-        proc = alpha_run(store, "--updates", "2", *resume, timeout=60)
+        proc = launch.alpha_run_checks("--nproc", "1", "--store", store, *SMALL, "--updates", "2", *resume, CONFIG)
         assert proc.returncode == 2, proc.stderr[-3000:]
         assert len(proc.stderr.splitlines()) == 1 and str(store) in proc.stderr, proc.stderr[-3000:]
         assert proc.stdout == ""

@@ -4,12 +4,11 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from alpha_ckpt.testing import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_resnet_bn_ddp.py"
@@ -17,8 +16,7 @@ STEPS = 20
 
 
 def alpha_run(*args, cwd, timeout=240):
-    return subprocess.run([sys.executable, "-m", "alpha_ckpt.launcher", *map(str, args)], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout)
+    return launch.alpha_run(*args, cwd=cwd, timeout=timeout)
 
 
 def _last_json(out: str) -> dict:
@@ -34,16 +32,13 @@ def test_a_ddp_batchnorm_ema_script_killed_at_a_random_step_resumes_bit_identica
 
     store = tmp_path / "b"
     kill_after = random.Random(37).randint(3, STEPS - 3)  # generations published before the kill
-    job = subprocess.Popen([sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", "2", "--store", str(store),
-                            str(EXAMPLE), "--steps", str(STEPS)], cwd=tmp_path, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, start_new_session=True)
+    job = launch.alpha_run_start("--nproc", "2", "--store", store, EXAMPLE, "--steps", STEPS, cwd=tmp_path,
+                                 new_session=True)
     refs = store / "refs" / "train-resnet-bn-ddp" / "train"
-    deadline = time.monotonic() + 200
-    while time.monotonic() < deadline and len(list(refs.glob("*")) if refs.exists() else []) < kill_after:
-        time.sleep(0.02)
+    launch.wait_until(lambda: len(list(refs.glob("*")) if refs.exists() else []) >= kill_after, timeout=200,
+                      what=f"{kill_after} generations published", every=0.005)
     os.killpg(job.pid, signal.SIGKILL)  # the whole job, mid-step
-    job.wait(30)
-    assert job.returncode == -signal.SIGKILL
+    assert job.wait(30) == -signal.SIGKILL
     assert kill_after <= len(list(refs.glob("*"))) < STEPS  # killed before the end
 
     resumed = alpha_run("--nproc", 2, "--store", store, "--resume", "latest", EXAMPLE, "--steps", STEPS,

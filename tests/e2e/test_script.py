@@ -2,20 +2,18 @@
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from alpha_ckpt.testing import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_gpt_ddp.py"
 
 
-def alpha_run(*args, cwd, timeout=240, **kwargs):
-    return subprocess.run([sys.executable, "-m", "alpha_ckpt.launcher", *map(str, args)], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout, **kwargs)
+def alpha_run(*args, cwd, timeout=240):
+    return launch.alpha_run(*args, cwd=cwd, timeout=timeout)
 
 
 def _last_json(out: str) -> dict:
@@ -38,16 +36,13 @@ def straight(tmp_path_factory):
 def test_a_killed_script_resumed_latest_ends_equal_to_one_that_never_stopped(tmp_path, straight, publisher, save):
     store = tmp_path / "b"
     how = ["--publisher", publisher, "--save", save]
-    job = subprocess.Popen([sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", "2", "--store", str(store), *how,
-                            str(EXAMPLE), "--steps", "12"], cwd=tmp_path, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, start_new_session=True)
+    job = launch.alpha_run_start("--nproc", "2", "--store", store, *how, EXAMPLE, "--steps", "12", cwd=tmp_path,
+                                 new_session=True)
     refs = store / "refs" / "train-gpt-ddp" / "train"
-    deadline = time.monotonic() + 200
-    while time.monotonic() < deadline and len(list(refs.glob("*")) if refs.exists() else []) < 3:
-        time.sleep(0.05)  # generation 3 is update 6's checkpoint
+    launch.wait_until(lambda: len(list(refs.glob("*")) if refs.exists() else []) >= 3, timeout=200,
+                      what="generation 3 (update 6's checkpoint)")
     os.killpg(job.pid, signal.SIGKILL)  # the whole job, as a node agent does
-    job.wait(30)
-    assert job.returncode == -signal.SIGKILL
+    assert job.wait(30) == -signal.SIGKILL
     resumed = alpha_run("--nproc", 2, "--store", store, *how, "--resume", "latest", EXAMPLE, "--steps", 12,
                         cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
@@ -67,8 +62,8 @@ def test_scripts_exit_3_on_a_refusal_and_2_on_usage_errors(tmp_path, straight):
     # usage errors 2, whether alpha-run finds them (no such script) or the script's own parser does.
     assert alpha_run("--nproc", 2, "--store", store, "--resume-from", "0" * 64, EXAMPLE, "--steps", 12,
                      cwd=tmp_path).returncode == 3
-    assert alpha_run("--nproc", 2, "--store", store, tmp_path / "missing.py", cwd=tmp_path).returncode == 2
+    assert launch.alpha_run_checks("--nproc", 2, "--store", store, tmp_path / "missing.py").returncode == 2
     assert alpha_run("--nproc", 2, "--store", store, "--resume", "latest", EXAMPLE, "--steps", "x",
                      cwd=tmp_path).returncode == 2
-    assert alpha_run("--nproc", 2, "--store", store, "--updates", 3, EXAMPLE, cwd=tmp_path).returncode == 2
-    assert alpha_run("--nproc", 2, "--store", store, "--fanout", 0, EXAMPLE, cwd=tmp_path).returncode == 2
+    assert launch.alpha_run_checks("--nproc", 2, "--store", store, "--updates", 3, EXAMPLE).returncode == 2
+    assert launch.alpha_run_checks("--nproc", 2, "--store", store, "--fanout", 0, EXAMPLE).returncode == 2

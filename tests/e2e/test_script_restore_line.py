@@ -1,10 +1,10 @@
 """alpha-run says in one line what a script restored (update, root, bytes read) or that it starts fresh;
 with neither --resume nor --resume-from a script resumes the newest generation."""
 import json
-import subprocess
-import sys
 
 import pytest
+
+from alpha_ckpt.testing import launch
 
 SCRIPT = """
 import sys
@@ -36,8 +36,7 @@ def _events(stderr: str) -> list[dict]:
 
 
 def alpha_run(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "alpha_ckpt.launcher", *map(str, args)], cwd=cwd,
-                          capture_output=True, text=True, timeout=180)
+    return launch.alpha_run(*args, cwd=cwd, timeout=180)
 
 
 @pytest.mark.timeout(400)

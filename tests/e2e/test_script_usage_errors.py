@@ -1,9 +1,6 @@
 """Usage errors exit 2 with one line, before any rank starts where alpha-run can see them; a script's
 arguments after its path are the script's; a source tensor we cannot store is a Refusal naming it."""
 import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +10,7 @@ from alpha_ckpt import RefusalCode
 from alpha_ckpt.format import NAME_RE
 from alpha_ckpt import launcher
 from alpha_ckpt.launcher import check_script_args, parse, script_argv, script_environment
+from alpha_ckpt.testing import launch
 
 HELLO = "print('the script ran')\n"
 # A script whose Checkpointer gets an argument that cannot be (argv[1] picks which).
@@ -25,8 +23,7 @@ Checkpointer(sys.argv[2], run="r", **arguments)
 
 
 def alpha_run(*args, cwd, timeout=120):
-    return subprocess.run([sys.executable, "-m", "alpha_ckpt.launcher", *map(str, args)], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout)
+    return launch.alpha_run(*args, cwd=cwd, timeout=timeout)
 
 
 def _one_line(stderr: str) -> bool:
@@ -42,7 +39,7 @@ def hello(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_a_run_name_that_is_a_path_exits_2_before_any_rank_starts(tmp_path, hello):
-    run = alpha_run("--nproc", 2, "--store", tmp_path / "s", "--run", "../x", hello, cwd=tmp_path)
+    run = launch.alpha_run_checks("--nproc", 2, "--store", tmp_path / "s", "--run", "../x", hello, cwd=tmp_path)
     assert run.returncode == 2 and _one_line(run.stderr), run.stderr
     assert "the script ran" not in run.stdout
 
@@ -57,11 +54,10 @@ def test_a_script_named_with_a_leading_underscore_gets_a_valid_default_run(tmp_p
 
 @pytest.mark.timeout(60)
 def test_a_module_that_does_not_exist_exits_2_with_one_line(tmp_path):
-    run = alpha_run("--nproc", 2, "--store", tmp_path / "s", "-m", "no.such.module", cwd=tmp_path)
+    run = launch.alpha_run_checks("--nproc", 2, "--store", tmp_path / "s", "-m", "no.such.module", cwd=tmp_path)
     assert run.returncode == 2 and _one_line(run.stderr), run.stderr
     # The same under plain torchrun, where the runner itself finds it.
-    direct = subprocess.run([sys.executable, "-m", "alpha_ckpt.script_runner", "-m", "no.such.module"], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=60)
+    direct = launch.python_m("alpha_ckpt.script_runner", "-m", "no.such.module", cwd=tmp_path, timeout=60)
     assert direct.returncode == 2 and _one_line(direct.stderr), direct.stderr
 
 
@@ -71,7 +67,8 @@ def test_a_master_port_that_is_taken_exits_2_with_one_line(tmp_path, hello):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        run = alpha_run("--nproc", 1, "--store", tmp_path / "s", "--master-port", port, hello, cwd=tmp_path)
+        run = launch.alpha_run_checks("--nproc", 1, "--store", tmp_path / "s", "--master-port", port, hello,
+                                      cwd=tmp_path)
     assert run.returncode == 2 and _one_line(run.stderr), run.stderr
     assert "the script ran" not in run.stdout
 
@@ -82,7 +79,7 @@ def test_a_store_whose_pending_directory_is_a_file_is_a_usage_error_for_alpha_ru
     store = tmp_path / "s"
     store.mkdir()
     (store / "pending").write_bytes(b"not a directory")
-    run = alpha_run("--nproc", 1, "--store", store, hello, cwd=tmp_path)
+    run = launch.alpha_run_checks("--nproc", 1, "--store", store, hello, cwd=tmp_path)
     assert run.returncode == 2 and _one_line(run.stderr), run.stderr
     with pytest.raises(alpha_ckpt.Refusal) as refused:
         alpha_ckpt.Store(store)
@@ -94,8 +91,7 @@ def test_a_store_whose_pending_directory_is_a_file_is_a_usage_error_for_alpha_ru
 def test_a_checkpointer_argument_that_cannot_be_exits_2_with_one_line(tmp_path, argument):
     script = tmp_path / "bad.py"
     script.write_text(BAD_CHECKPOINTER)
-    run = subprocess.run([sys.executable, "-m", "alpha_ckpt.script_runner", str(script), argument,
-                          str(tmp_path / "s")], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    run = launch.python_m("alpha_ckpt.script_runner", script, argument, tmp_path / "s", cwd=tmp_path, timeout=60)
     assert run.returncode == 2 and _one_line(run.stderr), run.stderr
 
 

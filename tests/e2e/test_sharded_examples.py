@@ -1,21 +1,19 @@
 """The FSDP2 examples (Checkpointer, and DCP with alpha_ckpt's storage), resumed on 2 and 3 ranks."""
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from alpha_ckpt.testing import launch
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 pytestmark = pytest.mark.timeout(300)
 
 
 def _run(store, nproc, steps, example="train_fsdp2_dcp_backend.py", resume=()):
-    proc = subprocess.run([sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", str(nproc), "--store", str(store),
-                           *resume, str(EXAMPLES / example), "--steps", str(steps)],
-                          capture_output=True, text=True, timeout=240)
+    proc = launch.alpha_run("--nproc", nproc, "--store", store, *resume, EXAMPLES / example, "--steps", steps,
+                            timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return launch.last_json(proc.stdout)
 
 
 def test_the_fsdp2_dcp_example_resumed_from_its_newest_checkpoint_ends_as_an_uninterrupted_run(tmp_path):

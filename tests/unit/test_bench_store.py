@@ -8,12 +8,13 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings, strategies as st
+
+from alpha_ckpt.testing import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "bench_store.py"
@@ -24,11 +25,11 @@ OWNER_METHODS = {"ours", "dcp", "dcp-t2", "raw"}
 CKPT_METHODS = {"ckpt-star", "ckpt-tree", "dcp", "dcp-t2", "raw"}
 
 
+@pytest.mark.slow  # a long-haul run: CI runs it (python -m pytest -n 2 -m slow)
 def test_every_section_runs_verifies_and_reports_its_medians_and_ratios(tmp_path):
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--section", "all", "--size-mib", "16", "--tensors", "4", "--reps", "1",
-         "--warmup", "0", "--prefault", "0", "--compute-s", "0.02", "--owners", "1", "2", "4", "--dir", str(tmp_path)],
-        capture_output=True, text=True, env=env_with_repo(), timeout=240)
+    run = launch.python_script(SCRIPT, "--section", "all", "--size-mib", "16", "--tensors", "4", "--reps", "1",
+                               "--warmup", "0", "--prefault", "0", "--compute-s", "0.02", "--owners", "1", "2", "4",
+                               "--dir", tmp_path, env=env_with_repo(), timeout=240)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["sections"] == ["store", "stall", "owners", "checkpointer", "sharded"]
@@ -111,9 +112,8 @@ def check_checkpointer_section(ckpt: dict) -> None:
 
 def test_the_store_section_alone_is_still_the_default(tmp_path):
     env = env_with_repo()
-    run = subprocess.run([sys.executable, str(SCRIPT), "--size-mib", "8", "--tensors", "2", "--reps", "1", "--warmup",
-                          "0", "--prefault", "0", "--dir", str(tmp_path)],
-                         capture_output=True, text=True, env=env, timeout=120)
+    run = launch.python_script(SCRIPT, "--size-mib", "8", "--tensors", "2", "--reps", "1", "--warmup", "0",
+                               "--prefault", "0", "--dir", tmp_path, env=env, timeout=120)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["sections"] == ["store"] and "stall" not in result and "owners" not in result
@@ -158,9 +158,8 @@ def test_cold_restores_need_no_root_and_read_a_checkpoint_the_page_cache_no_long
         os.close(fd)
 
     env = env_with_repo()
-    run = subprocess.run([sys.executable, str(SCRIPT), "--size-mib", "8", "--tensors", "2", "--reps", "1", "--warmup",
-                          "0", "--prefault", "0", "--cold", "--dir", str(tmp_path)],
-                         capture_output=True, text=True, env=env, timeout=120)
+    run = launch.python_script(SCRIPT, "--size-mib", "8", "--tensors", "2", "--reps", "1", "--warmup", "0",
+                               "--prefault", "0", "--cold", "--dir", tmp_path, env=env, timeout=120)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["cache"] == "cold" and result["verified_restores"] == 4
@@ -238,11 +237,11 @@ def test_fastest_round_ratios_compare_each_methods_own_fastest_round_whatever_th
                                     "ckpt-star_load_GBps/dcp_t2_load_GBps": 0.5 / 0.2})
 
 
+@pytest.mark.slow  # a long-haul run: CI runs it (python -m pytest -n 2 -m slow)
 def test_a_subset_of_the_sharded_methods_is_measured_and_compared_alone(tmp_path):
-    run = subprocess.run([sys.executable, str(SCRIPT), "--section", "sharded", "--ckpt-methods", "dcp", "ckpt-star-bf",
-                          "ckpt-star", "--ckpt-ranks", "2", "--size-mib", "16", "--tensors", "4", "--reps", "1", "--warmup", "0",
-                          "--prefault", "0", "--dir", str(tmp_path)],
-                         capture_output=True, text=True, env=env_with_repo(), timeout=180)
+    run = launch.python_script(SCRIPT, "--section", "sharded", "--ckpt-methods", "dcp", "ckpt-star-bf", "ckpt-star",
+                               "--ckpt-ranks", "2", "--size-mib", "16", "--tensors", "4", "--reps", "1", "--warmup",
+                               "0", "--prefault", "0", "--dir", tmp_path, env=env_with_repo(), timeout=180)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     sharded = json.loads(run.stdout.strip().splitlines()[-1])["sharded"]
     assert sharded["methods"] == ["ckpt-star", "ckpt-star-bf", "dcp"] and sharded["counts"] == [2]
@@ -277,10 +276,10 @@ def test_a_method_subset_needs_dcp_and_one_of_ours_and_known_names():
             bench.chosen_methods(wanted, sharded=sharded)
 
 
+@pytest.mark.slow  # a long-haul run: CI runs it (python -m pytest -n 2 -m slow)
 def test_the_sharded_restore_ab_saves_restores_and_verifies_every_method(tmp_path):
-    run = subprocess.run([sys.executable, str(SCRIPT.parent / "ab_sharded_restore.py"), "--ranks", "2", "--rounds", "2",
-                          "--size-mib", "16", "--prefault", "0", "--dir", str(tmp_path)],
-                         capture_output=True, text=True, env=env_with_repo(), timeout=180)
+    run = launch.python_script(SCRIPT.parent / "ab_sharded_restore.py", "--ranks", "2", "--rounds", "2", "--size-mib",
+                               "16", "--prefault", "0", "--dir", tmp_path, env=env_with_repo(), timeout=180)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     # every method saved and restored twice (each restore compared with torch.equal, or the script fails)
@@ -289,11 +288,11 @@ def test_the_sharded_restore_ab_saves_restores_and_verifies_every_method(tmp_pat
     assert list(tmp_path.iterdir()) == []  # its working directory is removed
 
 
+@pytest.mark.slow  # a long-haul run: CI runs it (python -m pytest -n 2 -m slow)
 def test_the_sharded_restore_ab_resumes_every_method_in_new_processes(tmp_path):
-    run = subprocess.run([sys.executable, str(SCRIPT.parent / "ab_sharded_restore.py"), "--ranks", "2", "--rounds", "1",
-                          "--size-mib", "16", "--prefault", "0", "--dir", str(tmp_path), "--resume-in-new-processes",
-                          "--methods", "ckpt", "dcp"],
-                         capture_output=True, text=True, env=env_with_repo(), timeout=180)
+    run = launch.python_script(SCRIPT.parent / "ab_sharded_restore.py", "--ranks", "2", "--rounds", "1", "--size-mib",
+                               "16", "--prefault", "0", "--dir", tmp_path, "--resume-in-new-processes", "--methods",
+                               "ckpt", "dcp", env=env_with_repo(), timeout=180)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     # each method saved by one set of processes and restored (compared with torch.equal) by new ones
@@ -303,11 +302,12 @@ def test_the_sharded_restore_ab_resumes_every_method_in_new_processes(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # a long-haul run: CI runs it (python -m pytest -n 2 -m slow)
 def test_the_sharded_section_can_restore_every_round_in_new_processes(tmp_path):
-    run = subprocess.run([sys.executable, str(SCRIPT), "--section", "sharded", "--ckpt-methods", "ckpt-star", "dcp",
-                          "--ckpt-ranks", "2", "--size-mib", "16", "--tensors", "4", "--reps", "1", "--warmup", "0",
-                          "--prefault", "0", "--cold", "--resume-in-new-processes", "--dir", str(tmp_path)],
-                         capture_output=True, text=True, env=env_with_repo(), timeout=240)
+    run = launch.python_script(SCRIPT, "--section", "sharded", "--ckpt-methods", "ckpt-star", "dcp", "--ckpt-ranks",
+                               "2", "--size-mib", "16", "--tensors", "4", "--reps", "1", "--warmup", "0", "--prefault",
+                               "0", "--cold", "--resume-in-new-processes", "--dir", tmp_path, env=env_with_repo(),
+                               timeout=240)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     sharded = json.loads(run.stdout.strip().splitlines()[-1])["sharded"]
     assert sharded["resumed_in_new_processes"] is True
@@ -358,9 +358,8 @@ def test_the_completion_clock_waits_for_its_callback_when_the_result_is_read_bef
 
 
 def test_the_many_tensors_section_measures_ours_against_torch_and_dcp_and_checks_every_restore(tmp_path):
-    run = subprocess.run([sys.executable, str(SCRIPT), "--section", "many-tensors", "--many-counts", "24", "80",
-                          "--reps", "1", "--warmup", "0", "--prefault", "0", "--dir", str(tmp_path)],
-                         capture_output=True, text=True, env=env_with_repo(), timeout=120)
+    run = launch.python_script(SCRIPT, "--section", "many-tensors", "--many-counts", "24", "80", "--reps", "1",
+                               "--warmup", "0", "--prefault", "0", "--dir", tmp_path, env=env_with_repo(), timeout=120)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     many = result["many-tensors"]

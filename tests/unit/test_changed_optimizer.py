@@ -3,8 +3,6 @@ state is written, at every door (alpha_ckpt.restore, the Checkpointer on every r
 an explicitly allowed change between classes of the same hyperparameters restores and steps; a Stateful whose
 load_state_dict() raises after the copies says what was already written."""
 import copy
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -13,6 +11,7 @@ import torch
 
 import alpha_ckpt
 from alpha_ckpt import Checkpointer, RefusalCode, RestoreIncomplete, UsageError
+from alpha_ckpt.testing import launch
 from gpt_training import CONTEXT, GPT, VOCAB, assert_identical, optimizer_step
 from ranks import run_ranks
 
@@ -167,9 +166,8 @@ def test_a_script_resumed_with_another_optimizer_class_exits_3_under_alpha_run(t
     script.write_text(SCRIPT)
 
     def alpha_run(optimizer, *flags):
-        return subprocess.run([sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", "2", "--store",
-                               str(tmp_path / "s"), *flags, str(script), optimizer, str(TESTS)], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=240)
+        return launch.alpha_run("--nproc", "2", "--store", tmp_path / "s", *flags, script, optimizer, TESTS,
+                                cwd=tmp_path, timeout=240)
     first = alpha_run("SGD")
     assert first.returncode == 0, first.stderr[-3000:]
     resumed = alpha_run("AdamW", "--resume", "latest")

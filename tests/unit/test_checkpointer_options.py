@@ -133,7 +133,7 @@ def test_checkpointer_without_a_store_still_reads_alpha_runs_settings_and_warns_
 
 
 def save_in_each_mode(rank, world, store):
-    import time
+    import threading
     from alpha_ckpt import SaveResult
     state = {"w": torch.arange(8.0)}
     out = {}
@@ -144,13 +144,15 @@ def save_in_each_mode(rank, world, store):
     sync.close()
     background = Checkpointer(store, run="async", save="async", in_flight="skip")
     publish = background._exchange
+    asked = threading.Event()
 
     def slow(*args):
-        time.sleep(1.0)  # the first save is still in flight when the second is asked for
+        asked.wait(60)  # the first save is still in flight when the second is asked for
         return publish(*args)
     background._exchange = slow
     first = background.save(state, update=1)
     second = background.save(state, update=2)
+    asked.set()
     out["skipped"] = [isinstance(second, SaveResult), second.skipped, second.done(), second.root]
     root = first.root  # waits until durable
     out["async"] = [isinstance(first, SaveResult), first.done(), first.skipped, len(root), first.stats["update"]]

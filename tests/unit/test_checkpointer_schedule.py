@@ -17,11 +17,14 @@ def state(value):
 
 
 def every_and_keep(rank, world, store):
+    import alpha_ckpt.gc
+    # No clock slack (2 s: the disagreement gc allows between file times and its clock) in this process,
+    # whose saves are its only writers: a dropped generation's objects are older than it at once, so they go too.
+    alpha_ckpt.gc.CLOCK_SLACK_S = 0.0
     ckpt = Checkpointer(store, run="k", every=2, keep=2)
     ckpt.restore(state(0), root=None)
     due = []
     for update in range(1, 11):
-        time.sleep(0.5)  # older than gc's clock slack (2 s) when dropped, so their objects go too
         due.append(ckpt.due(update))
         if due[-1]:
             ckpt.save(state(update), update=update, cursor=update)
@@ -90,16 +93,19 @@ def test_young_daly_turns_the_measured_cost_into_whole_updates():
 
 
 def skip_in_flight(rank, world, store):
+    import threading
     ckpt = Checkpointer(store, run="f", save="async", in_flight="skip")
     ckpt.restore(state(0), root=None)
     exchange = ckpt._exchange
+    asked = threading.Event()
 
     def slow(*args):
-        time.sleep(1.0)  # a save that takes a while on every rank
+        asked.wait(60)  # a save still in flight on every rank until the second is asked for
         return exchange(*args)
     ckpt._exchange = slow
     first = ckpt.save(state(1), update=1, cursor=1)
     second = ckpt.save(state(2), update=2, cursor=2)  # the first is still in flight: skipped everywhere
+    asked.set()
     ckpt.wait()
     third = ckpt.save(state(3), update=3, cursor=3)
     ckpt.close()

@@ -21,6 +21,7 @@ from alpha_ckpt.errors import Refusal
 from alpha_ckpt.format import MAGIC
 from alpha_ckpt.reader import verify_generation
 from alpha_ckpt.store import Store
+from alpha_ckpt.testing import launch
 from cli_in_process import alpha_ckpt_cli
 from ranks import run_ranks
 from sharded_training import differing, fsdp2_gpt, full_state, train
@@ -693,8 +694,7 @@ def test_a_refusal_inside_dcp_under_alpha_run_exits_3(tmp_path, what):
     store = tmp_path / "store"
     Store(store).close()
     # One rank: DCP wraps a refusal in its CheckpointException whatever the rank count.
-    done = subprocess.run([sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", "1", "--store", str(store),
-                           str(script), str(store), what], capture_output=True, text=True, timeout=150)
+    done = launch.alpha_run("--nproc", "1", "--store", store, script, store, what, timeout=150)
     assert done.returncode == 3, done.stderr[-3000:]
 
 

@@ -2,8 +2,6 @@
 import errno
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -12,6 +10,7 @@ import pytest
 
 from alpha_ckpt import durable
 from alpha_ckpt.errors import DurableWriteError
+from alpha_ckpt.testing import launch
 from alpha_ckpt.testing.faults import FaultHooks, installed
 
 
@@ -137,10 +136,9 @@ _KILL_SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("point", durable.FAULT_POINTS)
 def test_sigkill_at_each_fault_point_leaves_nothing_or_the_whole_file(dirs, point):
     root, _, _ = dirs
-    env = dict(os.environ, ALPHA_CKPT_FAULT=f"object:{point}")
-    proc = subprocess.run([sys.executable, "-c", _KILL_SCRIPT, str(root)], env=env, capture_output=True, timeout=60)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
-    assert b"returned" not in proc.stdout
+    proc = launch.python_c(_KILL_SCRIPT, root, env=launch.child_env(ALPHA_CKPT_FAULT=f"object:{point}"), timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert "returned" not in proc.stdout
     published = os.listdir(root / "dest")
     if point in ("before-data-fsync", "after-data-fsync", "before-rename"):
         assert published == []
@@ -151,9 +149,8 @@ def test_sigkill_at_each_fault_point_leaves_nothing_or_the_whole_file(dirs, poin
 @pytest.mark.timeout(60)
 def test_fault_for_another_kind_does_not_fire(dirs):
     root, _, _ = dirs
-    env = dict(os.environ, ALPHA_CKPT_FAULT="ref:before-rename")
-    proc = subprocess.run([sys.executable, "-c", _KILL_SCRIPT, str(root)], env=env, capture_output=True, timeout=60)
-    assert proc.returncode == 0 and b"returned" in proc.stdout
+    proc = launch.python_c(_KILL_SCRIPT, root, env=launch.child_env(ALPHA_CKPT_FAULT="ref:before-rename"), timeout=60)
+    assert proc.returncode == 0 and "returned" in proc.stdout
 
 
 def test_a_batch_fsyncs_every_file_before_renaming_any_and_each_directory_once(dirs, monkeypatch):

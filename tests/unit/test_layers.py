@@ -51,8 +51,8 @@ LAYERS: dict[int, tuple[str, set[str]]] = {
     8: ("test support: fault and kill points, forged generations, the tree's simulation, the oracle",
         {"testing", "testing.faults", "testing.forge", "testing.simulate", "testing.oracle"}),
     9: ("where a process starts (and installs the fault points a test asks for): alpha-ckpt, alpha-run, "
-        "the job's owner, a script's rank",
-        {"cli", "launcher", "job.__main__", "script_runner", "inplace"}),
+        "the job's owner, a script's rank; and the harness that starts them for tests and gates",
+        {"cli", "launcher", "job.__main__", "script_runner", "inplace", "testing.launch"}),
     10: ("the package's public names (re-exported on first use)",
          {""}),
 }

@@ -1,7 +1,5 @@
 """The learner and the oracle: keyed data, shares, partitioned == replicated, resume through the store."""
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -9,6 +7,7 @@ import torch
 
 import alpha_ckpt
 from alpha_ckpt.testing import oracle
+from alpha_ckpt.testing import launch
 from alpha_ckpt.learner.config import JobConfig, load_config
 from alpha_ckpt.learner.data import sample, sequence_indices, shares
 from alpha_ckpt.learner.digest import state_digest
@@ -107,10 +106,9 @@ def test_set_overrides_keys_with_their_types_and_refuses_unknown_keys():
 
 @pytest.mark.timeout(120)
 def test_oracle_command_prints_the_final_json_line_and_is_repeatable():
-    cmd = [sys.executable, "-m", "alpha_ckpt.testing.oracle", str(CONFIG), "--updates", "2", "--placements", "3:1,2:1",
-           "--set", "batch=12", "--set", "hidden=8"]
-    first = subprocess.run(cmd, capture_output=True, text=True, timeout=100)
-    second = subprocess.run(cmd, capture_output=True, text=True, timeout=100)
+    cmd = ["alpha_ckpt.testing.oracle", CONFIG, "--updates", "2", "--placements", "3:1,2:1", "--set", "batch=12",
+           "--set", "hidden=8"]
+    first, second = (launch.python_m(*cmd, timeout=100) for _ in range(2))
     assert first.returncode == 0, first.stderr
     result = json.loads(first.stdout)
     assert set(result) == {"state_digest", "last_generation", "update", "cursor", "epoch", "owners", "output"}

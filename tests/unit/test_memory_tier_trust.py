@@ -4,7 +4,6 @@ directory that cannot be used is a usage error on every rank; dead jobs' tier di
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from alpha_ckpt import Checkpointer, UsageError
 from alpha_ckpt.memory.tier import Job, claim_store_directory, holders_of, memory_directory
 from alpha_ckpt.collective.options import CheckpointerOptions
 from alpha_ckpt.store import Store
+from alpha_ckpt.testing import launch
 from ranks import run_ranks
 from test_checkpointer import IDENTITY, MASKS, Script
 
@@ -201,8 +201,7 @@ def test_under_torchrun_the_next_job_removes_the_tier_a_crashed_job_left(tmp_pat
     store = tmp_path / "store"
 
     def torchrun():
-        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                              str(script), str(store)], capture_output=True, text=True, timeout=180)
+        out = launch.torchrun(script, 2, store, timeout=180)
         assert out.returncode == 0, out.stderr[-3000:]
         return {line.split()[1] for line in out.stdout.splitlines() if line.startswith("TIER")}
 

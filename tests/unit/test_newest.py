@@ -4,8 +4,6 @@ import io
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 
 import pytest
@@ -17,6 +15,7 @@ from alpha_ckpt.errors import Refusal
 from alpha_ckpt.format import CapturePrefix, canonical_json, digest_bytes
 from alpha_ckpt.reader import verify_generation
 from alpha_ckpt.store import RefRecord, Store, check_fence
+from alpha_ckpt.testing import launch
 from ranks import run_ranks
 
 
@@ -216,10 +215,6 @@ sys.exit(cli.main(["gc", "--store", sys.argv[1], "--keep", "2", "--grace", "0", 
 """
 
 
-def _env():
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-
-
 @pytest.mark.timeout(120)
 def test_a_pin_made_while_gc_is_between_planning_and_applying_keeps_its_ref_and_objects(tmp_path):
     store_dir = tmp_path / "s"
@@ -229,24 +224,21 @@ def test_a_pin_made_while_gc_is_between_planning_and_applying_keeps_its_ref_and_
         for f in files:
             os.utime(os.path.join(d, f), (old, old), follow_symlinks=False)
     planned, go = tmp_path / "planned", tmp_path / "go"
-    gc = subprocess.Popen([sys.executable, "-c", _GC_PAUSED_BETWEEN_PLAN_AND_APPLY, str(store_dir), str(planned),
-                           str(go)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    gc = launch.python_c_start(_GC_PAUSED_BETWEEN_PLAN_AND_APPLY, store_dir, planned, go)
     try:
-        deadline = time.monotonic() + 60
-        while not planned.exists() and gc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert planned.exists(), gc.communicate()[1][-2000:]
-        pin = subprocess.run([sys.executable, "-c", "import sys; from alpha_ckpt import cli; "
-                              "sys.exit(cli.main(sys.argv[1:]))", "pin", "--store", str(store_dir), roots[0]],
-                             capture_output=True, text=True, timeout=60, env=_env())
+        launch.wait_until(lambda: planned.exists() or gc.poll() is not None, timeout=60, what="gc planned",
+                          every=0.01)
+        assert planned.exists(), gc.output()[1][-2000:]
+        pin = launch.python_c("import sys; from alpha_ckpt import cli; sys.exit(cli.main(sys.argv[1:]))", "pin",
+                              "--store", store_dir, roots[0], timeout=60)
         assert pin.returncode == 0, pin.stdout + pin.stderr
         go.write_text("go")
-        out, err = gc.communicate(timeout=60)
     finally:
-        if gc.poll() is None:
+        if gc.poll() is None and not go.exists():
             gc.kill()
-    assert gc.returncode == 0, err[-2000:]
-    assert json.loads(out)["refs"] == ["r/train/1", "r/train/2"]  # what gc planned before the pin existed
+        done = gc.result(timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["refs"] == ["r/train/1", "r/train/2"]  # what gc planned before the pin existed
     with Store(store_dir, create=False) as s:
         assert [r.root for r in s.list_refs("r", "train")] == [roots[0], *roots[2:]]
         for root in (roots[0], *roots[2:]):

@@ -5,13 +5,12 @@ No timing is asserted: only what the probe measured, stored and verified, and it
 import importlib.util
 import json
 import math
-import os
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
+
+from alpha_ckpt.testing import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "probe_sharded_saves.py"
@@ -27,11 +26,10 @@ def probe(monkeypatch):
 
 
 def run_probe(tmp_path, *args):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, str(SCRIPT), "--dir", str(tmp_path), *args],
-                          capture_output=True, text=True, env=env, timeout=240)
+    return launch.python_script(SCRIPT, "--dir", tmp_path, *args, timeout=240)
 
 
+@pytest.mark.slow  # a long-haul run: CI runs it (python -m pytest -n 2 -m slow)
 def test_the_probe_times_every_method_every_round_stores_each_layout_asked_and_checks_every_restore(tmp_path):
     methods = ["dcp-alpha-s1-sh1", "dcp-alpha", "ckpt", "dcp"]
     # 2 ranks x 1024 rows: each rank holds 16 chunks of 2 MiB (32 MiB).
@@ -50,6 +48,7 @@ def test_the_probe_times_every_method_every_round_stores_each_layout_asked_and_c
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # a long-haul run: CI runs it (python -m pytest -n 2 -m slow)
 def test_phases_time_each_methods_own_steps_and_write_threads_apply_to_their_save_only(tmp_path):
     methods = ["dcp-alpha-w1", "dcp-alpha-s1-sh1-w3", "ckpt", "dcp"]
     run = run_probe(tmp_path, "--ranks", "2", "--rounds", "2", "--warmup", "0", "--rows", "1024",
@@ -108,6 +107,7 @@ def test_pair_stats_give_the_ratio_of_medians_the_rounds_won_and_the_geometric_m
     assert probe.pair_stats(first[:4], second[:4])["interval_90"] is None  # too few rounds to claim one
 
 
+@pytest.mark.slow  # a long-haul run: CI runs it (python -m pytest -n 2 -m slow)
 def test_the_raw_control_writes_each_ranks_bytes_to_one_file_and_is_never_restored(tmp_path, probe):
     methods = ["raw", "ckpt"]
     run = run_probe(tmp_path, "--ranks", "2", "--rounds", "2", "--warmup", "0", "--rows", "256",

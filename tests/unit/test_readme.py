@@ -8,11 +8,11 @@ matches wording or line breaks.
 import json
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from alpha_ckpt.testing import launch
 
 ROOT = Path(__file__).parents[2]
 README = (ROOT / "README.md").read_text()
@@ -47,8 +47,7 @@ def _is_excerpt(block: str) -> bool:
 
 
 def _alpha_run(args: list[str], cwd: Path, timeout: int):
-    return subprocess.run([sys.executable, "-m", "alpha_ckpt.launcher", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd)
+    return launch.alpha_run(*args, cwd=cwd, timeout=timeout)
 
 
 def _programs():
@@ -59,7 +58,7 @@ def _programs():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("code", _programs())
 def test_every_whole_python_example_of_the_docs_runs(tmp_path, code):
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=100)
+    proc = launch.python_c(code, cwd=tmp_path, timeout=100)
     assert proc.returncode == 0, proc.stderr
     assert re.fullmatch(r"[0-9a-f]{64}\n", proc.stdout)  # the example prints the root it saved
 
@@ -167,8 +166,7 @@ def test_the_main_job_command_of_the_readme_runs_as_written(tmp_path):
     assert job[0] == "alpha-run"
     args = [a if a != "./alpha-store" else str(tmp_path / "store") for a in job[1:]]
     args = [a if a != "configs/forecast.toml" else str(ROOT / "configs" / "forecast.toml") for a in args]
-    proc = subprocess.run([sys.executable, "-m", "alpha_ckpt.launcher", *args], capture_output=True, text=True,
-                          timeout=280, cwd=tmp_path)
+    proc = _alpha_run(args, tmp_path, 280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["update"] == 5 and result["owners"] == 4 and len(result["last_generation"]) == 64

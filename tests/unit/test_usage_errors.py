@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from alpha_ckpt.testing import launch
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "forecast.toml")
 
@@ -153,9 +155,8 @@ def test_an_owner_under_plain_torchrun_refuses_the_same_usage_errors_with_exit_2
 @pytest.mark.timeout(120)
 def test_the_alpha_run_process_prints_one_line_and_exits_2_without_starting_owners(tmp_path):
     for flags in (["--set", "bogus=1"], ["--nproc", "0"], ["--run", "a/b"], ["--updates", "0"]):
-        proc = subprocess.run([sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", "2", "--store",
-                               str(tmp_path / "store"), "--updates", "3", *flags, CONFIG],
-                              capture_output=True, text=True, timeout=60)
+        proc = launch.python_m("alpha_ckpt.launcher", "--nproc", "2", "--store", tmp_path / "store", "--updates", "3",
+                               *flags, CONFIG, timeout=60)
         assert_one_line_usage_error(proc.returncode, proc.stderr)
         assert proc.stdout == ""
 
@@ -174,8 +175,8 @@ def test_alpha_run_checks_its_flags_config_and_store_without_importing_torch(tmp
 def test_a_worker_process_started_as_torchrun_would_exits_2_with_one_line(tmp_path):
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                MASTER_ADDR="127.0.0.1", MASTER_PORT="1")  # nothing listens there: init would fail as 75
-    proc = subprocess.run([sys.executable, "-m", "alpha_ckpt.job", CONFIG, "--store", str(tmp_path / "store"),
-                           "--updates", "3", "--set", "lr=abc"], capture_output=True, text=True, timeout=60, env=env)
+    proc = launch.python_m("alpha_ckpt.job", CONFIG, "--store", tmp_path / "store", "--updates", "3", "--set", "lr=abc",
+                           timeout=60, env=env)
     assert_one_line_usage_error(proc.returncode, proc.stderr)
 
 
@@ -213,8 +214,7 @@ def test_the_script_runner_keeps_a_scripts_exit_status_runs_its_atexit_handlers_
     script = tmp_path / "s.py"
     script.write_text(SCRIPT_WITH_ATEXIT.format(code=code))
     marker = tmp_path / "marker"
-    done = subprocess.run([sys.executable, "-m", "alpha_ckpt.script_runner", str(script), str(marker)],
-                          capture_output=True, text=True, timeout=60)
+    done = launch.python_m("alpha_ckpt.script_runner", script, marker, timeout=60)
     assert done.returncode == expected
     assert marker.read_text() == "ran"
     assert done.stdout == "out\n"
