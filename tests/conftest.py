@@ -72,6 +72,30 @@ def mount_tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
 
 
+@pytest.fixture(scope="session")
+def once_per_run(tmp_path_factory, worker_id):
+    """once_per_run(key, make): ``make(folder)``'s JSON result, made once per test run and shared by every
+    xdist worker (the others wait for it instead of making it again): a run that never stopped, say, which
+    tests of one module compare with on whichever worker they land. ``folder`` is kept for the run."""
+    import fcntl
+    import json
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if worker_id != "master" else base  # the run's folder, above each worker's
+
+    def once(key: str, make):
+        folder = shared / f"once-{key}"
+        with open(shared / f"once-{key}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            made = folder / "result.json"
+            if made.exists():
+                return json.loads(made.read_text())
+            folder.mkdir(exist_ok=True)
+            result = make(folder)
+            made.write_text(json.dumps(result))
+            return result
+    return once
+
+
 @pytest.fixture
 def store_dir(tmp_path):
     return tmp_path / "store"

@@ -34,10 +34,12 @@ def store_hash(store) -> str:
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    store = tmp_path_factory.mktemp("store")
-    first = final(alpha_run(store, "--updates", "2", "--checkpoint-every", "2"))
-    return store, first
+def saved(once_per_run):
+    """A store the job saved 2 updates into (a checkpoint at 2), and its final line; tests copy it or only read it."""
+    def make(folder):
+        return [str(folder / "store"), final(alpha_run(folder / "store", "--updates", "2", "--checkpoint-every", "2"))]
+    store, first = once_per_run("job-saved", make)
+    return Path(store), first
 
 
 @pytest.mark.timeout(300)

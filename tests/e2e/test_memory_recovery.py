@@ -38,16 +38,11 @@ def _result(proc: subprocess.CompletedProcess) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-_uninterrupted: dict[tuple, str] = {}
-
-
-def _uninterrupted_digest(tmp_path: Path, script: list[str], nproc: int) -> str:
-    """The final state's digest of a run that never failed (computed once per script and world size)."""
-    key = (*script, nproc)
-    if key not in _uninterrupted:
-        _uninterrupted[key] = _result(_alpha_run("--nproc", str(nproc), "--store", str(tmp_path / "whole"),
-                                                 *script))["state_sha256"]
-    return _uninterrupted[key]
+def _uninterrupted_digest(once_per_run, script: list[str], nproc: int) -> str:
+    """The final state's digest of a run that never failed (made once per test run, script and world size)."""
+    key = "-".join([Path(script[0]).stem, *script[1:], str(nproc)])
+    return once_per_run(f"memory-recovery-{key}", lambda folder: _result(
+        _alpha_run("--nproc", str(nproc), "--store", str(folder / "whole"), *script))["state_sha256"])
 
 
 # The 4-rank jobs are long-haul runs that CI runs with -m slow; the 2-rank one runs by default.
@@ -60,10 +55,10 @@ JOBS = [("train_gpt_ddp.py", 2, 8, "--save-every"),
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "restarted"])
 @pytest.mark.parametrize("example,nproc,steps,every_flag", JOBS)
 def test_a_rank_killed_at_a_random_step_recovers_from_memory_bit_identical_with_nothing_read_from_the_store(
-        tmp_path, example, nproc, steps, every_flag, in_place):
+        tmp_path, once_per_run, example, nproc, steps, every_flag, in_place):
     fail_at = random.Random(f"{example}{nproc}").randint(2, steps - 1)  # random, and the same in every run
     script = [str(EXAMPLES / example), "--steps", str(steps), every_flag, "1"]
-    whole = _uninterrupted_digest(tmp_path, script, nproc)
+    whole = _uninterrupted_digest(once_per_run, script, nproc)
     proc = _alpha_run("--nproc", str(nproc), "--store", str(tmp_path / "s"), "--memory", "--durable-every", "4",
                       "--max-restarts", "1", *(["--in-place"] if in_place else []), *script, "--fail-at", str(fail_at))
     recovered = _result(proc)

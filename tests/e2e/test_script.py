@@ -21,12 +21,14 @@ def _last_json(out: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """12 steps that never stopped, and the store they saved into."""
-    tmp = tmp_path_factory.mktemp("straight")
-    run = alpha_run("--nproc", 2, "--store", tmp / "a", EXAMPLE, "--steps", 12, cwd=tmp)
-    assert run.returncode == 0, run.stderr[-2000:]
-    return tmp / "a", _last_json(run.stdout)
+def straight(once_per_run):
+    """12 steps that never stopped, and the store they saved into (tests only read it)."""
+    def make(folder):
+        run = alpha_run("--nproc", 2, "--store", folder / "a", EXAMPLE, "--steps", 12, cwd=folder)
+        assert run.returncode == 0, run.stderr[-2000:]
+        return [str(folder / "a"), _last_json(run.stdout)]
+    store, result = once_per_run("script-straight", make)
+    return Path(store), result
 
 
 @pytest.mark.timeout(400)
