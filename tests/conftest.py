@@ -110,6 +110,15 @@ def saved(store_dir):
     return store_dir, root, state
 
 
+def pytest_sessionstart(session):
+    """Where tests run (an xdist worker, or a run without -n), the harness's fork server starts at once and
+    imports torch while the tests are collected: no test's timeout pays for it."""
+    config = session.config
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        from alpha_ckpt.testing.launch import start_fork_server
+        start_fork_server()
+
+
 def pytest_collection_modifyitems(config, items):
     """``full`` tests (slow variants of what CI already covers) run only with ALPHA_CKPT_FULL=1. ``slow`` ones
     (long-haul cases CI runs after the default command, with ``-m slow``) run when the marker expression names

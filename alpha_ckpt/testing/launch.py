@@ -1,24 +1,26 @@
-"""How tests and gates start what they check: one harness, so every launch is the same and the cheapest one that
-still proves the point.
+"""How tests and gates start what they check: one harness, each launch the cheapest one that still proves the point.
 
-A process that imports torch costs seconds of CPU; on a machine of two cores that is most of a test's time.
-So, from cheapest to dearest:
+A process that imports torch costs seconds of CPU; on a machine of two cores, starting them was most of the
+suite's time. So, from cheapest to dearest:
 
 - :func:`alpha_run_checks`, :func:`alpha_ckpt_cli`: alpha-run's checks before it starts any owner, and the
-  ``alpha-ckpt`` command, in the calling process (the same ``main`` and exit codes as the console scripts,
-  without an interpreter start). :func:`alpha_run_checks` fails if alpha-run would have started an owner.
-- :func:`run_ranks`: a function on N gloo ranks, forked from a server that imported torch once.
-- :func:`in_fresh_process`: a function in a process of its own (global torch settings stay there), forked
-  from the same server.
-- :func:`alpha_run`, :func:`alpha_run_popen`, :func:`alpha_ckpt`, :func:`torchrun`: the console scripts as a
-  user runs them, each a new interpreter (``console=True``: the installed ``alpha-run``/``alpha-ckpt`` found on
-  PATH, as the gates run them; otherwise ``python -m`` with this package first on the path).
+  ``alpha-ckpt`` command, in the calling process (the console scripts' ``main`` and exit codes, without an
+  interpreter start). :func:`alpha_run_checks` fails if alpha-run would have started an owner.
+- :func:`run_ranks`: a function on N gloo ranks; :func:`in_fresh_process`, :func:`oracle_digest`: a function in
+  a process of its own (global torch settings stay there). Each forked from a server that imported torch once.
+- :func:`alpha_run`, :func:`python_m`, :func:`python_c`, :func:`python_script`, :func:`torchrun`: ``python -m
+  MODULE``, ``python -c CODE`` or ``python SCRIPT`` forked from the same server and run as ``__main__``, as the
+  interpreter runs them; what they start (alpha-run's and torchrun's ranks) are new interpreters, as always.
+- ``new_interpreter=True``, ``console=True``, :func:`alpha_ckpt`: a new interpreter, or the console script
+  installed on PATH (as the gates run them), with this checkout first on PYTHONPATH: for what is about the
+  process itself.
 
 :func:`wait_until` waits for a state by checking for it, never by sleeping a guessed time.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import multiprocessing
@@ -58,54 +60,6 @@ def last_json(text: str) -> Any:
         if line.startswith(("{", "[")):
             return json.loads(line)
     raise ValueError(f"no JSON line in {text[-500:]!r}")
-
-
-# --- the console scripts, as processes ---
-
-def alpha_run_command(*args, console: bool = False) -> list[str]:
-    head = ["alpha-run"] if console else [sys.executable, "-m", "alpha_ckpt.launcher"]
-    return [*head, *map(str, args)]
-
-
-def alpha_ckpt_command(*args, console: bool = False) -> list[str]:
-    head = ["alpha-ckpt"] if console else [sys.executable, "-m", "alpha_ckpt.cli"]
-    return [*head, *map(str, args)]
-
-
-def _run(cmd: list[str], *, cwd, env, timeout: float, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=cwd, env=child_env(env), capture_output=True, text=True, timeout=timeout,
-                          **kwargs)
-
-
-def alpha_run_popen(*args, cwd=None, env: dict | None = None, console: bool = False, capture: bool = True,
-                    new_session: bool = True) -> subprocess.Popen:
-    """``alpha-run ARGS...`` started and not waited for; in a session of its own by default, so that
-    ``os.killpg(proc.pid, ...)`` reaches the launcher and everything it started, as a terminal's signal does."""
-    out = subprocess.PIPE if capture else subprocess.DEVNULL
-    return subprocess.Popen(alpha_run_command(*args, console=console), cwd=cwd, env=child_env(env), stdout=out,
-                            stderr=out, text=True, start_new_session=new_session)
-
-
-def alpha_ckpt(*args, cwd=None, env: dict | None = None, timeout: float = 120, console: bool = False,
-               **kwargs) -> subprocess.CompletedProcess:
-    """``alpha-ckpt ARGS...`` as a process (see :func:`alpha_ckpt_cli` for the same in this process)."""
-    return _run(alpha_ckpt_command(*args, console=console), cwd=cwd, env=env, timeout=timeout, **kwargs)
-
-
-def torchrun(script, nproc: int, *args, cwd=None, env: dict | None = None, timeout: float = 120,
-             new_interpreter: bool = False) -> subprocess.CompletedProcess:
-    """Plain ``torchrun --standalone --nproc-per-node N SCRIPT ARGS...``: no alpha-run anywhere. torchrun's own
-    process is forked from the server (:func:`python_m`); ``new_interpreter``: ``python -m torch.distributed.run``
-    as a process. The ranks it starts are new interpreters either way."""
-    argv = ["--nproc-per-node", str(nproc), "--standalone", str(script), *map(str, args)]
-    if new_interpreter:
-        return _run([sys.executable, "-m", "torch.distributed.run", *argv], cwd=cwd, env=env, timeout=timeout)
-    return python_m("torch.distributed.run", *argv, cwd=cwd, env=env, timeout=timeout)
-
-
-def python(*args, cwd=None, env: dict | None = None, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
-    """``python ARGS...`` with this package first on the path."""
-    return _run([sys.executable, *map(str, args)], cwd=cwd, env=env, timeout=timeout, **kwargs)
 
 
 # --- in this process ---
@@ -171,6 +125,14 @@ def fork_context():
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
+
+
+def start_fork_server() -> None:
+    """Start the fork server now, without waiting for it: it imports torch while the caller goes on (a test
+    session collecting its tests), so the first process forked from it does not wait for that."""
+    from multiprocessing import forkserver
+    fork_context()
+    forkserver.ensure_running()
 
 
 def _as_a_new_interpreter() -> None:
@@ -275,30 +237,24 @@ def oracle_digest(config, *args, timeout: float = 120.0) -> str:
     return in_fresh_process(_oracle_digest, [str(config), *map(str, args)], timeout=timeout)
 
 
-# --- waiting ---
+# --- python, forked from the server: modules, programs, scripts, alpha-run ---
 
-def wait_until(predicate: Callable[[], Any], *, timeout: float, what: str, every: float = 0.02) -> Any:
-    """``predicate()``'s first true value, checked every ``every`` seconds; AssertionError naming ``what`` once
-    ``timeout`` seconds pass without one."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(every)
+@functools.lru_cache(maxsize=None)
+def _interpreter_path() -> tuple[str, ...]:
+    """The module search path a new interpreter starts with, less its first entry and PYTHONPATH's: the
+    standard library and site-packages (a child forked from the server inherits this process's path instead,
+    with whatever pytest put there for the tests). An interpreter without torch starts in milliseconds."""
+    done = subprocess.run([sys.executable, "-E", "-c", "import json, sys; print(json.dumps(sys.path[1:]))"],
+                          capture_output=True, text=True, check=True, timeout=60)
+    return tuple(json.loads(done.stdout))
 
 
-
-# --- alpha-run forked from the server ---
-
-def _python_main(how: str, what: str, argv: list[str], cwd: str, env: dict, new_session: bool, out: str, err: str,
-                 code_path: str) -> None:
+def _python_main(how: str, what: str, argv: list[str], cwd: str, env: dict, path: list[str], new_session: bool,
+                 out: str, err: str, code_path: str) -> None:
     """``python -m MODULE ARGV`` (``how`` "-m"), ``python -c CODE ARGV`` ("-c") or ``python SCRIPT ARGV`` ("")
-    in this forked process, as the interpreter runs them: as ``__main__``, with the folder ``cwd`` (the script's
-    folder for a script) first on the path, stdout and stderr to files (what it starts inherits them), the exit
-    code written."""
+    in this forked process, as the interpreter runs them: as ``__main__``, on the path of a new interpreter
+    (``path``) after the folder ``cwd`` (the script's folder for a script), stdout and stderr to files (what it
+    starts inherits them), the exit code written."""
     code = 1
     try:
         if new_session:
@@ -306,11 +262,12 @@ def _python_main(how: str, what: str, argv: list[str], cwd: str, env: dict, new_
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)
-        for fd, path in ((1, out), (2, err)):
-            target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        for fd, file in ((1, out), (2, err)):
+            target = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(target, fd)
             os.close(target)
-        sys.path.insert(0, {"-m": cwd, "-c": ""}.get(how, os.path.dirname(os.path.abspath(what))))
+        first = {"-m": cwd, "-c": ""}.get(how, os.path.dirname(os.path.abspath(what)))
+        sys.path[:] = [first, *path]
         _as_a_new_interpreter()
         try:
             if how == "-m":
@@ -353,10 +310,12 @@ class ForkedRun:
     def __init__(self, how: str, what: str, argv: list[str], cwd, env: dict | None, new_session: bool):
         import tempfile
         self.args = [sys.executable, *([how] if how else []), what, *argv]
+        env = child_env(env)
+        path = [*[p for p in env["PYTHONPATH"].split(os.pathsep) if p], *_interpreter_path()]
         self._folder = tempfile.TemporaryDirectory(prefix="forked-")
         self._paths = [os.path.join(self._folder.name, name) for name in ("out", "err", "code")]
         self._proc = fork_context().Process(target=_python_main, args=(
-            how, what, argv, os.path.abspath(cwd or os.getcwd()), child_env(env), new_session, *self._paths))
+            how, what, argv, os.path.abspath(cwd or os.getcwd()), env, path, new_session, *self._paths))
         self._proc.start()
         self.pid = self._proc.pid
 
@@ -441,3 +400,52 @@ def alpha_run(*args, cwd=None, env: dict | None = None, timeout: float = 240, ne
     if new_interpreter or console:
         return _run(alpha_run_command(*args, console=console), cwd=cwd, env=env, timeout=timeout)
     return alpha_run_start(*args, cwd=cwd, env=env).result(timeout)
+
+
+# --- new interpreters ---
+
+def alpha_run_command(*args, console: bool = False) -> list[str]:
+    head = ["alpha-run"] if console else [sys.executable, "-m", "alpha_ckpt.launcher"]
+    return [*head, *map(str, args)]
+
+
+def alpha_ckpt_command(*args, console: bool = False) -> list[str]:
+    head = ["alpha-ckpt"] if console else [sys.executable, "-m", "alpha_ckpt.cli"]
+    return [*head, *map(str, args)]
+
+
+def _run(cmd: list[str], *, cwd, env, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, env=child_env(env), capture_output=True, text=True, timeout=timeout,
+                          **kwargs)
+
+
+def alpha_ckpt(*args, cwd=None, env: dict | None = None, timeout: float = 120, console: bool = False,
+               **kwargs) -> subprocess.CompletedProcess:
+    """``alpha-ckpt ARGS...`` as a process (see :func:`alpha_ckpt_cli` for the same in this process)."""
+    return _run(alpha_ckpt_command(*args, console=console), cwd=cwd, env=env, timeout=timeout, **kwargs)
+
+
+def torchrun(script, nproc: int, *args, cwd=None, env: dict | None = None, timeout: float = 120,
+             new_interpreter: bool = False) -> subprocess.CompletedProcess:
+    """Plain ``torchrun --standalone --nproc-per-node N SCRIPT ARGS...``: no alpha-run anywhere. torchrun's own
+    process is forked from the server (:func:`python_m`); ``new_interpreter``: ``python -m torch.distributed.run``
+    as a process. The ranks it starts are new interpreters either way."""
+    argv = ["--nproc-per-node", str(nproc), "--standalone", str(script), *map(str, args)]
+    if new_interpreter:
+        return _run([sys.executable, "-m", "torch.distributed.run", *argv], cwd=cwd, env=env, timeout=timeout)
+    return python_m("torch.distributed.run", *argv, cwd=cwd, env=env, timeout=timeout)
+
+
+# --- waiting ---
+
+def wait_until(predicate: Callable[[], Any], *, timeout: float, what: str, every: float = 0.02) -> Any:
+    """``predicate()``'s first true value, checked every ``every`` seconds; AssertionError naming ``what`` once
+    ``timeout`` seconds pass without one."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(every)

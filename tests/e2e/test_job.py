@@ -166,8 +166,8 @@ def test_a_generation_saved_on_another_device_product_is_refused_before_training
     store, first = saved
     copy = tmp_path / "copy"
     subprocess.run(["cp", "-a", str(store), str(copy)], check=True)
-    forged = launch.python("-m", "alpha_ckpt.testing.forge", "--store", copy, first["last_generation"],
-                           "--edit", 'devices.0.product="NVIDIA H200"', timeout=60)
+    forged = launch.python_m("alpha_ckpt.testing.forge", "--store", copy, first["last_generation"],
+                             "--edit", 'devices.0.product="NVIDIA H200"', timeout=60)
     assert forged.returncode == 0, forged.stderr
     before = store_hash(copy)
     proc = alpha_run(copy, "--updates", "3", "--resume-from", forged.stdout.strip())
