@@ -121,6 +121,38 @@ def test_settling_waits_with_the_gil_released_until_a_gloo_collective_in_flight_
     assert settled["waited"] >= 0.5, settled  # rank 1 sent after a second: the settle did not return early
 
 
+def gloo_workers_after_close(rank, world, store):
+    """gloo worker threads of this process: before a Checkpointer, with it (an async one makes a group of its
+    own), and after its close()."""
+    import torch
+    import torch.distributed as dist
+    from alpha_ckpt import Checkpointer
+
+    def workers() -> int:
+        names = []
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    names.append(f.read().strip())
+            except OSError:
+                pass
+        return names.count("pt_gloo_runloop")
+    dist.barrier()  # the default group's workers are running
+    before = workers()
+    ckpt = Checkpointer(store, run="groups", save="async")
+    ckpt.save({"w": torch.ones(4)}, update=1)
+    during = workers()
+    ckpt.close()
+    return {"before": before, "during": during, "after": workers()}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
+def test_close_frees_the_checkpointers_own_groups_and_joins_their_gloo_workers(tmp_path):
+    for counts in run_ranks(2, gloo_workers_after_close, str(tmp_path / "s"), tmp=tmp_path):
+        assert counts["during"] > counts["before"] and counts["after"] == counts["before"], counts
+
+
 LATE_THREAD = """
 import os, sys, threading, time
 
@@ -174,26 +206,29 @@ def test_the_gloo_group_a_finished_script_left_alive_is_destroyed_before_the_int
 
 
 IMPORT_STARTS_NOTHING = """
-import ctypes, json, signal, sys, threading
-before = signal.getsignal(signal.SIGTERM)
+import atexit, ctypes, json, signal, sys, threading
+import torch  # registers exit handlers of its own
+before, handlers = signal.getsignal(signal.SIGTERM), atexit._ncallbacks()
 import alpha_ckpt
 from alpha_ckpt import Checkpointer, CheckpointerOptions  # the lazy names too
 death = ctypes.c_int(-1)
 ctypes.CDLL(None).prctl(2, ctypes.byref(death), 0, 0, 0)  # PR_GET_PDEATHSIG
-print(json.dumps({"threads": threading.active_count(), "sigterm": signal.getsignal(signal.SIGTERM) is before,
+print(json.dumps({"threads": threading.active_count(), "exit_handlers": atexit._ncallbacks() - handlers,
+                  "sigterm": signal.getsignal(signal.SIGTERM) is before,
                   "sigterm_default": signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, "death": death.value}))
 """
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_GET_PDEATHSIG is Linux's")
-def test_importing_alpha_ckpt_starts_no_thread_and_installs_no_signal_even_when_a_launcher_is_named(tmp_path):
+def test_importing_alpha_ckpt_starts_no_thread_and_installs_no_signal_or_exit_handler_even_when_a_launcher_is_named(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "ALPHA_CKPT_LAUNCHER_PID": str(os.getpid())}
     proc = subprocess.run([sys.executable, "-c", IMPORT_STARTS_NOTHING], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=110)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert json.loads(proc.stdout) == {"threads": 1, "sigterm": True, "sigterm_default": True, "death": 0}
+    assert json.loads(proc.stdout) == {"threads": 1, "exit_handlers": 0, "sigterm": True, "sigterm_default": True,
+                                      "death": 0}
 
 
 SLEEPER = """
