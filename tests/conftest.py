@@ -111,8 +111,14 @@ def saved(store_dir):
 
 
 def pytest_sessionstart(session):
-    """Where tests run (an xdist worker, or a run without -n), the harness's fork server starts at once and
+    """Every process a test starts runs this checkout's code, whatever copy of alpha_ckpt the interpreter has
+    installed (or none): this checkout's folder leads PYTHONPATH for the whole session.
+
+    Where tests run (an xdist worker, or a run without -n), the harness's fork server starts at once and
     imports torch while the tests are collected: no test's timeout pays for it."""
+    import os
+    from alpha_ckpt.testing.launch import child_env
+    os.environ["PYTHONPATH"] = child_env()["PYTHONPATH"]
     config = session.config
     if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
         from alpha_ckpt.testing.launch import start_fork_server

@@ -2,22 +2,17 @@
 a rank that is slow but beats within the limit is left alone; --timeout bounds every process group."""
 import json
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from alpha_ckpt.testing.launch import alpha_run
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "in_place_training.py"
 STEPS, STOP_AT = 8, 3
 TIMEOUT, LIMIT = 30, 5  # --timeout and --heartbeat-limit (its period: a quarter of it, at most 1 s)
-
-
-def alpha_run(*args, cwd, timeout=240):
-    return subprocess.run([sys.executable, "-m", "alpha_ckpt.launcher", *map(str, args)], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout)
 
 
 def final_state(proc) -> dict:

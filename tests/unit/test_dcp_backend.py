@@ -294,7 +294,8 @@ def test_a_rank_killed_during_dcp_save_leaves_the_previous_generation_newest_and
     store, script = str(tmp_path / "store"), tmp_path / "killed_save.py"
     script.write_text(_KILLED_SAVE)
     rendezvous = str(tmp_path / "rendezvous")
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), store, rendezvous]) for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), store, rendezvous], env=launch.child_env())
+             for r in range(2)]
     codes = [p.wait(timeout=120) for p in procs]
     assert codes[1] == -signal.SIGKILL and codes[0] != 0
     with Store(store, create=False) as s:
