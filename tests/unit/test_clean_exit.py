@@ -124,10 +124,10 @@ def test_settling_waits_with_the_gil_released_until_a_gloo_collective_in_flight_
 def gloo_workers_after_close(rank, world, store):
     """gloo worker threads of this process: before a Checkpointer, with it (an async one makes a group of its
     own), and after its close()."""
-    import gc
     import torch
     import torch.distributed as dist
     from alpha_ckpt import Checkpointer
+    from alpha_ckpt.testing.launch import wait_until
 
     def workers() -> int:
         names = []
@@ -138,15 +138,13 @@ def gloo_workers_after_close(rank, world, store):
             except OSError:
                 pass
         return names.count("pt_gloo_runloop")
-    dist.barrier()  # the default group's workers are running
-    before = workers()
+    # A worker names itself once it runs: wait until every worker of the default group has.
+    per_group = dist.group.WORLD._get_backend(torch.device("cpu")).options._threads
+    before = wait_until(lambda: workers() == per_group and per_group, timeout=30, what="the default group's workers")
     ckpt = Checkpointer(store, run="groups", save="async")
     ckpt.save({"w": torch.ones(4)}, update=1)
-    during = workers()
+    during = wait_until(lambda: workers() > before and workers(), timeout=30, what="the save group's workers")
     ckpt.close()
-    # Nothing live may hold a group after close(); a reference cycle (a traceback caught on the save thread)
-    # can, until the next collection: count after one.
-    gc.collect()
     return {"before": before, "during": during, "after": workers()}
 
 
