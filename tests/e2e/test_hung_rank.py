@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from alpha_ckpt.testing.launch import alpha_run
+from test_in_place_recovery import events, final_state  # the same training script's result line and events
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "in_place_training.py"
@@ -15,18 +16,12 @@ STEPS, STOP_AT = 8, 3
 TIMEOUT, LIMIT = 30, 5  # --timeout and --heartbeat-limit (its period: a quarter of it, at most 1 s)
 
 
-def final_state(proc) -> dict:
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    return json.loads(lines[-1]) if lines else {}
-
-
-def events(folder: Path) -> dict[int, list[dict]]:
-    """rank -> the events its processes recorded, in order (tests/in_place_training.py)."""
-    out = {}
-    for path in sorted(folder.glob("events-*.jsonl")):
-        lines = [json.loads(line) for line in path.read_text().splitlines()]
-        out[lines[0]["rank"]] = lines
-    return out
+def stopped_run(tmp_path, *flags):
+    """alpha-run of the training script with rank 1 SIGSTOPped at step STOP_AT, its events under tmp_path/ev."""
+    (tmp_path / "ev").mkdir()
+    return alpha_run("--nproc", 2, *flags, "--timeout", TIMEOUT, "--heartbeat-limit", LIMIT, "--store", tmp_path / "s",
+                     SCRIPT, "--steps", STEPS, "--stop-rank", 1, "--stop-at", STOP_AT, "--events", tmp_path / "ev",
+                     cwd=tmp_path)
 
 
 def restores(recorded: list[dict]) -> list[dict]:
@@ -58,10 +53,7 @@ def assert_the_stopped_rank_was_named_and_replaced_in_time(recorded: dict[int, l
 
 @pytest.mark.timeout(300)
 def test_a_stopped_rank_under_in_place_is_killed_named_and_replaced_alone_bit_exact(tmp_path, uninterrupted):
-    (tmp_path / "ev").mkdir()
-    proc = alpha_run("--nproc", 2, "--max-restarts", 1, "--in-place", "--timeout", TIMEOUT, "--heartbeat-limit", LIMIT,
-                     "--store", tmp_path / "s", SCRIPT, "--steps", STEPS, "--stop-rank", 1, "--stop-at", STOP_AT,
-                     "--events", tmp_path / "ev", cwd=tmp_path)
+    proc = stopped_run(tmp_path, "--max-restarts", 1, "--in-place")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert final_state(proc)["state_sha256"] == uninterrupted
     recorded = events(tmp_path / "ev")
@@ -73,10 +65,7 @@ def test_a_stopped_rank_under_in_place_is_killed_named_and_replaced_alone_bit_ex
 
 @pytest.mark.timeout(300)
 def test_a_stopped_rank_under_max_restarts_is_killed_named_and_every_rank_restarts_bit_exact(tmp_path, uninterrupted):
-    (tmp_path / "ev").mkdir()
-    proc = alpha_run("--nproc", 2, "--max-restarts", 1, "--timeout", TIMEOUT, "--heartbeat-limit", LIMIT,
-                     "--store", tmp_path / "s", SCRIPT, "--steps", STEPS, "--stop-rank", 1, "--stop-at", STOP_AT,
-                     "--events", tmp_path / "ev", cwd=tmp_path)
+    proc = stopped_run(tmp_path, "--max-restarts", 1)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert final_state(proc)["state_sha256"] == uninterrupted
     recorded = events(tmp_path / "ev")
@@ -86,10 +75,7 @@ def test_a_stopped_rank_under_max_restarts_is_killed_named_and_every_rank_restar
 
 @pytest.mark.timeout(300)
 def test_a_stopped_rank_with_no_restart_left_exits_75_naming_it_within_the_timeout(tmp_path):
-    (tmp_path / "ev").mkdir()
-    proc = alpha_run("--nproc", 2, "--timeout", TIMEOUT, "--heartbeat-limit", LIMIT, "--store", tmp_path / "s",
-                     SCRIPT, "--steps", STEPS, "--stop-rank", 1, "--stop-at", STOP_AT, "--events", tmp_path / "ev",
-                     cwd=tmp_path)
+    proc = stopped_run(tmp_path)
     ended_at = time.time()
     assert proc.returncode == 75, proc.stderr[-3000:]
     assert "rank 1 " in proc.stderr.strip().splitlines()[-1]
