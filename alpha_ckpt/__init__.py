@@ -22,8 +22,8 @@ from __future__ import annotations
 import importlib
 
 # Importing the package starts no thread and installs no signal handler: alpha-run's processes
-# bind their lives to the launcher themselves (alpha_ckpt/script_runner.py, alpha_ckpt/job/__main__.py).
-from .errors import (CollectiveIncomplete, DurableWriteError, PublishConflict, Refusal, RefusalCode,  # torch-free
+# bind their lives to the launcher themselves (alpha_ckpt/launch/script_runner.py, alpha_ckpt/job/__main__.py).
+from alpha_ckpt.errors import (CollectiveIncomplete, DurableWriteError, PublishConflict, Refusal, RefusalCode,  # torch-free
                      RestoreIncomplete, UsageError, WorkerRNGWarning)
 
 __version__ = "0.1.0"
@@ -33,12 +33,12 @@ __version__ = "0.1.0"
 # a second instead of the seconds torch takes to import.
 _LAZY = {
     "save": "api", "save_async": "api", "restore": "api", "load": "api", "verify": "api", "latest": "api", "Latest": "api",
-    "Skipped": "api", "AsyncSaver": "async_save", "SaveHandle": "async_save", "ShardCarry": "writer",
-    "Published": "writer", "RNGState": "state", "WorkerRNGDataset": "state.loaders", "CapturedState": "state",
+    "Skipped": "api", "AsyncSaver": "generation.async_save", "SaveHandle": "generation.async_save", "ShardCarry": "generation.writer",
+    "Published": "generation.writer", "RNGState": "state", "WorkerRNGDataset": "state.loaders", "CapturedState": "state",
     "capture_state": "state",
-    "PerRank": "state.placement", "Partitioned": "state.placement", "Store": "store", "Counters": "reader",
-    "CapturePrefix": "format", "Checkpointer": "collective", "CheckpointerOptions": "collective",
-    "SaveResult": "collective", "run_resilient": "resilient",
+    "PerRank": "state.placement", "Partitioned": "state.placement", "Store": "store", "Counters": "generation.reader",
+    "CapturePrefix": "format.records", "Checkpointer": "collective", "CheckpointerOptions": "collective",
+    "SaveResult": "collective", "run_resilient": "launch.resilient",
 }
 __all__ = ["save", "save_async", "AsyncSaver", "SaveHandle", "ShardCarry", "restore", "verify", "latest", "Latest",
            "Skipped", "RNGState", "WorkerRNGDataset", "Checkpointer", "CheckpointerOptions", "SaveResult", "PerRank",

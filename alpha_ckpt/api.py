@@ -12,15 +12,15 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from .async_save import AsyncSaver, SaveHandle
-from .launch_env import note_checkpoint_call
-from .errors import OldSpellingWarning, RefusalCode, UsageError
-from .format import CapturePrefix
-from .reader import Counters, latest_generation, load_state, verify_generation
-from .state import CapturedState, capture_state
-from .state.optimizers import allowed_changes
-from .writer import DEFAULT_MAX_SHARD_BYTES, Published, ShardCarry, save_state
-from .store import Store
+from alpha_ckpt.generation.async_save import AsyncSaver, SaveHandle
+from alpha_ckpt.runtime.launch_env import note_checkpoint_call
+from alpha_ckpt.errors import OldSpellingWarning, RefusalCode, UsageError
+from alpha_ckpt.format.records import CapturePrefix
+from alpha_ckpt.generation.reader import Counters, latest_generation, load_state, verify_generation
+from alpha_ckpt.state import CapturedState, capture_state
+from alpha_ckpt.state.optimizers import allowed_changes
+from alpha_ckpt.generation.writer import DEFAULT_MAX_SHARD_BYTES, Published, ShardCarry, save_state
+from alpha_ckpt.store import Store
 
 _log = logging.getLogger("alpha_ckpt")
 

@@ -32,7 +32,7 @@ verdict() {  # verdict NAME OK DETAIL
     if [[ $2 == 1 ]]; then echo "PASS $1: $3"; else echo "FAIL $1: $3"; FAILED=1; fi
 }
 job() {  # job ARGS... -> the final JSON line on stdout; owners' stderr to $STORE/last.err
-    $PY -m alpha_ckpt.launcher --nproc 1 --backend "$BACKEND" --store "$STORE" "$@" "$CONFIG" \
+    $PY -m alpha_ckpt.launch.launcher --nproc 1 --backend "$BACKEND" --store "$STORE" "$@" "$CONFIG" \
         2>"$STORE/last.err" | tail -n 1
 }
 field() { $PY -c 'import json, sys; print(json.loads(sys.stdin.read() or "{}").get(sys.argv[1], ""))' "$1"; }
@@ -55,7 +55,7 @@ if [[ $DEVICE == cuda ]]; then
     recorded=$($PY - "$STORE" "$root" <<'EOF'
 import json, sys
 import pynvml
-from alpha_ckpt.reader import open_generation
+from alpha_ckpt.generation.reader import open_generation
 from alpha_ckpt.store import Store
 with open_generation(Store(sys.argv[1]), sys.argv[2]) as g:
     saved = g.manifest.metadata["devices"][0]
@@ -72,7 +72,7 @@ fi
 
 forged=$($PY -m alpha_ckpt.testing.forge --store "$STORE" "${root:-none}" --edit 'devices.0.product="Altered GPU Product"')
 before=$(store_hash)
-$PY -m alpha_ckpt.launcher --nproc 1 --backend "$BACKEND" --store "$STORE" --run nvml --updates 3 \
+$PY -m alpha_ckpt.launch.launcher --nproc 1 --backend "$BACKEND" --store "$STORE" --run nvml --updates 3 \
     --resume-from "${forged:-none}" "$CONFIG" >/dev/null 2>"$STORE/refused.err"
 code=$?
 after=$(store_hash)

@@ -43,7 +43,8 @@ def _state(gib: float):
 
 def child(method: str, store: str, gib: float) -> None:
     import alpha_ckpt
-    from alpha_ckpt import restore, writer
+    from alpha_ckpt import restore
+    from alpha_ckpt.generation import writer
     checking = [0.0]
     real = restore.validate_object_file
 

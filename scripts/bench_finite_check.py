@@ -18,12 +18,12 @@ import time
 
 import torch
 
-from alpha_ckpt.format import DTYPES, CapturePrefix
-from alpha_ckpt.manifest import regions_of
+from alpha_ckpt.format.records import DTYPES, CapturePrefix
+from alpha_ckpt.state.manifest import regions_of
 from alpha_ckpt.state.capture import flatten_state
-from alpha_ckpt.planner import Piece
+from alpha_ckpt.generation.planner import Piece
 from alpha_ckpt.store import Store
-from alpha_ckpt.writer import publish_slices, word_bytes
+from alpha_ckpt.generation.writer import publish_slices, word_bytes
 
 
 def main() -> None:

@@ -146,7 +146,7 @@ def launch_command(method: str, n: int, work: str, args: argparse.Namespace) -> 
     if method == "torchrun-dcp":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
                 "--max-restarts", "1", *script, "--ckpt", "dcp"]
-    launcher = [sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", str(n), "--store", os.path.join(work, "ckpt"),
+    launcher = [sys.executable, "-m", "alpha_ckpt.launch.launcher", "--nproc", str(n), "--store", os.path.join(work, "ckpt"),
                 "--standalone", "--max-restarts", "1"]
     if method == "alpha-run":
         return [*launcher, *script, "--ckpt", "alpha"]

@@ -32,9 +32,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 
 import alpha_ckpt  # noqa: E402
 from alpha_ckpt import Refusal  # noqa: E402
-from alpha_ckpt.format import PREFIX_LEN, canonical_json, digest_bytes, encode_head  # noqa: E402
+from alpha_ckpt.format.records import PREFIX_LEN, canonical_json, digest_bytes, encode_head  # noqa: E402
 from alpha_ckpt.testing import simulate  # noqa: E402
-from alpha_ckpt.reader import validate_object_bytes  # noqa: E402
+from alpha_ckpt.generation.reader import validate_object_bytes  # noqa: E402
 from alpha_ckpt.store import Store, decode_ref  # noqa: E402
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.text(max_size=20),
@@ -146,8 +146,8 @@ def targets(objects: dict[str, bytes]):
 
     @given(TYPED)
     def typed_values(value):
-        from alpha_ckpt.format import parse_canonical_json
-        from alpha_ckpt.values import decode_value, encode_value
+        from alpha_ckpt.format.records import parse_canonical_json
+        from alpha_ckpt.format.values import decode_value, encode_value
         try:
             data = canonical_json(value)
         except (ValueError, TypeError):

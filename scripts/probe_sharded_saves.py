@@ -109,8 +109,8 @@ class PhaseClock:
 
     def __init__(self) -> None:
         import alpha_ckpt.collective.agreement as agreement
-        import alpha_ckpt.publish.star as star
-        import alpha_ckpt.durable as durable
+        import alpha_ckpt.tiers.durable.star as star
+        import alpha_ckpt.store.durable as durable
         import alpha_ckpt.store as store
         from torch.distributed.checkpoint import utils as dcp_utils
         self.steps = [

@@ -4,7 +4,7 @@
     python scripts/sim_tree.py --owners 200000 --fanout 16
     python scripts/sim_tree.py --owners 1000,10000,200000 --fanout 16 --json
 
-The real tree code (alpha_ckpt.publish.tree) runs over in-process mailboxes
+The real tree code (alpha_ckpt.tiers.durable.tree) runs over in-process mailboxes
 against a real store (tmpfs when available, so the figures measure the
 protocol, not the disk): every role writes a tiny shard and its group
 manifest durably and commits to its parent; the root publishes the ref and

@@ -4,13 +4,13 @@ import pytest
 import torch
 
 import alpha_ckpt
-from alpha_ckpt.format import DTYPES, CapturePrefix
-from alpha_ckpt.manifest import regions_of
+from alpha_ckpt.format.records import DTYPES, CapturePrefix
+from alpha_ckpt.state.manifest import regions_of
 from alpha_ckpt.state.capture import flatten_state
-from alpha_ckpt.planner import Piece
+from alpha_ckpt.generation.planner import Piece
 from alpha_ckpt.store import Store
 from alpha_ckpt.testing.forge import publish_forged
-from alpha_ckpt.writer import word_bytes
+from alpha_ckpt.generation.writer import word_bytes
 
 
 def small_state(seed: int = 0) -> dict:

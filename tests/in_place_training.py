@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import alpha_ckpt
-from alpha_ckpt import launch_env
+from alpha_ckpt.runtime import launch_env
 
 VOCAB, CONTEXT, WIDTH = 32, 16, 32
 

@@ -227,7 +227,7 @@ def _event(event: dict | None, stores: list[str], tiers: list[str], rank: int, w
     """Rank 0 changes the files an event names; every rank waits for it. The stores are made here too,
     each with the number of its incarnation beside its own files."""
     import torch.distributed as dist
-    from alpha_ckpt.memory.tier import holder_directory, holders_of
+    from alpha_ckpt.tiers.memory.tier import holder_directory, holders_of
     from alpha_ckpt.store import RefRecord, Store
     if rank == 0:
         for store in stores:
@@ -260,7 +260,7 @@ def _event(event: dict | None, stores: list[str], tiers: list[str], rank: int, w
 
 
 def _flip_newest(holder, pick: int, RefRecord) -> None:
-    from alpha_ckpt.generation import open_generation
+    from alpha_ckpt.generation.opening import open_generation
     with holder:
         refs = [r for r in holder.list_refs("p", "train") if isinstance(r, RefRecord)]
         if not refs:
@@ -331,7 +331,8 @@ class _KillAt:
 
 def save_until_killed(rank: int, world: int, kill: dict, store: str, tier: str) -> None:
     """Every rank: saves 1..k, armed to die inside save k (and dies after it at the latest)."""
-    from alpha_ckpt import Checkpointer, hooks
+    from alpha_ckpt import Checkpointer
+    from alpha_ckpt.runtime import hooks
     hook = _KillAt(kill["at"][rank])
     hooks.install(hook)
     ckpt = Checkpointer(store, run="p", identity=IDENTITY, memory=tier, replicas=kill["replicas"],

@@ -348,7 +348,7 @@ class _Destination:
 
     def dest(self, node: dict) -> Any:
         from alpha_ckpt import Partitioned, PerRank
-        from alpha_ckpt.planner import shares
+        from alpha_ckpt.generation.planner import shares
         t = node["t"]
         if t == "dict":
             return {key: self.dest(child) for key, child in node["items"]}

@@ -12,7 +12,7 @@ import math
 
 from hypothesis import strategies as st
 
-from alpha_ckpt.format import DTYPES
+from alpha_ckpt.format.records import DTYPES
 from state_recipes import FLOATS, NUMPY, encode, region_names
 
 DTYPE_NAMES = sorted(DTYPES)

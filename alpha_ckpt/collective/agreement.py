@@ -1,10 +1,10 @@
 """Capture and agreement: what each rank holds of a save, and the one layout every rank then writes.
 
 Every rank captures its state and sends rank 0 a
-:class:`~alpha_ckpt.publish.messages.Descriptor` (its skeleton, region
+:class:`~alpha_ckpt.tiers.durable.messages.Descriptor` (its skeleton, region
 declarations and the word ranges it writes; never tensor bytes). Rank 0
 checks that every capture agrees (:func:`merge_captures`) and answers with
-one :class:`~alpha_ckpt.publish.messages.Layout`: the merged skeleton, the
+one :class:`~alpha_ckpt.tiers.durable.messages.Layout`: the merged skeleton, the
 region list, which rank wrote which words (:func:`saved_layout`) and the
 write mode, or the refusal every rank raises. Large replicas are spread over
 the ranks (:func:`replica_writers`), as DCP spreads them; so are the shards
@@ -17,15 +17,15 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any, Mapping, Sequence
 
-from ..errors import Refusal, RefusalCode
-from ..format import CapturePrefix, DTYPES, RegionDecl, block_digests, joined_digest
-from ..manifest import check_coverage, check_region_names
-from ..planner import Piece, shares
-from ..publish.messages import Descriptor, Layout, Outcome, per_rank_hint, short
-from ..publish.wire import global_rank
-from ..publish.wire import broadcast_json, gather_json
-from ..store import Store
-from ..values import decode_value, dotted_leaves
+from alpha_ckpt.errors import Refusal, RefusalCode
+from alpha_ckpt.format.records import CapturePrefix, DTYPES, RegionDecl, block_digests, joined_digest
+from alpha_ckpt.state.manifest import check_coverage, check_region_names
+from alpha_ckpt.generation.planner import Piece, shares
+from alpha_ckpt.tiers.durable.messages import Descriptor, Layout, Outcome, per_rank_hint, short
+from alpha_ckpt.tiers.durable.wire import global_rank
+from alpha_ckpt.tiers.durable.wire import broadcast_json, gather_json
+from alpha_ckpt.store import Store
+from alpha_ckpt.format.values import decode_value, dotted_leaves
 
 SPREAD_BYTES = 1 << 20  # replicated regions this large are spread over the ranks (star and tree)
 
@@ -207,7 +207,7 @@ def merge_captures(descriptors: Sequence[Descriptor]) -> tuple[Any, tuple[Region
 
     Before any rank writes: a region every rank declares alike (a Partitioned one of one shape),
     names unique across ranks, and the ranks' pieces holding every word of every region exactly
-    once (:func:`~alpha_ckpt.manifest.check_coverage`, which the root manifest passes again)."""
+    once (:func:`~alpha_ckpt.state.manifest.check_coverage`, which the root manifest passes again)."""
     first = descriptors[0]
     for r, d in enumerate(descriptors):
         if d.prefix != first.prefix:
@@ -241,7 +241,7 @@ def shared_piece_writers(descriptors: Sequence[Descriptor], regions: Sequence[Re
     """Which rank writes each piece that several ranks hold alike (pure), as DCP's planner dedups
     them: largest first, each to the holder with the fewest bytes to write so far (its own pieces
     counted first), the lowest such rank on a tie. The other holders hash theirs: the replicas are
-    compared before anything is published (:func:`~alpha_ckpt.publish.messages.check_shared`)."""
+    compared before anything is published (:func:`~alpha_ckpt.tiers.durable.messages.check_shared`)."""
     # word sizes (a name no region declares counts 1: the coverage check refuses it)
     size = defaultdict(lambda: 1, {r.name: DTYPES[r.dtype][0] for r in regions})
     holders: dict[tuple[str, int, int], list[int]] = {}
@@ -270,7 +270,7 @@ def saved_layout(descriptors: Sequence[Descriptor], regions: Sequence[RegionDecl
                  shared: SharedWriters | None = None) -> dict | None:
     """Which rank wrote which words, as a rule a reader computes (pure): None where no rule fits.
 
-    ``partitioned``: regions every rank holds its :func:`~alpha_ckpt.planner.shares` range of;
+    ``partitioned``: regions every rank holds its :func:`~alpha_ckpt.generation.planner.shares` range of;
     ``own``: [ordinal, rank] for a region one rank wrote whole (a PerRank entry, or a replica spread
     to another rank). Everything else is replicated, written by rank 0. A tree restore then reads
     only the group manifests on the paths to the ranks that hold its words. ``shared``: the one

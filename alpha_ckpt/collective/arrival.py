@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 import torch.distributed as dist
 
-from ..errors import CollectiveIncomplete, Refusal, UsageError
+from alpha_ckpt.errors import CollectiveIncomplete, Refusal, UsageError
 
 logger = logging.getLogger("alpha_ckpt")
 

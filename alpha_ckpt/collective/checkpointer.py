@@ -42,10 +42,10 @@ next older one together.
 
 The parts, by name: every option in :mod:`.options`; capture and agreement
 in :mod:`.agreement`; the publishers behind one interface in
-:mod:`alpha_ckpt.publish.publisher` (:mod:`~alpha_ckpt.publish.star`,
-:mod:`~alpha_ckpt.publish.tree`); choosing the generation to resume in
+:mod:`alpha_ckpt.tiers.durable.publisher` (:mod:`~alpha_ckpt.tiers.durable.star`,
+:mod:`~alpha_ckpt.tiers.durable.tree`); choosing the generation to resume in
 :mod:`.resume`; the messages ranks exchange, typed and versioned, in
-:mod:`alpha_ckpt.publish.messages`. This class only calls them in order.
+:mod:`alpha_ckpt.tiers.durable.messages`. This class only calls them in order.
 """
 from __future__ import annotations
 
@@ -61,36 +61,36 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from ..async_save import AsyncSaver
-from ..device import check_devices, current_device
-from ..errors import OldSpellingWarning, Refusal, RefusalCode, StoreUsageError, UsageError
-from ..format import CapturePrefix, block_digests
-from ..gc import retain_newest
-from ..heap import cyclic_gc_paused
-from .. import launch_env
-from ..launch_env import launcher_settings
-from ..manifest import encode_identity
-from ..planner import Hierarchy
-from ..memory.tier import MemoryTier, lineage, memory_directory, rejection, replica_stride
-from ..publish.messages import Candidate, Candidates, Completion, Descriptor, Interval, Outcome
-from ..publish.publisher import Contribution, Publisher
-from ..publish.star import StarPublisher
-from ..publish.tree import TreePublisher
-from ..publish.wire import any_rank, broadcast_json, global_rank
-from ..reader import Counters
-from ..state.capture import capture_state
-from ..store import Store
-from ..teardown import on_exit
-from ..writer import ShardCarry, word_view
-from . import agreement  # agreement.agree_layout, looked up at each call (a probe may time it)
-from .agreement import agreed_regions, describe, own_parts, replica_digests, shared_digests, split_shared
-from .arrival import Arrivals, group_timeout
-from .options import CheckpointerOptions
-from .recovery import RecoveryClock
-from .result import SaveResult, completed
-from .resume import DAMAGE, Choice, announce, announce_save, prepare, shards_read
-from .schedule import DURABLE, MEMORY
-from .verdict import agree, agree_usage
+from alpha_ckpt.generation.async_save import AsyncSaver
+from alpha_ckpt.state.device import check_devices, current_device
+from alpha_ckpt.errors import OldSpellingWarning, Refusal, RefusalCode, StoreUsageError, UsageError
+from alpha_ckpt.format.records import CapturePrefix, block_digests
+from alpha_ckpt.upkeep.gc import retain_newest
+from alpha_ckpt.runtime.heap import cyclic_gc_paused
+from alpha_ckpt.runtime import launch_env
+from alpha_ckpt.runtime.launch_env import launcher_settings
+from alpha_ckpt.state.manifest import encode_identity
+from alpha_ckpt.generation.planner import Hierarchy
+from alpha_ckpt.tiers.memory.tier import MemoryTier, lineage, memory_directory, rejection, replica_stride
+from alpha_ckpt.tiers.durable.messages import Candidate, Candidates, Completion, Descriptor, Interval, Outcome
+from alpha_ckpt.tiers.durable.publisher import Contribution, Publisher
+from alpha_ckpt.tiers.durable.star import StarPublisher
+from alpha_ckpt.tiers.durable.tree import TreePublisher
+from alpha_ckpt.tiers.durable.wire import any_rank, broadcast_json, global_rank
+from alpha_ckpt.generation.reader import Counters
+from alpha_ckpt.state.capture import capture_state
+from alpha_ckpt.store import Store
+from alpha_ckpt.runtime.teardown import on_exit
+from alpha_ckpt.generation.writer import ShardCarry, word_view
+from alpha_ckpt.collective import agreement  # agreement.agree_layout, looked up at each call (a probe may time it)
+from alpha_ckpt.collective.agreement import agreed_regions, describe, own_parts, replica_digests, shared_digests, split_shared
+from alpha_ckpt.collective.arrival import Arrivals, group_timeout
+from alpha_ckpt.collective.options import CheckpointerOptions
+from alpha_ckpt.collective.recovery import RecoveryClock
+from alpha_ckpt.collective.result import SaveResult, completed
+from alpha_ckpt.collective.resume import DAMAGE, Choice, announce, announce_save, prepare, shards_read
+from alpha_ckpt.collective.schedule import DURABLE, MEMORY
+from alpha_ckpt.collective.verdict import agree, agree_usage
 
 logger = logging.getLogger("alpha_ckpt")
 
@@ -205,7 +205,7 @@ class Checkpointer:
                                          stride=replica_stride(self.world), group=tier_group,
                                          identity=self.identity)
         # Never closed: at exit, while the interpreter is still whole, the save thread is joined and the
-        # groups made here are destroyed, before the default group (alpha_ckpt.teardown).
+        # groups made here are destroyed, before the default group (alpha_ckpt.runtime.teardown).
         self._release = weakref.finalize(self, _release, self._saver,
                                          [g for g in (self._save_group, tier_group, self._control if nccl else None) if g])
         on_exit(self._release)
@@ -220,7 +220,7 @@ class Checkpointer:
     def from_launcher_env(cls, *, group: Any = None, bindings: Callable[[Any], None] | None = None,
                           **overrides: Any) -> "Checkpointer":
         """The Checkpointer of a script started by alpha-run: its store, run, resume choice and
-        checkpoint flags (alpha_ckpt/launch_env.py), each overridden by the keyword argument of
+        checkpoint flags (alpha_ckpt/runtime/launch_env.py), each overridden by the keyword argument of
         the same name given here; restores are announced. :class:`UsageError` naming what is
         missing when this process was not started by alpha-run."""
         return cls(options=_launcher_options(overrides), group=group, bindings=bindings)

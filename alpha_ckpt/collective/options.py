@@ -3,7 +3,7 @@
 ``Checkpointer(store, run=..., ...)`` builds a :class:`CheckpointerOptions`
 from its keyword arguments; ``Checkpointer(options=...)`` takes one as it is;
 ``Checkpointer.from_launcher_env(**overrides)`` fills one from alpha-run's
-flags (alpha_ckpt/launch_env.py), the arguments given overriding them. A value
+flags (alpha_ckpt/runtime/launch_env.py), the arguments given overriding them. A value
 that cannot be is a :class:`~alpha_ckpt.UsageError` here (exit 2 under
 alpha-run), never a checkpoint's refusal later.
 """
@@ -15,13 +15,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..errors import Refusal, UsageError
-from ..format import check_json_value, check_name, is_digest
-from ..manifest import encode_identity
-from ..state.capture import pattern_list
-from ..state.optimizers import allowed_changes
-from ..state.rules import METADATA_KEY as PLACEMENT_KEY, PlacementRules
-from .schedule import Schedule
+from alpha_ckpt.errors import Refusal, UsageError
+from alpha_ckpt.format.records import check_json_value, check_name, is_digest
+from alpha_ckpt.state.manifest import encode_identity
+from alpha_ckpt.state.capture import pattern_list
+from alpha_ckpt.state.optimizers import allowed_changes
+from alpha_ckpt.state.rules import METADATA_KEY as PLACEMENT_KEY, PlacementRules
+from alpha_ckpt.collective.schedule import Schedule
 
 RECORDED = frozenset({"identity", "owners", "devices", "layout", PLACEMENT_KEY})  # metadata= may not set these
 

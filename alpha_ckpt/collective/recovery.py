@@ -1,7 +1,7 @@
 """One ``recovered`` event per recovery: which tier and root the state came from, the bytes from peers
 and from the store, and where the seconds went.
 
-A restarted rank learns from alpha-run when the failure was detected (:func:`alpha_ckpt.launch_env.
+A restarted rank learns from alpha-run when the failure was detected (:func:`alpha_ckpt.runtime.launch_env.
 restart_context`). The clock then has five marks: the detection, this process's start, the
 Checkpointer's construction (imports, the process group and the model were built by then), the end of
 the restore, and the end of the first step after it, which is when the script next calls ``save`` or
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..progress import emit, format_bytes, is_tty
+from alpha_ckpt.runtime.progress import emit, format_bytes, is_tty
 
 
 class RecoveryClock:

@@ -21,18 +21,18 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from ..device import check_devices
-from ..errors import Refusal, RefusalCode
-from ..manifest import encode_identity, identity_matches
-from ..planner import WantedSlice, owners_holding
-from ..progress import emit, format_bytes, is_tty
-from ..publish.messages import Candidate, short
-from ..generation import records_holding
-from ..reader import Counters, latest_order, open_generation, prepare_fill
-from ..state.load import plan_load
-from ..state.rules import recorded_per_rank
-from ..store import RefRecord, Store
-from .schedule import save_event_fields
+from alpha_ckpt.state.device import check_devices
+from alpha_ckpt.errors import Refusal, RefusalCode
+from alpha_ckpt.state.manifest import encode_identity, identity_matches
+from alpha_ckpt.generation.planner import WantedSlice, owners_holding
+from alpha_ckpt.runtime.progress import emit, format_bytes, is_tty
+from alpha_ckpt.tiers.durable.messages import Candidate, short
+from alpha_ckpt.generation.opening import records_holding
+from alpha_ckpt.generation.reader import Counters, latest_order, open_generation, prepare_fill
+from alpha_ckpt.state.load import plan_load
+from alpha_ckpt.state.rules import recorded_per_rank
+from alpha_ckpt.store import RefRecord, Store
+from alpha_ckpt.collective.schedule import save_event_fields
 
 logger = logging.getLogger("alpha_ckpt")
 

@@ -1,7 +1,7 @@
 """Which updates a script checkpoints, and to which tier: every K, or Young/Daly's intervals from what the run measures.
 
 ``every=K``: updates K, 2K, 3K, ... ``every="auto"`` with ``mtbf``: the
-interval is ``sqrt(2 x C x M)`` (:mod:`alpha_ckpt.interval`) turned into a
+interval is ``sqrt(2 x C x M)`` (:mod:`alpha_ckpt.runtime.interval`) turned into a
 number of updates from the measured seconds per update, where C is what a
 checkpoint costs the training (sync: the whole save; async: the stall),
 the mean of the last three measured, or ``checkpoint_cost`` until one is.
@@ -19,7 +19,7 @@ and a job has a durable generation from its first save on. Every rank counts
 the same saves (a save is collective), so every rank names the same tier.
 ``every="auto"`` plans both: the updates between saves from the memory tier's
 interval ``sqrt(2 x C_memory x mtbf)``, and K from the durable tier's
-``sqrt(2 x C_durable x mtbf_durable)`` (:func:`alpha_ckpt.interval.saves_per_durable`).
+``sqrt(2 x C_durable x mtbf_durable)`` (:func:`alpha_ckpt.runtime.interval.saves_per_durable`).
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ import math
 import statistics
 import time
 
-from ..interval import IntervalPlan, parse_duration, saves_per_durable, young_daly
-from ..publish.messages import Interval
+from alpha_ckpt.runtime.interval import IntervalPlan, parse_duration, saves_per_durable, young_daly
+from alpha_ckpt.tiers.durable.messages import Interval
 
 MEMORY = "memory"
 DURABLE = "durable"

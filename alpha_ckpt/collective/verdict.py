@@ -4,10 +4,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..errors import Refusal, UsageError
-from ..publish.messages import UsageVerdict, Verdict
-from ..publish.wire import broadcast_json, global_rank, wire_device
-from ..teardown import exit_clean
+from alpha_ckpt.errors import Refusal, UsageError
+from alpha_ckpt.tiers.durable.messages import UsageVerdict, Verdict
+from alpha_ckpt.tiers.durable.wire import broadcast_json, global_rank, wire_device
+from alpha_ckpt.runtime.teardown import exit_clean
 
 
 def agree(refusal: Refusal | None, group=None) -> None:

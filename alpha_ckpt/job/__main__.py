@@ -2,18 +2,18 @@
 import os
 import sys
 
-from .. import lifeline
+from alpha_ckpt.runtime import lifeline
 
 if __name__ == "__main__":
     # First, before torch is imported (seconds): under alpha-run the owner binds its life to the
-    # launcher's (alpha_ckpt/lifeline.py); under plain torchrun, to the agent's.
+    # launcher's (alpha_ckpt/runtime/lifeline.py); under plain torchrun, to the agent's.
     lifeline.bind_to_named_launcher()
     lifeline.bind_to_parent()
-    from ..testing.faults import install_from_environment
+    from alpha_ckpt.runtime.faults import install_from_environment
     install_from_environment()  # the fault and kill points a test asks of this owner, if any
-    from .. import heartbeat
+    from alpha_ckpt.runtime import heartbeat
     heartbeat.start_from_environment()  # beats to alpha-run, which kills an owner whose beats stop (hung)
-    from .owner import main
+    from alpha_ckpt.job.owner import main
     exit_code = main()
     sys.stdout.flush()
     sys.stderr.flush()

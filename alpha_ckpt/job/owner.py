@@ -25,25 +25,25 @@ import blake3
 import torch
 import torch.distributed as dist
 
-from ..collective import Checkpointer
-from ..progress import emit, format_bytes, is_tty
-from ..errors import DurableWriteError, PublishFailed, Refusal, RefusalCode
-from ..format import canonical_json
-from ..heartbeat import bound_collectives
-from ..learner.config import JobConfig
-from ..learner.data import shares
-from ..learner.digest import state_digest
-from ..learner.model import (
+from alpha_ckpt.collective import Checkpointer
+from alpha_ckpt.runtime.progress import emit, format_bytes, is_tty
+from alpha_ckpt.errors import DurableWriteError, PublishFailed, Refusal, RefusalCode
+from alpha_ckpt.format.records import canonical_json
+from alpha_ckpt.runtime.heartbeat import bound_collectives
+from alpha_ckpt.job.learner.config import JobConfig
+from alpha_ckpt.job.learner.data import shares
+from alpha_ckpt.job.learner.digest import state_digest
+from alpha_ckpt.job.learner.model import (
     COMBINE_ORDER, LearnerState, apply_update, combine, configure_determinism, share_gradient, sum_in_owner_order,
 )
-from ..state import capture_state
-from ..state.placement import Partitioned
-from ..gc import discard_completed_step
-from ..reader import open_generation
-from ..store import Store
-from ..usage import OneLineArgumentParser, UsageError, check_store_writable
-from .usage import check_job_args
-from .. import hooks, launch_env
+from alpha_ckpt.state import capture_state
+from alpha_ckpt.state.placement import Partitioned
+from alpha_ckpt.upkeep.gc import discard_completed_step
+from alpha_ckpt.generation.reader import open_generation
+from alpha_ckpt.store import Store
+from alpha_ckpt.launch.usage import OneLineArgumentParser, UsageError, check_store_writable
+from alpha_ckpt.job.usage import check_job_args
+from alpha_ckpt.runtime import hooks, launch_env
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_RETRY = 0, 2, 3, 75
 _IDENTITY_EXCLUDES = ("run", "step", "parameters", "bind_placement")
@@ -399,7 +399,7 @@ def attempt_resume(args) -> Resume | None:
     """What this attempt of the job resumes (None: a fresh start).
 
     The first attempt: its flags. A restart (alpha-run --max-restarts): what the launcher chose once
-    the previous attempt stopped (alpha_ckpt/launch_env.py's RestartContext.resume: the newest
+    the previous attempt stopped (alpha_ckpt/runtime/launch_env.py's RestartContext.resume: the newest
     generation, ROOT again after --resume-from ROOT while nothing continued it, or, None, the
     branch again). Restarted by plain torchrun, which chooses nothing: the newest generation,
     unless the flags name a generation (--resume-from, --branch-from), which are kept.

@@ -1,14 +1,14 @@
 """The built-in job's usage check: its flags and its config (alpha-run and every owner run it).
 
-The generic checks (flags a launched script shares, the store) are :mod:`alpha_ckpt.usage`'s;
+The generic checks (flags a launched script shares, the store) are :mod:`alpha_ckpt.launch.usage`'s;
 this is the job's own, so the checks every launch shares do not depend on the job's config.
 """
 from __future__ import annotations
 
 import tomllib
 
-from ..learner.config import JobConfig, load_config
-from ..usage import UsageError, check_checkpoint_flags
+from alpha_ckpt.job.learner.config import JobConfig, load_config
+from alpha_ckpt.launch.usage import UsageError, check_checkpoint_flags
 
 
 def check_job_args(args, overrides: list[str]) -> JobConfig:

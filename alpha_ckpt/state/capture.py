@@ -10,7 +10,7 @@ of these. Capturing it (pure, no I/O):
   (``optim.state.0.exp_avg``: dict keys, int keys and list indices joined by
   dots), in the order met;
 - everything else becomes the skeleton: the typed JSON of
-  :mod:`alpha_ckpt.values`, with ``{"tensor": name}`` where a tensor was.
+  :mod:`alpha_ckpt.format.values`, with ``{"tensor": name}`` where a tensor was.
   A Stateful object is recorded as what its ``state_dict()`` returned; a module's keys
   as the plain module's, without the ``_orig_mod.`` segments torch.compile adds
   (:mod:`alpha_ckpt.state.compiled`).
@@ -24,13 +24,13 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..errors import Refusal, RefusalCode
-from ..format import RegionDecl
-from ..manifest import regions_of
-from ..values import encode_value
-from .compiled import as_plain
-from .loaders import warn_if_worker_generators_unsaved
-from .placement import Partitioned, PerRank, ShardRanges, dtensor_part, is_dtensor
+from alpha_ckpt.errors import Refusal, RefusalCode
+from alpha_ckpt.format.records import RegionDecl
+from alpha_ckpt.state.manifest import regions_of
+from alpha_ckpt.format.values import encode_value
+from alpha_ckpt.state.compiled import as_plain
+from alpha_ckpt.state.loaders import warn_if_worker_generators_unsaved
+from alpha_ckpt.state.placement import Partitioned, PerRank, ShardRanges, dtensor_part, is_dtensor
 
 
 def is_stateful(obj: Any) -> bool:

@@ -22,7 +22,7 @@ The destination decides what is wanted, the checkpoint what it holds:
   compiled and plain modules restore into each other.
 
 Every disagreement is collected first, so one refusal names them all
-(:func:`alpha_ckpt.manifest.refuse_mismatch`) before a byte is copied.
+(:func:`alpha_ckpt.state.manifest.refuse_mismatch`) before a byte is copied.
 """
 from __future__ import annotations
 
@@ -32,15 +32,15 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..errors import Refusal, RefusalCode, RestoreIncomplete
-from ..format import RegionDecl
-from ..manifest import describe_region, dtype_name, matches_any, refuse_mismatch, torch_dtype
-from ..values import PerRankSaved, RegionRef, decode_value, dotted_leaves as _refs
-from .capture import capture_state, is_stateful
-from .compiled import WRAPPED, plain_keys
-from .loaders import settle_lazy_load
-from .optimizers import class_change
-from .placement import Partitioned, PerRank, is_dtensor, restore_ranges
+from alpha_ckpt.errors import Refusal, RefusalCode, RestoreIncomplete
+from alpha_ckpt.format.records import RegionDecl
+from alpha_ckpt.state.manifest import describe_region, dtype_name, matches_any, refuse_mismatch, torch_dtype
+from alpha_ckpt.format.values import PerRankSaved, RegionRef, decode_value, dotted_leaves as _refs
+from alpha_ckpt.state.capture import capture_state, is_stateful
+from alpha_ckpt.state.compiled import WRAPPED, plain_keys
+from alpha_ckpt.state.loaders import settle_lazy_load
+from alpha_ckpt.state.optimizers import class_change
+from alpha_ckpt.state.placement import Partitioned, PerRank, is_dtensor, restore_ranges
 
 _ABSENT = object()
 _COMPILED_HINT = (

@@ -24,8 +24,8 @@ from typing import Any, Mapping
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from ..errors import UsageError, WorkerRNGWarning
-from .rng import cpu_generators_state, set_cpu_generators_state
+from alpha_ckpt.errors import UsageError, WorkerRNGWarning
+from alpha_ckpt.state.rng import cpu_generators_state, set_cpu_generators_state
 
 
 def settle_lazy_load(obj: Any) -> None:

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ..manifest import matches_any
-from .capture import pattern_list
+from alpha_ckpt.state.manifest import matches_any
+from alpha_ckpt.state.capture import pattern_list
 
 METADATA_KEY = "placement_patterns"
 

@@ -10,28 +10,28 @@
     write_mode.py  how large objects are written (WriteModes, the learner a Store owns)
     leases.py, pending.py   pending-publish leases (what lets gc run beside a publish)
     sweep.py       gc's file operations: set objects and refs aside, put them back, remove
-    pinfiles.py    the pins directory's files (what a pin means: alpha_ckpt.pins)
-    records.py     the verified directory's files (what a record means: alpha_ckpt.complete)
+    pinfiles.py    the pins directory's files (what a pin means: alpha_ckpt.upkeep.pins)
+    records.py     the verified directory's files (what a record means: alpha_ckpt.upkeep.complete)
     store.py       the Store, over a backend
 
-Every write goes through :func:`alpha_ckpt.durable.durable_commit`. Every read
+Every write goes through :func:`alpha_ckpt.store.durable.durable_commit`. Every read
 opens relative to the store's directory descriptors with O_NOFOLLOW and
 requires a regular file, so a name can never escape the store. Paths are
 runtime bindings: a copied or moved store works unchanged.
 """
 from __future__ import annotations
 
-from ._posix import write_all
-from .backend import PutResult, RefDir, RefUnreadable, StorageBackend
-from .layout import StoreLayout
-from .leases import PENDING_DIR
-from .objects import FAN_NAME_RE, ObjectFile, Validate
-from .pending import PublishLease
-from .posix import PosixBackend
-from .refs import (MAX_PUBLISHED_AT, MAX_REF_BYTES, REF_DIGITS, REF_NAME_RE, History, RefRecord, UnreadableRef,
+from alpha_ckpt.store._posix import write_all
+from alpha_ckpt.store.backend import PutResult, RefDir, RefUnreadable, StorageBackend
+from alpha_ckpt.store.layout import StoreLayout
+from alpha_ckpt.store.leases import PENDING_DIR
+from alpha_ckpt.store.objects import FAN_NAME_RE, ObjectFile, Validate
+from alpha_ckpt.store.pending import PublishLease
+from alpha_ckpt.store.posix import PosixBackend
+from alpha_ckpt.store.refs import (MAX_PUBLISHED_AT, MAX_REF_BYTES, REF_DIGITS, REF_NAME_RE, History, RefRecord, UnreadableRef,
                    check_fence, decode_ref, encode_ref)
-from .store import QUARANTINE_DIR, Store
-from .write_mode import (DEFAULT_WRITE_MODE, DEFAULT_WRITE_THREADS, DIRECT_MARGIN, EXPLORE_EVERY, WRITE_MODES,
+from alpha_ckpt.store.store import QUARANTINE_DIR, Store
+from alpha_ckpt.store.write_mode import (DEFAULT_WRITE_MODE, DEFAULT_WRITE_THREADS, DIRECT_MARGIN, EXPLORE_EVERY, WRITE_MODES,
                          WriteModes)
 
 __all__ = [

@@ -4,10 +4,10 @@ from __future__ import annotations
 import os
 import stat
 
-from .. import durable
-from ..errors import Refusal, RefusalCode
-from ..format import check_name
-from .layout import DIR_FLAGS
+from alpha_ckpt.store import durable
+from alpha_ckpt.errors import Refusal, RefusalCode
+from alpha_ckpt.format.records import check_name
+from alpha_ckpt.store.layout import DIR_FLAGS
 
 _DIR_FLAGS = DIR_FLAGS
 

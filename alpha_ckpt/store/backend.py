@@ -21,7 +21,7 @@ Guarantees every backend gives:
 
 - ``put_objects``: each object is durable under its name before the call
   returns, written whole or not at all (the POSIX backend's one
-  :func:`alpha_ckpt.durable.durable_commit_all`: write to tmp, fsync,
+  :func:`alpha_ckpt.store.durable.durable_commit_all`: write to tmp, fsync,
   rename without replacing, fsync the directory). A name already present is
   never overwritten: its slot says so (``created=False``).
 - Objects are never modified once put: a reader of a name reads the bytes it
@@ -51,7 +51,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol, Sequence
 
-from .objects import ObjectFile, Validate
+from alpha_ckpt.store.objects import ObjectFile, Validate
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@
     STORE/pending/<pid>-<random>               leases of publishes in flight (:mod:`alpha_ckpt.store.leases`)
     STORE/quarantine/<digest>-<time>-<random>  damaged or hostile entries found at an object's path, set aside
     STORE/quarantine/ref-<generation>-<time>-<random>   unreadable refs gc set aside
-    STORE/pins/<root>                          pinned generations (:mod:`alpha_ckpt.pins`)
-    STORE/verified/<root>                      what a completeness check validated (:mod:`alpha_ckpt.complete`)
+    STORE/pins/<root>                          pinned generations (:mod:`alpha_ckpt.upkeep.pins`)
+    STORE/verified/<root>                      what a completeness check validated (:mod:`alpha_ckpt.upkeep.complete`)
     STORE/outputs/RUN/STEP/<name>              a job's declared outputs
     STORE/instance                             this store's instance id (random, written once at its first
                                                writable open): what the memory tier ties its generations to

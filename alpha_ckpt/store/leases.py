@@ -25,10 +25,10 @@ import stat
 from dataclasses import dataclass
 from typing import Callable
 
-from ..durable import file_kind
-from ..errors import Refusal, RefusalCode
-from ..format import canonical_json, check_name, parse_canonical_json
-from .layout import PENDING, StoreLayout
+from alpha_ckpt.store.durable import file_kind
+from alpha_ckpt.errors import Refusal, RefusalCode
+from alpha_ckpt.format.records import canonical_json, check_name, parse_canonical_json
+from alpha_ckpt.store.layout import PENDING, StoreLayout
 
 PENDING_DIR = PENDING
 STALE_AFTER_S = 6 * 3600.0

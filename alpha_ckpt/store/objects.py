@@ -10,7 +10,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import Refusal, RefusalCode
+from alpha_ckpt.errors import Refusal, RefusalCode
 
 FAN_NAME_RE = re.compile(r"\A[0-9a-f]{2}\Z")
 _MADV_POPULATE_READ = 22  # Linux 5.14+; not exported by Python's mmap module

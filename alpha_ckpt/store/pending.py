@@ -7,9 +7,9 @@ import socket
 import threading
 import time
 
-from .. import durable
-from ._posix import _DIR_FLAGS, _check_plain_dir, write_all
-from .leases import PENDING_DIR, Lease, process_start
+from alpha_ckpt.store import durable
+from alpha_ckpt.store._posix import _DIR_FLAGS, _check_plain_dir, write_all
+from alpha_ckpt.store.leases import PENDING_DIR, Lease, process_start
 
 
 class PublishLease:

@@ -1,6 +1,6 @@
 """The pins directory's files: STORE/pins/<root digest>, one per pinned generation.
 
-What a pin means and when one may be taken is :mod:`alpha_ckpt.pins`; this module only lists, reads,
+What a pin means and when one may be taken is :mod:`alpha_ckpt.upkeep.pins`; this module only lists, reads,
 writes (through the one durable commit) and removes the files, never through a symlink and never
 opening what is not a regular file.
 """
@@ -11,13 +11,13 @@ import os
 import stat
 from typing import Callable
 
-from .. import durable
-from ..durable import file_kind
-from ..errors import Refusal, RefusalCode
-from ..format import is_digest
-from ._posix import write_all
-from .layout import DIR_FLAGS, PINS, TMP
-from .store import Store
+from alpha_ckpt.store import durable
+from alpha_ckpt.store.durable import file_kind
+from alpha_ckpt.errors import Refusal, RefusalCode
+from alpha_ckpt.format.records import is_digest
+from alpha_ckpt.store._posix import write_all
+from alpha_ckpt.store.layout import DIR_FLAGS, PINS, TMP
+from alpha_ckpt.store.store import Store
 
 
 def _not_a_directory(exc: OSError) -> Exception:

@@ -1,6 +1,6 @@
 """The POSIX file system as a storage backend (:class:`~alpha_ckpt.store.backend.StorageBackend`).
 
-Every write goes through :func:`alpha_ckpt.durable.durable_commit` (or its batched form). Every read
+Every write goes through :func:`alpha_ckpt.store.durable.durable_commit` (or its batched form). Every read
 opens relative to the store's directory descriptors with O_NOFOLLOW and requires a regular file, so
 a name can never escape the store. Where things lie: :mod:`alpha_ckpt.store.layout`.
 """
@@ -15,15 +15,15 @@ import threading
 import time
 from typing import Callable, Iterator, Sequence
 
-from .. import durable
-from ..errors import DurableWriteError, Refusal, RefusalCode, StoreUsageError
-from ._posix import _DIR_FLAGS, _check_plain_dir, _entry_kind, _file_key, _log, _plain_subdirs, write_all
-from . import layout as L
-from .backend import PutResult, RefDir, RefUnreadable
-from .layout import StoreLayout, fan_of, ref_name
-from .objects import FAN_NAME_RE, ObjectFile, Validate
-from .refs import MAX_REF_BYTES, REF_NAME_RE
-from ..format import is_digest
+from alpha_ckpt.store import durable
+from alpha_ckpt.errors import DurableWriteError, Refusal, RefusalCode, StoreUsageError
+from alpha_ckpt.store._posix import _DIR_FLAGS, _check_plain_dir, _entry_kind, _file_key, _log, _plain_subdirs, write_all
+from alpha_ckpt.store import layout as L
+from alpha_ckpt.store.backend import PutResult, RefDir, RefUnreadable
+from alpha_ckpt.store.layout import StoreLayout, fan_of, ref_name
+from alpha_ckpt.store.objects import FAN_NAME_RE, ObjectFile, Validate
+from alpha_ckpt.store.refs import MAX_REF_BYTES, REF_NAME_RE
+from alpha_ckpt.format.records import is_digest
 
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 INSTANCE_BYTES = 16
@@ -189,7 +189,7 @@ class PosixBackend:
                 self._fans_to_sync = False
 
     def put_objects(self, writes: Sequence[Callable[[int], str]], threads: int) -> list[PutResult]:
-        """One batched durable commit of ``writes`` (see :func:`alpha_ckpt.durable.durable_commit_all`)."""
+        """One batched durable commit of ``writes`` (see :func:`alpha_ckpt.store.durable.durable_commit_all`)."""
         names: dict[int, str] = {}
         files: dict[int, os.stat_result] = {}
 

@@ -1,6 +1,6 @@
 """The verified directory's files: STORE/verified/<root>, what a completeness check validated.
 
-What a record holds and when it is trusted is :mod:`alpha_ckpt.complete`; this module only reads,
+What a record holds and when it is trusted is :mod:`alpha_ckpt.upkeep.complete`; this module only reads,
 writes (through the one durable commit) and lists the files, and takes an object file's identity.
 """
 from __future__ import annotations
@@ -8,11 +8,11 @@ from __future__ import annotations
 import os
 import stat
 
-from .. import durable
-from ..format import is_digest
-from ._posix import write_all
-from .layout import DIR_FLAGS, TMP, VERIFIED
-from .store import Store
+from alpha_ckpt.store import durable
+from alpha_ckpt.format.records import is_digest
+from alpha_ckpt.store._posix import write_all
+from alpha_ckpt.store.layout import DIR_FLAGS, TMP, VERIFIED
+from alpha_ckpt.store.store import Store
 
 _FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 

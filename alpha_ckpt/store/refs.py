@@ -10,9 +10,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..errors import Refusal, RefusalCode
-from ..format import CapturePrefix, canonical_json, digest_bytes, is_digest, parse_canonical_json
-from .layout import REF_DIGITS, ref_name
+from alpha_ckpt.errors import Refusal, RefusalCode
+from alpha_ckpt.format.records import CapturePrefix, canonical_json, digest_bytes, is_digest, parse_canonical_json
+from alpha_ckpt.store.layout import REF_DIGITS, ref_name
 
 REF_NAME_RE = re.compile(r"\A[0-9]{%d}\Z" % REF_DIGITS)
 MAX_PUBLISHED_AT = 1e11  # seconds since the epoch: year 5138

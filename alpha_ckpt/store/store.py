@@ -12,17 +12,17 @@ import secrets
 import time
 from typing import Callable, Iterator, Sequence
 
-from ..errors import DurableWriteError, PublishConflict, Refusal, RefusalCode, StoreUsageError
-from ..format import CapturePrefix, check_name, is_digest
-from ._posix import _log
-from . import layout as L
-from .backend import RefDir, RefUnreadable
-from .layout import StoreLayout, ref_name
-from .objects import ObjectFile, Validate
-from .pending import PublishLease, _LeaseBook
-from .posix import PosixBackend
-from .refs import History, RefRecord, UnreadableRef, check_fence, decode_ref, encode_ref
-from .write_mode import DEFAULT_WRITE_MODE, DEFAULT_WRITE_THREADS, WriteModes, check_write_threads
+from alpha_ckpt.errors import DurableWriteError, PublishConflict, Refusal, RefusalCode, StoreUsageError
+from alpha_ckpt.format.records import CapturePrefix, check_name, is_digest
+from alpha_ckpt.store._posix import _log
+from alpha_ckpt.store import layout as L
+from alpha_ckpt.store.backend import RefDir, RefUnreadable
+from alpha_ckpt.store.layout import StoreLayout, ref_name
+from alpha_ckpt.store.objects import ObjectFile, Validate
+from alpha_ckpt.store.pending import PublishLease, _LeaseBook
+from alpha_ckpt.store.posix import PosixBackend
+from alpha_ckpt.store.refs import History, RefRecord, UnreadableRef, check_fence, decode_ref, encode_ref
+from alpha_ckpt.store.write_mode import DEFAULT_WRITE_MODE, DEFAULT_WRITE_THREADS, WriteModes, check_write_threads
 
 QUARANTINE_DIR = L.QUARANTINE
 logger = logging.getLogger("alpha_ckpt")
@@ -110,7 +110,7 @@ class Store:
         once it is known intact (see :meth:`PosixBackend.reuse_object`): ``validate(obj, what)``
         checks an existing file's content against its name, raising a Refusal
         if it does not match (the store knows names, not what objects hold:
-        :func:`alpha_ckpt.reader.validate_object_file` does). Anything else found
+        :func:`alpha_ckpt.generation.reader.validate_object_file` does). Anything else found
         under the name is set aside into ``quarantine/`` and the object
         committed anew. A reused object's modification time is renewed, so
         gc's grace period protects it until the publish reusing it has its ref.
@@ -123,7 +123,7 @@ class Store:
         """Durably write several objects as :meth:`put_object` does, in one batched durable commit.
 
         Every object is written before any is fsynced (see
-        :func:`alpha_ckpt.durable.durable_commit_all`), so the disk streams the
+        :func:`alpha_ckpt.store.durable.durable_commit_all`), so the disk streams the
         batch and each directory is fsynced once; :attr:`write_threads` of them are
         written at once. Returns (digest, written) per write, in order.
         """

@@ -1,5 +1,5 @@
 """What gc does to a store's files: find what may be swept, set objects and refs aside, put them back,
-remove. :mod:`alpha_ckpt.gc` decides what goes (retention, pins, reachability, leases); these functions
+remove. :mod:`alpha_ckpt.upkeep.gc` decides what goes (retention, pins, reachability, leases); these functions
 are the file operations, and the one place outside the Store that touches a store's files for it.
 
     STORE/tmp/aside-<digest>-<pid>-<random>              an object being removed, set aside first
@@ -18,14 +18,14 @@ import shutil
 import stat
 from typing import Callable
 
-from .. import durable
-from ..errors import Refusal, RefusalCode
-from ..format import is_digest
-from . import layout as L
-from .layout import REF_DIGITS, fan_of, ref_name
-from .leases import writer_alive
-from .refs import RefRecord
-from .store import Store
+from alpha_ckpt.store import durable
+from alpha_ckpt.errors import Refusal, RefusalCode
+from alpha_ckpt.format.records import is_digest
+from alpha_ckpt.store import layout as L
+from alpha_ckpt.store.layout import REF_DIGITS, fan_of, ref_name
+from alpha_ckpt.store.leases import writer_alive
+from alpha_ckpt.store.refs import RefRecord
+from alpha_ckpt.store.store import Store
 
 Skip = Callable[[str, str], None]  # (path under the store, why it is left as it is)
 
@@ -326,7 +326,7 @@ class ObjectSweep:
 
 class RefsAside:
     """Refs of dropped generations renamed aside in their own directories (invisible to a pin, which then
-    refuses, or rescues them: see :func:`alpha_ckpt.pins.pin_generation`); :meth:`finish` then puts back
+    refuses, or rescues them: see :func:`alpha_ckpt.upkeep.pins.pin_generation`); :meth:`finish` then puts back
     those pinned by then and unlinks the rest."""
 
     def __init__(self, store: Store, refs: list[RefRecord]):

@@ -8,7 +8,7 @@ per process: a learner's measurements live and die with it.
 """
 from __future__ import annotations
 
-from ..errors import StoreUsageError
+from alpha_ckpt.errors import StoreUsageError
 
 WRITE_MODES = ("auto", "buffered", "direct")
 # Buffered unless told otherwise: a buffered save leaves its shards in the page cache, so the restore

@@ -25,12 +25,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..format import DTYPES, CapturePrefix, RegionDecl
-from ..manifest import torch_dtype
-from ..planner import Piece, WantedSlice
-from ..reader import open_generation, restore_slices
-from ..store import RefRecord, Store
-from ..writer import Published, write_manifest, write_shards
+from alpha_ckpt.format.records import DTYPES, CapturePrefix, RegionDecl
+from alpha_ckpt.state.manifest import torch_dtype
+from alpha_ckpt.generation.planner import Piece, WantedSlice
+from alpha_ckpt.generation.reader import open_generation, restore_slices
+from alpha_ckpt.store import RefRecord, Store
+from alpha_ckpt.generation.writer import Published, write_manifest, write_shards
 
 
 def set_path(document: Any, dotted: str, value: Any) -> Any:
@@ -62,7 +62,7 @@ def publish_ref_unfenced(store: Store, prefix: CapturePrefix, root: str, root_si
 def publish_forged(store: Store, prefix: CapturePrefix, regions: Sequence[RegionDecl],
                    shards: Sequence[Sequence[tuple[Piece, memoryview, str]]], *, metadata: Any = None,
                    owners: int = 1, state: Any = None) -> Published:
-    """:func:`alpha_ckpt.writer.publish_slices` without its checks: NaN and inf words, a root manifest a
+    """:func:`alpha_ckpt.generation.writer.publish_slices` without its checks: NaN and inf words, a root manifest a
     restore refuses, and a ref the history would fence are all published."""
     with store.pending_publish(prefix.run, prefix.step):  # gc spares what this publish writes
         shard_refs = write_shards(store, prefix, regions, shards, check_finite=False)

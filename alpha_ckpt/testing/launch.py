@@ -39,7 +39,7 @@ PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 
 # What the fork server imports once, before it forks anything. DTensor's first from_local imports
 # torch._dynamo (most of a second): once there, not in every child.
-# torch's launcher too, for the alpha-run processes forked from it (not alpha_ckpt.launcher: python -m runs it
+# torch's launcher too, for the alpha-run processes forked from it (not alpha_ckpt.launch.launcher: python -m runs it
 # as __main__, and a copy imported before would be a second module).
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo", "alpha_ckpt",
            "alpha_ckpt.collective", "torch.distributed.run"]
@@ -67,7 +67,7 @@ def last_json(text: str) -> Any:
 def alpha_ckpt_cli(*args) -> subprocess.CompletedProcess:
     """``alpha-ckpt ARGS...`` run in this process: the console script's entry point and exit codes, without an
     interpreter start and a torch import per call. The console script itself is run by :func:`alpha_ckpt`."""
-    from alpha_ckpt import cli
+    from alpha_ckpt.launch import cli
     out, err = io.StringIO(), io.StringIO()
     code = cli.main([str(a) for a in args], out=out, err=err)
     return subprocess.CompletedProcess(["alpha-ckpt", *map(str, args)], code, out.getvalue(), err.getvalue())
@@ -97,7 +97,7 @@ def no_owner_may_start():
 def alpha_run_checks(*args, cwd=None) -> subprocess.CompletedProcess:
     """alpha-run's answer to ``ARGS`` when it stops before starting any owner (a usage error): its exit code and
     what it printed, from ``launcher.main`` in this process. Raises :class:`OwnerStarted` if it would launch."""
-    from alpha_ckpt import launcher
+    from alpha_ckpt.launch import launcher
     out, err = io.StringIO(), io.StringIO()
     here = os.getcwd()
     try:
@@ -386,7 +386,7 @@ def python_script(script, *args, cwd=None, env: dict | None = None,
 
 def alpha_run_start(*args, cwd=None, env: dict | None = None, new_session: bool = False) -> ForkedRun:
     """alpha-run started and not waited for, its process forked from the server (see :func:`alpha_run`)."""
-    return python_m_start("alpha_ckpt.launcher", *args, cwd=cwd, env=env, new_session=new_session)
+    return python_m_start("alpha_ckpt.launch.launcher", *args, cwd=cwd, env=env, new_session=new_session)
 
 
 def alpha_run(*args, cwd=None, env: dict | None = None, timeout: float = 240, new_interpreter: bool = False,
@@ -394,8 +394,8 @@ def alpha_run(*args, cwd=None, env: dict | None = None, timeout: float = 240, ne
     """``alpha-run ARGS...`` to its end: its exit code, stdout and stderr (text); killed after ``timeout`` s.
 
     alpha-run's own process is forked from the server (:func:`python_m`), torch imported already: the same
-    ``python -m alpha_ckpt.launcher``, seconds sooner. The owners it starts are new interpreters, as always. ``new_interpreter``: a
-    ``python -m alpha_ckpt.launcher`` process instead; ``console``: the ``alpha-run`` installed on PATH.
+    ``python -m alpha_ckpt.launch.launcher``, seconds sooner. The owners it starts are new interpreters, as always. ``new_interpreter``: a
+    ``python -m alpha_ckpt.launch.launcher`` process instead; ``console``: the ``alpha-run`` installed on PATH.
     """
     if new_interpreter or console:
         return _run(alpha_run_command(*args, console=console), cwd=cwd, env=env, timeout=timeout)
@@ -405,12 +405,12 @@ def alpha_run(*args, cwd=None, env: dict | None = None, timeout: float = 240, ne
 # --- new interpreters ---
 
 def alpha_run_command(*args, console: bool = False) -> list[str]:
-    head = ["alpha-run"] if console else [sys.executable, "-m", "alpha_ckpt.launcher"]
+    head = ["alpha-run"] if console else [sys.executable, "-m", "alpha_ckpt.launch.launcher"]
     return [*head, *map(str, args)]
 
 
 def alpha_ckpt_command(*args, console: bool = False) -> list[str]:
-    head = ["alpha-ckpt"] if console else [sys.executable, "-m", "alpha_ckpt.cli"]
+    head = ["alpha-ckpt"] if console else [sys.executable, "-m", "alpha_ckpt.launch.cli"]
     return [*head, *map(str, args)]
 
 

@@ -16,10 +16,10 @@ import argparse
 import json
 import sys
 
-from ..learner.config import JobConfig, load_config
-from ..learner.data import shares
-from ..learner.digest import state_digest
-from ..learner.model import (
+from alpha_ckpt.job.learner.config import JobConfig, load_config
+from alpha_ckpt.job.learner.data import shares
+from alpha_ckpt.job.learner.digest import state_digest
+from alpha_ckpt.job.learner.model import (
     LearnerState, apply_update, combine, configure_determinism, share_gradient, sum_in_owner_order,
 )
 

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 import blake3
 import torch
 
-from ..format import CapturePrefix, RegionDecl
-from ..planner import Hierarchy, Piece, WantedSlice
-from ..reader import open_generation, restore_slices
-from ..store import Store
-from .faults import FaultHooks, installed
-from ..publish.tree import MemoryTransport, TreeRole
+from alpha_ckpt.format.records import CapturePrefix, RegionDecl
+from alpha_ckpt.generation.planner import Hierarchy, Piece, WantedSlice
+from alpha_ckpt.generation.reader import open_generation, restore_slices
+from alpha_ckpt.store import Store
+from alpha_ckpt.runtime.faults import FaultHooks, installed
+from alpha_ckpt.tiers.durable.tree import MemoryTransport, TreeRole
 
 REPLICATED_WORDS = 8
 

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 import alpha_ckpt
 import alpha_ckpt.dcp as alpha_dcp
-from alpha_ckpt.planner import shares
+from alpha_ckpt.generation.planner import shares
 
 from .checkpointer import BUFFERED_STAR, CKPT_RESULT, OURS_STORE_METHODS, SHARDED_COLS, section_methods
 from .common import (MiB, balanced_orders, evicted, open_store, peak_growth_mib, prefault, process_cpu_s,

@@ -16,12 +16,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from alpha_ckpt.format import CapturePrefix, RegionDecl
-from alpha_ckpt.planner import Hierarchy, Piece, WantedSlice, pack_shards
-from alpha_ckpt.publish.tree import GroupTransport, TreeRole
-from alpha_ckpt.reader import PreparedRestore, open_generation
+from alpha_ckpt.format.records import CapturePrefix, RegionDecl
+from alpha_ckpt.generation.planner import Hierarchy, Piece, WantedSlice, pack_shards
+from alpha_ckpt.tiers.durable.tree import GroupTransport, TreeRole
+from alpha_ckpt.generation.reader import PreparedRestore, open_generation
 from alpha_ckpt.store import Store
-from alpha_ckpt.writer import DEFAULT_MAX_SHARD_BYTES
+from alpha_ckpt.generation.writer import DEFAULT_MAX_SHARD_BYTES
 
 from .common import MiB, evicted, median, open_store, prefault, print_ratios, store_writes, targets_met
 from .methods import RawDisk

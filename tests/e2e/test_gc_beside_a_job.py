@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from alpha_ckpt import cli
+from alpha_ckpt.launch import cli
 from alpha_ckpt.store.leases import CLOCK_SLACK_S
 from alpha_ckpt.store import RefRecord, Store
 from alpha_ckpt.testing import launch

@@ -104,7 +104,7 @@ def test_a_rank_stopped_for_less_than_the_limit_is_left_alone_and_ends_bit_exact
 
 ONE_RANK_ENDS_FIRST = """
 import dataclasses, json, os, signal, sys, time
-from alpha_ckpt import launch_env
+from alpha_ckpt.runtime import launch_env
 rank = int(os.environ["RANK"])
 if launch_env.restart_attempt() == 0:
     if rank == 1:

@@ -25,7 +25,7 @@ raise Refusal(RefusalCode.FOREIGN_LEARNER, "a checkpoint of another model")
 # rank writes the restart context it reads.
 KILLED_ONCE = """
 import dataclasses, json, os, signal, sys, time
-from alpha_ckpt import launch_env
+from alpha_ckpt.runtime import launch_env
 out, rank = sys.argv[1], int(os.environ["RANK"])
 if launch_env.restart_attempt() == 0:
     if rank == 1:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import alpha_ckpt
-from alpha_ckpt import cli
+from alpha_ckpt.launch import cli
 from alpha_ckpt.dcp import StorageReader
 
 STORES = Path(__file__).resolve().parents[1] / "stores"
@@ -38,7 +38,7 @@ def _copy(name: str, tmp_path) -> Path:
 
 
 def _job(store, *args):
-    cmd = [sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", "2", "--store", str(store), *SMALL, *args, CONFIG]
+    cmd = [sys.executable, "-m", "alpha_ckpt.launch.launcher", "--nproc", "2", "--store", str(store), *SMALL, *args, CONFIG]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

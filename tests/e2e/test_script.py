@@ -49,7 +49,7 @@ def test_a_killed_script_resumed_latest_ends_equal_to_one_that_never_stopped(tmp
                         cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert _last_json(resumed.stdout) == straight[1]
-    from alpha_ckpt.reader import open_generation
+    from alpha_ckpt.generation.reader import open_generation
     from alpha_ckpt.store import Store
     with Store(store, create=False) as s:
         newest = s.newest_ref("train-gpt-ddp", "train")

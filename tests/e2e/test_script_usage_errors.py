@@ -7,9 +7,9 @@ import torch
 
 import alpha_ckpt
 from alpha_ckpt import RefusalCode
-from alpha_ckpt.format import NAME_RE
-from alpha_ckpt import launcher
-from alpha_ckpt.launcher import check_script_args, parse, script_argv, script_environment
+from alpha_ckpt.format.records import NAME_RE
+from alpha_ckpt.launch import launcher
+from alpha_ckpt.launch.launcher import check_script_args, parse, script_argv, script_environment
 from alpha_ckpt.testing import launch
 
 HELLO = "print('the script ran')\n"
@@ -57,7 +57,7 @@ def test_a_module_that_does_not_exist_exits_2_with_one_line(tmp_path):
     run = launch.alpha_run_checks("--nproc", 2, "--store", tmp_path / "s", "-m", "no.such.module", cwd=tmp_path)
     assert run.returncode == 2 and _one_line(run.stderr), run.stderr
     # The same under plain torchrun, where the runner itself finds it.
-    direct = launch.python_m("alpha_ckpt.script_runner", "-m", "no.such.module", cwd=tmp_path, timeout=60)
+    direct = launch.python_m("alpha_ckpt.launch.script_runner", "-m", "no.such.module", cwd=tmp_path, timeout=60)
     assert direct.returncode == 2 and _one_line(direct.stderr), direct.stderr
 
 
@@ -91,7 +91,7 @@ def test_a_store_whose_pending_directory_is_a_file_is_a_usage_error_for_alpha_ru
 def test_a_checkpointer_argument_that_cannot_be_exits_2_with_one_line(tmp_path, argument):
     script = tmp_path / "bad.py"
     script.write_text(BAD_CHECKPOINTER)
-    run = launch.python_m("alpha_ckpt.script_runner", script, argument, tmp_path / "s", cwd=tmp_path, timeout=60)
+    run = launch.python_m("alpha_ckpt.launch.script_runner", script, argument, tmp_path / "s", cwd=tmp_path, timeout=60)
     assert run.returncode == 2 and _one_line(run.stderr), run.stderr
 
 

@@ -22,7 +22,7 @@ SMALL = ["--set", "batch=24", "--set", "hidden=16"]
 
 
 def job(store: Path, *args: str) -> dict:
-    cmd = [sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", "2", "--store", str(store), *SMALL, *args, CONFIG]
+    cmd = [sys.executable, "-m", "alpha_ckpt.launch.launcher", "--nproc", "2", "--store", str(store), *SMALL, *args, CONFIG]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

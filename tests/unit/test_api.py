@@ -175,7 +175,7 @@ def test_auto_compression_picks_zstd_only_where_it_pays(store_dir):
     state = {"zeros": torch.zeros(1 << 16), "noise": torch.randn(1 << 16)}
     root = alpha_ckpt.save(state, store=store_dir, run="r", step="s", update=0, cursor=0, epoch=0, compression="auto")
     import io, json
-    from alpha_ckpt import cli
+    from alpha_ckpt.launch import cli
     out = io.StringIO()
     cli.main(["inspect", "--store", str(store_dir), root, "--json"], out=out)
     codecs = {s["region"]: s["codec"] for shard in json.loads(out.getvalue())["shards"] for s in shard["slices"]}
@@ -219,7 +219,7 @@ def test_damage_that_reads_as_nan_is_reported_as_corrupt_not_non_finite(store_di
 
 
 def test_auto_compression_weighs_the_compression_rate_against_the_disk_rate():
-    from alpha_ckpt.writer import choose_codec
+    from alpha_ckpt.generation.writer import choose_codec
     bf16 = memoryview(torch.randn(1 << 20).to(torch.bfloat16).view(torch.uint8).numpy())
     floats = memoryview(torch.randn(1 << 19).view(torch.uint8).numpy())
     zeros = memoryview(bytes(1 << 20))
@@ -230,7 +230,7 @@ def test_auto_compression_weighs_the_compression_rate_against_the_disk_rate():
 
 
 def test_zstd_pays_only_when_compressing_beats_writing_the_saved_bytes():
-    from alpha_ckpt.writer import zstd_pays
+    from alpha_ckpt.generation.writer import zstd_pays
     assert zstd_pays(0.01, 5e9, 1e9)            # zeros: tiny output, fast codec
     assert not zstd_pays(0.8, 0.7e9, 1e9)       # float data on a local disk: c < d / (1 - r) = 5e9
     assert zstd_pays(0.8, 0.7e9, 20e6)          # the same data on a 20 MB/s network file system

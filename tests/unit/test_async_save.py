@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import alpha_ckpt
-from alpha_ckpt.async_save import AsyncSaver
+from alpha_ckpt.generation.async_save import AsyncSaver
 
 
 def _state():

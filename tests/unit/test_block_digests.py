@@ -10,12 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from alpha_ckpt import Refusal, RefusalCode
-from alpha_ckpt.format import (BLOCK_BYTES, PREFIX_LEN, CapturePrefix, RegionDecl, block_digests, encode_head,
+from alpha_ckpt.format.records import (BLOCK_BYTES, PREFIX_LEN, CapturePrefix, RegionDecl, block_digests, encode_head,
                                joined_digest)
-from alpha_ckpt.planner import Piece, WantedSlice
-from alpha_ckpt.reader import PreparedRestore, open_generation, validate_object_bytes, verify_generation
+from alpha_ckpt.generation.planner import Piece, WantedSlice
+from alpha_ckpt.generation.reader import PreparedRestore, open_generation, validate_object_bytes, verify_generation
 from alpha_ckpt.store import Store
-from alpha_ckpt.writer import publish_slices, word_bytes
+from alpha_ckpt.generation.writer import publish_slices, word_bytes
 
 PREFIX = CapturePrefix("blocks", "fit", 1, 1, 0)
 WORDS = 1 << 18  # 1 MiB of float32: 16 blocks

@@ -177,7 +177,7 @@ def test_another_identity_an_older_epoch_and_a_flipped_byte_are_refused_on_every
 def test_a_newest_generation_damaged_where_only_rank_1_reads_makes_every_rank_fall_back_together(tmp_path):
     store = tmp_path / "s"
     roots = run_ranks(2, train_and_save, str(store), 2, (1, 2), tmp=tmp_path)[0]["roots"]
-    from alpha_ckpt.reader import open_generation
+    from alpha_ckpt.generation.reader import open_generation
     with Store(store, create=False) as s, open_generation(s, roots[1]) as g:
         rank1_shard = s.object_path(g.manifest.shards[1].digest)  # rank 1's own words: only rank 1 reads them
     os.chmod(rank1_shard, 0o644)
@@ -208,7 +208,7 @@ MODEL_WORDS, MOMENT_WORDS = 48_000, 200_003  # the moments do not split evenly o
 def zero_style_state(rank, world, value):
     """A replicated model, AdamW-like moments partitioned by rank (uneven ranges), a per-rank generator."""
     from alpha_ckpt import Partitioned
-    from alpha_ckpt.learner.data import shares
+    from alpha_ckpt.job.learner.data import shares
     lo, hi = shares(MOMENT_WORDS, world)[rank]
     moments = torch.arange(lo, hi, dtype=torch.float32) * value
     return {"model": {"w": torch.full((MODEL_WORDS,), value, dtype=torch.float32)},
@@ -244,7 +244,7 @@ def test_four_ranks_each_read_only_their_share_and_fall_back_together_when_the_n
     roots = run_ranks(4, save_zero_style, str(store), 2, tmp=tmp_path)[0]["roots"]
     restored = run_ranks(4, restore_zero_style, str(store), tmp=tmp_path)
     assert [r["update"] for r in restored] == [2] * 4 and all(r["equal"] for r in restored)
-    from alpha_ckpt.learner.data import shares
+    from alpha_ckpt.job.learner.data import shares
     replicated = MODEL_WORDS * 4
     for rank, r in enumerate(restored):
         lo, hi = shares(MOMENT_WORDS, 4)[rank]
@@ -257,7 +257,7 @@ def test_four_ranks_each_read_only_their_share_and_fall_back_together_when_the_n
     assert [r["manifests"] for r in restored] == [1, 2, 3, 2]
 
     # Damage what only rank 3 reads in the newest generation: rank 3's own shard.
-    from alpha_ckpt.reader import open_generation
+    from alpha_ckpt.generation.reader import open_generation
     with Store(store, create=False) as s, open_generation(s, roots[1]) as g:
         [group3] = [m for m in g.manifests if m.publisher.role == 3]
         victim = s.object_path(group3.shards[0].digest)
@@ -275,7 +275,7 @@ SPREAD_WORDS = 800_000  # a partitioned float32 region of 3.2 MB beside the repl
 
 def spread_state(rank, world, value):
     from alpha_ckpt import Partitioned
-    from alpha_ckpt.learner.data import shares
+    from alpha_ckpt.job.learner.data import shares
     lo, hi = shares(SPREAD_WORDS, world)[rank]
     return {"a": torch.arange(600_000, dtype=torch.float32) * value, "b": torch.arange(500_000, dtype=torch.float64) * value,
             "small": torch.ones(10) * value,
@@ -310,7 +310,7 @@ def test_every_rank_writes_its_own_words_and_its_share_of_large_replicas_and_any
     for rank, r in enumerate(saved):
         assert own[rank] <= r["wrote"] <= own[rank] + (256 << 10), (rank, r["wrote"], own[rank])
     if publisher == "tree":
-        from alpha_ckpt.reader import open_generation
+        from alpha_ckpt.generation.reader import open_generation
         with Store(store, create=False) as s:
             root = s.newest_ref("spread", "train").root
             with open_generation(s, root) as g:
@@ -329,7 +329,7 @@ CUT_BYTES = 256 << 10  # stands in for the 2 GiB a piece is cut at, so a test ca
 
 def cut_state(rank, world, value):
     from alpha_ckpt import Partitioned
-    from alpha_ckpt.learner.data import shares
+    from alpha_ckpt.job.learner.data import shares
     lo, hi = shares(700_001, world)[rank]
     return {"model": torch.arange(400_000, dtype=torch.float32) * value,
             "moments": Partitioned(torch.arange(lo, hi, dtype=torch.float64) * value, lo, hi, (700_001,)),
@@ -338,8 +338,8 @@ def cut_state(rank, world, value):
 
 def save_cut_and_restore(rank, world, store, publisher, saved_on, diverge):
     import alpha_ckpt.collective.checkpointer as collective
-    import alpha_ckpt.writer
-    alpha_ckpt.writer.MAX_PIECE_BYTES = CUT_BYTES
+    import alpha_ckpt.generation.writer
+    alpha_ckpt.generation.writer.MAX_PIECE_BYTES = CUT_BYTES
     hashed_whole = []  # the replica hashed whole by the collective layer (beside what its writes hash)
     block_digests = collective.block_digests
 
@@ -374,7 +374,7 @@ def test_a_piece_larger_than_the_cut_size_is_written_as_several_shards_and_resto
     assert all(r["equal"] for r in saved)
     # Its writer knows the cut replica's digest from the writes (joined); only the other rank hashes it.
     assert sorted(r["hashed_whole"] for r in saved) == [0, 1]
-    from alpha_ckpt.reader import open_generation
+    from alpha_ckpt.generation.reader import open_generation
     with Store(store, create=False) as s, open_generation(s, s.newest_ref("cut", "train").root) as g:
         slices = [(g.manifest.regions[sl.ordinal].name, sl.lo, sl.hi, sl.raw)
                   for _, head in g.shards.values() for sl in head.slices]
@@ -394,7 +394,7 @@ def test_a_piece_larger_than_the_cut_size_is_written_as_several_shards_and_resto
 
 def _cuts(name, words, size):
     """The (lo, hi) ranges a 2-rank save cuts a region into: per rank's piece, every CUT_BYTES."""
-    from alpha_ckpt.learner.data import shares
+    from alpha_ckpt.job.learner.data import shares
     pieces = [(0, words)] if name == "model" else shares(words, 2)
     step = CUT_BYTES // size
     return [(lo, hi) for a, b in pieces for lo in range(a, b, step) for hi in [min(lo + step, b)]]

@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from alpha_ckpt import Checkpointer
 from alpha_ckpt.dcp import StorageReader, StorageWriter
-from alpha_ckpt.reader import open_generation, payload_bytes
+from alpha_ckpt.generation.reader import open_generation, payload_bytes
 from alpha_ckpt.store import Store
 from ranks import run_ranks
 from sharded_training import differing, full_state
@@ -154,13 +154,13 @@ def _save_diverged(rank, world, store, expected):
 
 
 def _descriptor(pieces, dtensors=("w",)):
-    from alpha_ckpt.publish.messages import Descriptor
+    from alpha_ckpt.tiers.durable.messages import Descriptor
     return Descriptor(pieces=[list(p) for p in pieces], dtensors=list(dtensors))
 
 
 def test_a_dtensor_shard_that_ranks_hold_alike_gets_one_writer_the_least_loaded_holder():
     from alpha_ckpt.collective.agreement import shared_piece_writers
-    from alpha_ckpt.format import RegionDecl
+    from alpha_ckpt.format.records import RegionDecl
     regions = (RegionDecl(0, "w", "float32", (8,)), RegionDecl(1, "v", "float32", (100,)))
     # (dp, tp) = (2, 2): ranks 0 and 1 hold w[0:4], ranks 2 and 3 w[4:8]; rank 0 alone writes all of v.
     descriptors = [_descriptor([("w", 0, 4), ("v", 0, 100)], ("w",)), _descriptor([("w", 0, 4)]),
@@ -170,13 +170,13 @@ def test_a_dtensor_shard_that_ranks_hold_alike_gets_one_writer_the_least_loaded_
 
 def test_a_partitioned_range_that_two_ranks_both_hold_is_not_a_shared_shard():
     from alpha_ckpt.collective.agreement import shared_piece_writers
-    from alpha_ckpt.format import RegionDecl
+    from alpha_ckpt.format.records import RegionDecl
     regions = (RegionDecl(0, "w", "float32", (4,)),)
     assert shared_piece_writers([_descriptor([("w", 0, 4)], ()), _descriptor([("w", 0, 4)], ())], regions) == {}
 
 
 def test_the_write_verdict_refuses_copies_of_a_shared_shard_that_differ_and_passes_equal_ones():
-    from alpha_ckpt.publish.messages import WriteReport, written_verdict
+    from alpha_ckpt.tiers.durable.messages import WriteReport, written_verdict
     same = [WriteReport(replicas={}, shared=[["w", 0, 4, "aa"]]), WriteReport(replicas={}, shared=[["w", 0, 4, "aa"]]),
             WriteReport(replicas={}, shared=[["w", 4, 8, "cc"]])]
     assert written_verdict(same).ok

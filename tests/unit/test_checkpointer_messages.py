@@ -4,8 +4,8 @@ import pytest
 
 from alpha_ckpt import Refusal, RefusalCode
 from alpha_ckpt.errors import PublishFailed
-from alpha_ckpt.publish import messages
-from alpha_ckpt.publish.messages import (Candidate, Candidates, Completion, Descriptor, Interval, Layout, Outcome,
+from alpha_ckpt.tiers.durable import messages
+from alpha_ckpt.tiers.durable.messages import (Candidate, Candidates, Completion, Descriptor, Interval, Layout, Outcome,
                                          UsageVerdict, Verdict, WriteReport, written_verdict)
 
 RECORDS = [

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from alpha_ckpt import Checkpointer, CheckpointerOptions, RefusalCode, UsageError
-from alpha_ckpt import launch_env
-from alpha_ckpt.launcher import parse, script_environment
+from alpha_ckpt.runtime import launch_env
+from alpha_ckpt.launch.launcher import parse, script_environment
 from ranks import run_ranks
 
 

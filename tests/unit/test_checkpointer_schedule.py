@@ -7,7 +7,7 @@ import torch
 
 from alpha_ckpt import Checkpointer
 from alpha_ckpt.collective.schedule import Schedule
-from alpha_ckpt.reader import verify_generation
+from alpha_ckpt.generation.reader import verify_generation
 from alpha_ckpt.store import RefRecord, Store
 from ranks import run_ranks
 
@@ -17,10 +17,10 @@ def state(value):
 
 
 def every_and_keep(rank, world, store):
-    import alpha_ckpt.gc
+    import alpha_ckpt.upkeep.gc
     # No clock slack (2 s: the disagreement gc allows between file times and its clock) in this process,
     # whose saves are its only writers: a dropped generation's objects are older than it at once, so they go too.
-    alpha_ckpt.gc.CLOCK_SLACK_S = 0.0
+    alpha_ckpt.upkeep.gc.CLOCK_SLACK_S = 0.0
     ckpt = Checkpointer(store, run="k", every=2, keep=2)
     ckpt.restore(state(0), root=None)
     due = []
@@ -44,7 +44,7 @@ def test_every_k_saves_the_same_updates_on_every_rank_and_keep_retains_the_newes
         assert [r.prefix.update for r in refs] == [8, 10]  # 2, 4 and 6 were removed, with their objects
         for r in refs:
             verify_generation(s, r.root)
-        from alpha_ckpt.gc import plan_gc
+        from alpha_ckpt.upkeep.gc import plan_gc
         # Seen from later, when every object is past the clock slack: none is left that no generation reaches.
         assert plan_gc(s, grace=0.0, now=time.time() + 60).objects == []
         assert len(list(s.iter_objects(lambda *a: None))) >= 4  # the kept generations' objects are there

@@ -8,7 +8,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 import alpha_ckpt
 from alpha_ckpt import Checkpointer
 from alpha_ckpt.state.placement import box_ranges, contiguous_words
-from alpha_ckpt.reader import open_generation, payload_bytes
+from alpha_ckpt.generation.reader import open_generation, payload_bytes
 from alpha_ckpt.store import Store
 from ranks import run_ranks
 from sharded_training import differing, fsdp2_gpt, full_state, train
@@ -92,7 +92,7 @@ def test_an_fsdp2_checkpoint_loads_whole_in_one_process_and_exports_full_tensors
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     assert differing(full_state(model, optim), want) == []
     out = tmp_path / "gpt.safetensors"
-    from alpha_ckpt.export import export_generation
+    from alpha_ckpt.upkeep.export import export_generation
     export_generation(store, root, out)
     exported = load_file(out)
     assert all(torch.equal(exported[k], want[k]) for k in want if k.startswith("model."))

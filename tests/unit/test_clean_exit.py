@@ -3,7 +3,7 @@
 The abort this guards against ("terminate called without an active exception", SIGABRT after the
 script returned): a gloo worker thread releases a finished collective's tensors on its own thread,
 which takes the GIL; if the interpreter is finalizing by then, Python ends that thread inside a C++
-destructor and the process aborts (alpha_ckpt/teardown.py). alpha_ckpt's exit handler waits, with the
+destructor and the process aborts (alpha_ckpt/runtime/teardown.py). alpha_ckpt's exit handler waits, with the
 GIL released, until every gloo worker is idle; alpha-run's ranks end with os._exit once the script's
 threads are joined and its atexit handlers have run. gates/exit_clean launches every door at 3 ranks
 under both launchers, with torch's own writer and reader as the control (50 launches a door on demand).
@@ -70,7 +70,7 @@ def record_message_tensors(rank, world, store, publisher):
     import torch
     import torch.distributed as dist
     from alpha_ckpt import Checkpointer
-    from alpha_ckpt.publish.wire import broadcast_json
+    from alpha_ckpt.tiers.durable.wire import broadcast_json
     seen = []
 
     def recording(send):
@@ -100,7 +100,7 @@ def settle_while_a_collective_is_in_flight(rank, world):
     """Rank 0 settles its gloo workers while a broadcast from rank 1 is still on its way."""
     import torch
     import torch.distributed as dist
-    from alpha_ckpt.teardown import settle_gloo_workers
+    from alpha_ckpt.runtime.teardown import settle_gloo_workers
     if rank == 1:
         time.sleep(1.0)
         dist.broadcast(torch.ones(1024), src=1)
@@ -174,7 +174,7 @@ def test_a_script_that_returns_with_a_thread_still_running_finishes_it_under_alp
     script = tmp_path / "late_thread.py"
     script.write_text(LATE_THREAD)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", "1", "--store", str(tmp_path / "s"),
+    done = subprocess.run([sys.executable, "-m", "alpha_ckpt.launch.launcher", "--nproc", "1", "--store", str(tmp_path / "s"),
                            str(script), str(tmp_path / "finished")], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=150)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -258,7 +258,7 @@ def test_a_script_rank_dies_when_its_alpha_run_launcher_is_killed(tmp_path):
     script.write_text(SLEEPER)
     pid_file = tmp_path / "rank.pid"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    launcher = subprocess.Popen([sys.executable, "-m", "alpha_ckpt.launcher", "--nproc", "1", "--store",
+    launcher = subprocess.Popen([sys.executable, "-m", "alpha_ckpt.launch.launcher", "--nproc", "1", "--store",
                                  str(tmp_path / "s"), str(script), str(pid_file)], cwd=tmp_path, env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:

@@ -7,7 +7,7 @@ import torch
 
 import alpha_ckpt
 from alpha_ckpt.errors import StoreUsageError
-from alpha_ckpt.gc import plan_gc
+from alpha_ckpt.upkeep.gc import plan_gc
 from alpha_ckpt.store import Store
 from cli_in_process import alpha_ckpt_cli
 

@@ -18,8 +18,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from alpha_ckpt import RefusalCode
 from alpha_ckpt.dcp import StorageReader, StorageWriter, box_words, decode_metadata, encode_metadata
 from alpha_ckpt.errors import Refusal
-from alpha_ckpt.format import MAGIC
-from alpha_ckpt.reader import verify_generation
+from alpha_ckpt.format.records import MAGIC
+from alpha_ckpt.generation.reader import verify_generation
 from alpha_ckpt.store import Store
 from alpha_ckpt.testing import launch
 from cli_in_process import alpha_ckpt_cli
@@ -420,7 +420,7 @@ def test_one_rank_saves_and_loads_alone_with_no_dist_beside_a_process_group(tmp_
 
 
 def test_a_ranks_chunks_go_into_shards_of_at_most_the_limit_and_a_larger_one_alone():
-    from alpha_ckpt.writer import group_parts
+    from alpha_ckpt.generation.writer import group_parts
     parts = [(i, b"x" * n, "raw") for i, n in enumerate([3, 4, 10, 2, 2])]
     assert [[p[0] for p in shard] for shard in group_parts(parts, 6)] == [[0], [1], [2], [3, 4]]
     assert group_parts([], 6) == []
@@ -446,7 +446,8 @@ def test_a_shard_of_small_slices_hands_all_its_payload_to_writeback_before_its_f
     # DCP's 4 MiB slices are each under the writeback threshold: unless runs of them start writeback,
     # a shard's whole size is left dirty for its fsync to write (measured: 0.4 s of a 0.6 s save).
     import alpha_ckpt.dcp
-    from alpha_ckpt import durable, writer
+    from alpha_ckpt.store import durable
+    from alpha_ckpt.generation import writer
     monkeypatch.setattr(alpha_ckpt.dcp, "SHARD_BYTES", 96 << 10)  # stands in for 32 MiB
     monkeypatch.setattr(writer, "_WRITEBACK_MIN_BYTES", 32 << 10)  # stands in for 8 MiB
     handed: dict[int, list[tuple[int, int]]] = {}

@@ -9,8 +9,8 @@ import torch
 
 import alpha_ckpt
 from alpha_ckpt.errors import Refusal, RefusalCode
-from alpha_ckpt.reader import open_generation, verify_generation
-from alpha_ckpt.writer import ShardCarry
+from alpha_ckpt.generation.reader import open_generation, verify_generation
+from alpha_ckpt.generation.writer import ShardCarry
 from conftest import save_forged
 
 
@@ -73,8 +73,8 @@ def test_without_a_carry_every_generation_is_written_whole(tmp_path):
 
 
 def test_a_manifest_naming_another_captures_shard_without_declaring_it_carried_is_mixed_capture(tmp_path):
-    from alpha_ckpt.format import ShardRef
-    from alpha_ckpt.manifest import check_shard_against_record
+    from alpha_ckpt.format.records import ShardRef
+    from alpha_ckpt.state.manifest import check_shard_against_record
     store, carry = alpha_ckpt.Store(tmp_path), ShardCarry()
     _save(store, carry, 1)
     root = _save(store, carry, 2)
@@ -192,7 +192,7 @@ def test_an_intact_object_holding_nan_is_reused_not_set_aside(tmp_path):
 
 
 def test_a_store_handle_reads_back_only_objects_it_did_not_write_or_check_itself(tmp_path, monkeypatch):
-    from alpha_ckpt import reader, writer
+    from alpha_ckpt.generation import reader, writer
     checked = []
     real = reader.validate_object_file
     monkeypatch.setattr(writer, "validate_object_file", lambda obj, what="object": checked.append(obj.digest)
@@ -207,7 +207,7 @@ def test_a_store_handle_reads_back_only_objects_it_did_not_write_or_check_itself
 
 
 def test_gc_sweeps_quarantined_entries_once_older_than_its_grace_period(tmp_path):
-    from alpha_ckpt.gc import apply_gc, plan_gc
+    from alpha_ckpt.upkeep.gc import apply_gc, plan_gc
     store_dir, state = tmp_path / "store", {"w": torch.randn(4096)}
     root = alpha_ckpt.save(state, store=store_dir, **STATE_KW)
     _, path = _shard_of(store_dir, root)

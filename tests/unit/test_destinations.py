@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import alpha_ckpt
 from alpha_ckpt import Refusal, RefusalCode
-from alpha_ckpt.destinations import Layout, check_destinations, check_tied_saved_alike, destination_layouts
+from alpha_ckpt.generation.destinations import Layout, check_destinations, check_tied_saved_alike, destination_layouts
 
 BASE = torch.arange(30, dtype=torch.float32)
 BYTES = torch.frombuffer(bytearray(64), dtype=torch.uint8)

@@ -4,7 +4,9 @@ import types
 import pytest
 import torch
 
-from alpha_ckpt import Refusal, RefusalCode, device
+from alpha_ckpt import Refusal, RefusalCode
+
+from alpha_ckpt.state import device
 
 
 class FakeNvml:

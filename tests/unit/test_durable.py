@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from alpha_ckpt import durable
+from alpha_ckpt.store import durable
 from alpha_ckpt.errors import DurableWriteError
 from alpha_ckpt.testing import launch
-from alpha_ckpt.testing.faults import FaultHooks, installed
+from alpha_ckpt.runtime.faults import FaultHooks, installed
 
 
 @pytest.fixture
@@ -120,8 +120,8 @@ def test_fault_points_fire_in_commit_order(dirs):
 
 _KILL_SCRIPT = textwrap.dedent("""
     import os, sys
-    from alpha_ckpt import durable
-    from alpha_ckpt.testing.faults import install_from_environment
+    from alpha_ckpt.store import durable
+    from alpha_ckpt.runtime.faults import install_from_environment
     install_from_environment()  # as every process alpha-run starts does
     root = sys.argv[1]
     tmp = os.open(os.path.join(root, "tmp"), os.O_RDONLY | os.O_DIRECTORY)

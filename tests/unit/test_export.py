@@ -9,15 +9,15 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import alpha_ckpt
-from alpha_ckpt import cli
+from alpha_ckpt.launch import cli
 from alpha_ckpt.errors import StoreUsageError
-from alpha_ckpt.export import export_generation
-from alpha_ckpt.format import CapturePrefix, RegionDecl
+from alpha_ckpt.upkeep.export import export_generation
+from alpha_ckpt.format.records import CapturePrefix, RegionDecl
 from alpha_ckpt.state.capture import flatten_state
-from alpha_ckpt.planner import Piece
+from alpha_ckpt.generation.planner import Piece
 from alpha_ckpt.testing import simulate
 from alpha_ckpt.store import Store
-from alpha_ckpt.testing.faults import FaultHooks, installed
+from alpha_ckpt.runtime.faults import FaultHooks, installed
 from alpha_ckpt.testing.forge import publish_forged
 from conftest import small_state
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import alpha_ckpt
-from alpha_ckpt import cli
+from alpha_ckpt.launch import cli
 from alpha_ckpt.errors import StoreUsageError
-from alpha_ckpt.gc import apply_gc, plan_gc
+from alpha_ckpt.upkeep.gc import apply_gc, plan_gc
 from alpha_ckpt.testing import simulate
-from alpha_ckpt.reader import validate_object_file, verify_generation
+from alpha_ckpt.generation.reader import validate_object_file, verify_generation
 from alpha_ckpt.store import Store
 
 
@@ -53,7 +53,7 @@ def test_retention_keeps_the_newest_generations_and_removes_what_only_older_ones
 
 
 def _objects_of(store, root):
-    from alpha_ckpt.reader import open_generation
+    from alpha_ckpt.generation.reader import open_generation
     with open_generation(store, root, wanted=[]) as g:
         return {m.digest for m in g.manifests} | {s.digest for m in g.manifests for s in m.shards}
 
@@ -308,7 +308,7 @@ def _snapshot(store_dir):
 
 def _refuse_writes(monkeypatch, error):
     """Every call that would change the store fails with ``error``, as on a read-only file system."""
-    from alpha_ckpt import durable
+    from alpha_ckpt.store import durable
 
     def refuse(*args, **kwargs):
         raise OSError(error, os.strerror(error))
@@ -360,7 +360,7 @@ _READ_ONLY_SCRIPT = r"""
 import io, json, os, subprocess, sys, time
 import torch
 import alpha_ckpt
-from alpha_ckpt import cli
+from alpha_ckpt.launch import cli
 
 mount, store = sys.argv[1], os.path.join(sys.argv[1], "store")
 subprocess.run(["mount", "-t", "tmpfs", "tmpfs", mount], check=True)

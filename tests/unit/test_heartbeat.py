@@ -1,4 +1,4 @@
-"""A rank's heartbeat and the launcher's watch over it (alpha_ckpt/heartbeat.py)."""
+"""A rank's heartbeat and the launcher's watch over it (alpha_ckpt/runtime/heartbeat.py)."""
 import argparse
 import json
 import os
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from alpha_ckpt import launch_env
+from alpha_ckpt.runtime import launch_env
 from alpha_ckpt.errors import UsageError
-from alpha_ckpt.heartbeat import Silence, Watcher, check_heartbeat_args, kill
+from alpha_ckpt.runtime.heartbeat import Silence, Watcher, check_heartbeat_args, kill
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,7 +68,7 @@ def test_heartbeat_flags_that_cannot_be_are_usage_errors(given):
 
 BEATING = """
 import sys, time
-from alpha_ckpt import heartbeat
+from alpha_ckpt.runtime import heartbeat
 heartbeat.start_from_environment()
 print("beating", flush=True)
 time.sleep(120)
@@ -116,7 +116,7 @@ def test_a_stopped_process_stops_beating_is_found_hung_past_the_limit_and_killed
 BUSY = """
 import json, sys, time
 import torch
-from alpha_ckpt import heartbeat
+from alpha_ckpt.runtime import heartbeat
 torch.set_num_threads(1)
 heartbeat.start_from_environment()
 print("beating", flush=True)
@@ -157,7 +157,7 @@ def test_a_rank_busy_in_one_long_torch_call_or_in_python_keeps_beating():
 
 IMPORTS_AND_BEATS = """
 import json, os, threading, time
-from alpha_ckpt import heartbeat, launch_env
+from alpha_ckpt.runtime import heartbeat, launch_env
 before = threading.active_count()
 beat = heartbeat.start_from_environment()
 time.sleep(0.5)

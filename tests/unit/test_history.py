@@ -6,12 +6,13 @@ import pytest
 import torch
 
 import alpha_ckpt
-from alpha_ckpt import Refusal, RefusalCode, durable
-from alpha_ckpt.format import CapturePrefix
-from alpha_ckpt.gc import apply_gc, plan_gc
-from alpha_ckpt.reader import latest_generation, verify_generation
+from alpha_ckpt import Refusal, RefusalCode
+from alpha_ckpt.store import durable
+from alpha_ckpt.format.records import CapturePrefix
+from alpha_ckpt.upkeep.gc import apply_gc, plan_gc
+from alpha_ckpt.generation.reader import latest_generation, verify_generation
 from alpha_ckpt.store import Store
-from alpha_ckpt.writer import ShardCarry
+from alpha_ckpt.generation.writer import ShardCarry
 from conftest import save_forged
 
 
@@ -197,7 +198,7 @@ def test_gc_remembers_what_it_validated_and_validates_again_when_an_object_chang
 
 
 def _reaches(store, root, digest):
-    from alpha_ckpt.reader import open_generation
+    from alpha_ckpt.generation.reader import open_generation
     with open_generation(store, root, wanted=[]) as g:
         return digest in {s.digest for m in g.manifests for s in m.shards}
 
@@ -222,7 +223,7 @@ def test_a_hostile_or_damaged_verified_record_only_costs_a_validation(store_dir,
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
 def test_the_finiteness_rule_finds_exactly_the_first_non_finite_word(dtype):
     from hypothesis import given, settings, strategies as st
-    from alpha_ckpt.manifest import dtype_name, first_non_finite
+    from alpha_ckpt.state.manifest import dtype_name, first_non_finite
     big = float(torch.finfo(dtype).max)
     values = st.sampled_from([0.0, 1.0, -2.5, big, -big, float("nan"), float("inf"), float("-inf")])
 

@@ -9,11 +9,11 @@ import textwrap
 import pytest
 
 import alpha_ckpt
-from alpha_ckpt import hooks
-from alpha_ckpt.publish.tree import TreeRole
+from alpha_ckpt.runtime import hooks
+from alpha_ckpt.tiers.durable.tree import TreeRole
 from alpha_ckpt.store import Store
-from alpha_ckpt.testing.faults import FaultHooks, installed
-from alpha_ckpt.writer import publish_slices
+from alpha_ckpt.runtime.faults import FaultHooks, installed
+from alpha_ckpt.generation.writer import publish_slices
 
 PACKAGE = pathlib.Path(alpha_ckpt.__file__).parent
 
@@ -41,11 +41,11 @@ def test_no_product_signature_takes_a_test_only_argument():
         assert gone not in inspect.signature(function).parameters, (function.__qualname__, gone)
 
 
-def test_only_the_testing_package_reads_the_fault_variables():
+def test_only_the_fault_points_module_reads_the_fault_variables():
     names = ("ALPHA_CKPT_FAULT", "ALPHA_CKPT_KILL_OWNER", "ALPHA_CKPT_TREE_FAULT")
     readers = sorted(str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
                      if any(name in path.read_text() for name in names))
-    assert readers == ["testing/faults.py"]
+    assert readers == ["runtime/faults.py"]
 
 
 @pytest.mark.timeout(60)
@@ -56,7 +56,7 @@ def test_a_process_that_installs_no_hooks_is_not_killed_by_the_fault_variable(tm
     (tmp_path / "dest").mkdir()
     script = textwrap.dedent("""
         import os, sys
-        from alpha_ckpt import durable
+        from alpha_ckpt.store import durable
         root = sys.argv[1]
         tmp = os.open(os.path.join(root, "tmp"), os.O_RDONLY | os.O_DIRECTORY)
         dest = os.open(os.path.join(root, "dest"), os.O_RDONLY | os.O_DIRECTORY)

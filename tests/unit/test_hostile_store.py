@@ -9,11 +9,12 @@ import torch
 import zstandard
 
 import alpha_ckpt
-from alpha_ckpt import Refusal, RefusalCode, durable
-from alpha_ckpt.format import ShardRef, encode_head
-from alpha_ckpt.planner import WantedSlice
-from alpha_ckpt.reader import open_generation, restore_slices, validate_object_bytes
-from alpha_ckpt.writer import write_manifest
+from alpha_ckpt import Refusal, RefusalCode
+from alpha_ckpt.store import durable
+from alpha_ckpt.format.records import ShardRef, encode_head
+from alpha_ckpt.generation.planner import WantedSlice
+from alpha_ckpt.generation.reader import open_generation, restore_slices, validate_object_bytes
+from alpha_ckpt.generation.writer import write_manifest
 from alpha_ckpt.store import Store
 from conftest import save_forged
 
@@ -250,7 +251,7 @@ def test_an_entry_under_a_pins_name_that_is_no_pin_file_is_refused_by_pin_and_un
     assert _run(["unpin", "--store", str(store_dir), root])[0] == 3
     assert os.path.lexists(store_dir / "pins" / root)
     with Store(store_dir) as s:  # its name still pins: gc keeps the generation
-        from alpha_ckpt.gc import plan_gc
+        from alpha_ckpt.upkeep.gc import plan_gc
         assert plan_gc(s, grace=0).pinned == 1
 
 

@@ -1,8 +1,8 @@
-"""The --in-place agent's decision when a rank exits (alpha_ckpt.inplace.on_exit), and its worker environment."""
+"""The --in-place agent's decision when a rank exits (alpha_ckpt.launch.inplace.on_exit), and its worker environment."""
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from alpha_ckpt.inplace import CONTROL, TIMEOUT, Action, on_exit, worker_environment
+from alpha_ckpt.launch.inplace import CONTROL, TIMEOUT, Action, on_exit, worker_environment
 
 EXITS = st.lists(st.tuples(st.integers(0, 3),  # rank
                            st.sampled_from([0, 1, 2, 3, 75, -9, -15]),  # exit status

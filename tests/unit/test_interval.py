@@ -3,7 +3,7 @@ import argparse
 
 import pytest
 
-from alpha_ckpt.interval import check_schedule_args, parse_duration, young_daly
+from alpha_ckpt.runtime.interval import check_schedule_args, parse_duration, young_daly
 
 
 def test_the_seed_example_sixty_seconds_and_six_hours_gives_27_minutes_3_7_percent_and_13_minutes():

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import alpha_ckpt
-from alpha_ckpt import durable
+from alpha_ckpt.store import durable
 from alpha_ckpt.errors import DurableWriteError, PublishConflict
-from alpha_ckpt.format import CapturePrefix
-from alpha_ckpt.reader import verify_generation
+from alpha_ckpt.format.records import CapturePrefix
+from alpha_ckpt.generation.reader import verify_generation
 from alpha_ckpt.store import Store
 
 ERRNOS = [errno.EIO, errno.ENOSPC, errno.EDQUOT, errno.EINVAL]

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import alpha_ckpt
-from alpha_ckpt import launch_env
-from alpha_ckpt.inplace import Action, on_exit
-from alpha_ckpt.script_runner import peer_failed
+from alpha_ckpt.runtime import launch_env
+from alpha_ckpt.launch.inplace import Action, on_exit
+from alpha_ckpt.launch.script_runner import peer_failed
 
 
 @pytest.fixture

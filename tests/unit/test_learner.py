@@ -8,10 +8,10 @@ import torch
 import alpha_ckpt
 from alpha_ckpt.testing import oracle
 from alpha_ckpt.testing import launch
-from alpha_ckpt.learner.config import JobConfig, load_config
-from alpha_ckpt.learner.data import sample, sequence_indices, shares
-from alpha_ckpt.learner.digest import state_digest
-from alpha_ckpt.learner.model import LearnerState, apply_update, configure_determinism, share_gradient
+from alpha_ckpt.job.learner.config import JobConfig, load_config
+from alpha_ckpt.job.learner.data import sample, sequence_indices, shares
+from alpha_ckpt.job.learner.digest import state_digest
+from alpha_ckpt.job.learner.model import LearnerState, apply_update, configure_determinism, share_gradient
 
 CONFIG = Path(__file__).parents[2] / "configs" / "forecast.toml"
 SMALL = dict(stores=4, items=6, hidden=8, batch=10)

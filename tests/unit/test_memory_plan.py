@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from alpha_ckpt.memory.plan import (FetchPlan, Transfer, peer_order, plan_fetch, plan_replication, replica_targets,
+from alpha_ckpt.tiers.memory.plan import (FetchPlan, Transfer, peer_order, plan_fetch, plan_replication, replica_targets,
                                    network_needs, split_by_reach, transfer_windows, under_held)
 
 PROPS = settings(max_examples=200, deadline=None)

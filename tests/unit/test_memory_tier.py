@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from alpha_ckpt import Checkpointer
-from alpha_ckpt.generation import open_generation
-from alpha_ckpt.memory.tier import holder_directory, holders_of
+from alpha_ckpt.generation.opening import open_generation
+from alpha_ckpt.tiers.memory.tier import holder_directory, holders_of
 from alpha_ckpt.store import RefRecord, Store
 from ranks import run_ranks
 from test_checkpointer import IDENTITY, MASKS, Script
@@ -157,7 +157,7 @@ def test_each_holder_keeps_only_the_two_newest_memory_generations(tmp_path):
 
 
 def test_alpha_run_removes_the_memory_tiers_of_launchers_that_died_and_keeps_the_living_ones(tmp_path):
-    from alpha_ckpt.launcher import MEMORY_PREFIX, remove_orphaned_tiers
+    from alpha_ckpt.launch.launcher import MEMORY_PREFIX, remove_orphaned_tiers
     import subprocess
     dead = subprocess.Popen(["true"])
     dead.wait()  # its pid names no process now
@@ -171,7 +171,7 @@ def test_alpha_run_removes_the_memory_tiers_of_launchers_that_died_and_keeps_the
 
 @pytest.mark.parametrize("flags", [["--replicas", "2"], ["--durable-every", "3"], ["--memory", "--replicas", "0"]])
 def test_memory_flags_without_the_tier_or_out_of_range_are_usage_errors(tmp_path, flags):
-    from alpha_ckpt.launcher import main
+    from alpha_ckpt.launch.launcher import main
     script = tmp_path / "train.py"
     script.write_text("print('never runs')\n")
     assert main(["--nproc", "2", "--store", str(tmp_path / "s"), *flags, str(script)]) == 2
@@ -208,7 +208,7 @@ def test_asynchronous_and_planned_saves_go_to_both_tiers_alike_on_every_rank_and
 
 
 def test_copies_go_a_node_apart_when_the_job_spans_nodes(monkeypatch):
-    from alpha_ckpt.memory.tier import replica_stride
+    from alpha_ckpt.tiers.memory.tier import replica_stride
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert replica_stride(8) == 2 and replica_stride(2) == 1
     monkeypatch.delenv("LOCAL_WORLD_SIZE")

@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from alpha_ckpt import Checkpointer, PerRank
-from alpha_ckpt.memory.tier import holder_directory, holders_of
+from alpha_ckpt.tiers.memory.tier import holder_directory, holders_of
 from alpha_ckpt.store import Store
 from ranks import run_ranks
 
@@ -97,7 +97,7 @@ class open_root:
     """The objects a memory generation names (its root manifest and shards), read from a holder."""
 
     def __init__(self, holder: Store, root: str):
-        from alpha_ckpt.generation import open_generation
+        from alpha_ckpt.generation.opening import open_generation
         self.generation = open_generation(holder, root, role=0, wanted=[])
 
     def __enter__(self) -> set:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from alpha_ckpt import Checkpointer, UsageError
-from alpha_ckpt.memory.tier import Job, claim_store_directory, holders_of, memory_directory
+from alpha_ckpt.tiers.memory.tier import Job, claim_store_directory, holders_of, memory_directory
 from alpha_ckpt.collective.options import CheckpointerOptions
 from alpha_ckpt.store import Store
 from alpha_ckpt.testing import launch
@@ -164,7 +164,7 @@ def test_opening_a_tier_removes_the_directories_of_dead_jobs_and_keeps_live_ones
 
 def test_opening_a_tier_in_the_default_location_removes_dead_jobs_of_other_stores_there_too(tmp_path):
     import uuid
-    from alpha_ckpt.memory.tier import default_root
+    from alpha_ckpt.tiers.memory.tier import default_root
     dead = subprocess.Popen(["true"])
     dead.wait()
     mine, other = (Path(default_root()) / f"test-{uuid.uuid4().hex}" for _ in range(2))

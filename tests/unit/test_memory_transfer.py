@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from alpha_ckpt.api import save
-from alpha_ckpt.memory.plan import Transfer, plan_replication
-from alpha_ckpt.reader import validate_object_file
+from alpha_ckpt.tiers.memory.plan import Transfer, plan_replication
+from alpha_ckpt.generation.reader import validate_object_file
 from alpha_ckpt.store import Store, write_all
 
 from ranks import run_ranks
@@ -47,8 +47,8 @@ def holder_dir(tmp_path: Path, rank: int) -> str:
 
 
 def run_plan(rank: int, world: int, holders_root: str, rows: list, window_bytes: int) -> dict:
-    from alpha_ckpt.memory.plan import Transfer
-    from alpha_ckpt.memory.transfer import run_transfers
+    from alpha_ckpt.tiers.memory.plan import Transfer
+    from alpha_ckpt.tiers.memory.transfer import run_transfers
     from alpha_ckpt.store import Store
     with Store(str(Path(holders_root) / f"holder{rank}")) as holder:
         try:

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 import alpha_ckpt
-from alpha_ckpt import Checkpointer, RefusalCode, cli
+from alpha_ckpt import Checkpointer, RefusalCode
+from alpha_ckpt.launch import cli
 from alpha_ckpt.errors import Refusal
-from alpha_ckpt.format import CapturePrefix, canonical_json, digest_bytes
-from alpha_ckpt.reader import verify_generation
+from alpha_ckpt.format.records import CapturePrefix, canonical_json, digest_bytes
+from alpha_ckpt.generation.reader import verify_generation
 from alpha_ckpt.store import RefRecord, Store, check_fence
 from alpha_ckpt.testing import launch
 from ranks import run_ranks
@@ -197,7 +198,7 @@ def test_the_fence_passes_over_a_publishers_own_damaged_ref_and_fences_one_it_ca
 
 _GC_PAUSED_BETWEEN_PLAN_AND_APPLY = r"""
 import os, sys, time
-from alpha_ckpt import cli
+from alpha_ckpt.launch import cli
 
 real_apply = cli.apply_gc
 
@@ -252,11 +253,11 @@ def test_a_ref_a_killed_gc_set_aside_goes_back_and_a_pin_finding_it_aside_puts_i
     aside = _ref(store_dir, 1).with_name("aside-0000000001-99999999-abcdabcd")
     os.rename(_ref(store_dir, 1), aside)
     with Store(store_dir, create=False) as s:
-        from alpha_ckpt.gc import apply_gc, plan_gc
+        from alpha_ckpt.upkeep.gc import apply_gc, plan_gc
         apply_gc(s, plan_gc(s, grace=3600))
         assert [r.root for r in s.list_refs("r", "train")] == roots and not aside.exists()
     os.rename(_ref(store_dir, 1), aside)  # as a gc does just before it reads the pins again
-    from alpha_ckpt.pins import _keep_ref
+    from alpha_ckpt.upkeep.pins import _keep_ref
     with Store(store_dir, create=False) as s:
         _keep_ref(s, s.newest_ref("r", "train"))  # generation 2: in place
         assert aside.exists()

@@ -6,8 +6,8 @@ import torch
 from safetensors.torch import load
 
 from alpha_ckpt import Store
-from alpha_ckpt.learner.config import JobConfig
-from alpha_ckpt.learner.model import initial_params
+from alpha_ckpt.job.learner.config import JobConfig
+from alpha_ckpt.job.learner.model import initial_params
 from alpha_ckpt.job.owner import Owner
 
 

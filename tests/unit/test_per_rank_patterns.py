@@ -10,7 +10,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 import alpha_ckpt
 from alpha_ckpt import Checkpointer, RefusalCode
-from alpha_ckpt.reader import open_generation
+from alpha_ckpt.generation.reader import open_generation
 from alpha_ckpt.state.capture import capture_state
 from alpha_ckpt.state.rules import PlacementRules
 from alpha_ckpt.store import Store

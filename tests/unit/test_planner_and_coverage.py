@@ -4,9 +4,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from alpha_ckpt import Refusal, RefusalCode
-from alpha_ckpt.format import RegionDecl
-from alpha_ckpt.manifest import check_coverage
-from alpha_ckpt.planner import Copy, PlanError, Piece, SavedSlice, WantedSlice, pack_shards, plan_restore
+from alpha_ckpt.format.records import RegionDecl
+from alpha_ckpt.state.manifest import check_coverage
+from alpha_ckpt.generation.planner import Copy, PlanError, Piece, SavedSlice, WantedSlice, pack_shards, plan_restore
 
 REGIONS = [RegionDecl(0, "w", "float32", (10,)), RegionDecl(1, "b", "int8", (4,))]
 

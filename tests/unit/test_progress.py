@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import alpha_ckpt
-from alpha_ckpt import cli, progress
-from alpha_ckpt.progress import EVENT_VERSION, EVENTS, Progress, emit
+from alpha_ckpt.launch import cli
+from alpha_ckpt.runtime import progress
+from alpha_ckpt.runtime.progress import EVENT_VERSION, EVENTS, Progress, emit
 from alpha_ckpt.store import Store
 
 
@@ -121,7 +122,7 @@ def test_a_refused_verify_logs_its_code_in_its_one_event(saved):
 @pytest.mark.timeout(120)
 def test_the_console_script_writes_one_event_line_to_a_piped_stderr(saved):
     store_dir, root, _ = saved
-    proc = subprocess.run([sys.executable, "-m", "alpha_ckpt.cli", "verify", "--store", str(store_dir), root, "--json"],
+    proc = subprocess.run([sys.executable, "-m", "alpha_ckpt.launch.cli", "verify", "--store", str(store_dir), root, "--json"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == {"root": root, "digest": root, "valid": True}

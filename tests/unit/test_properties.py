@@ -10,11 +10,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from alpha_ckpt import Refusal
-from alpha_ckpt.format import DTYPES, PREFIX_LEN, CapturePrefix, RegionDecl, encode_head
-from alpha_ckpt.manifest import torch_dtype
-from alpha_ckpt.planner import Piece, WantedSlice
-from alpha_ckpt.reader import open_generation, restore_slices, validate_object_bytes
-from alpha_ckpt.writer import publish_slices, word_bytes
+from alpha_ckpt.format.records import DTYPES, PREFIX_LEN, CapturePrefix, RegionDecl, encode_head
+from alpha_ckpt.state.manifest import torch_dtype
+from alpha_ckpt.generation.planner import Piece, WantedSlice
+from alpha_ckpt.generation.reader import open_generation, restore_slices, validate_object_bytes
+from alpha_ckpt.generation.writer import publish_slices, word_bytes
 from alpha_ckpt.store import Store
 
 PREFIX = CapturePrefix("prop", "fit", 1, 2, 0)

@@ -9,10 +9,10 @@ import torch
 import alpha_ckpt
 from alpha_ckpt import Checkpointer, Partitioned, PerRank, Refusal, RefusalCode
 from alpha_ckpt.errors import StoreUsageError, UsageError
-from alpha_ckpt.format import CapturePrefix, RegionDecl
-from alpha_ckpt.planner import Piece
+from alpha_ckpt.format.records import CapturePrefix, RegionDecl
+from alpha_ckpt.generation.planner import Piece
 from alpha_ckpt.store import Store
-from alpha_ckpt.writer import publish_slices
+from alpha_ckpt.generation.writer import publish_slices
 from ranks import run_ranks
 
 pytestmark = pytest.mark.timeout(240)
@@ -270,7 +270,7 @@ def test_a_branch_into_a_run_with_history_is_a_history_conflict_and_another_runs
 
 
 def test_an_identity_recorded_as_plain_json_still_matches():
-    from alpha_ckpt.manifest import identity_matches
+    from alpha_ckpt.state.manifest import identity_matches
     assert identity_matches({"model": "gpt-tiny", "lr": 0.003}, {"model": "gpt-tiny", "lr": 3e-3})
     assert not identity_matches({"model": "gpt-tiny", "lr": 0.003}, {"model": "gpt-tiny", "lr": 1e-3})
     assert identity_matches("learner-digest", "learner-digest")

@@ -42,7 +42,7 @@ def test_a_value_only_rank_1_cannot_encode_refuses_on_every_rank_promptly(tmp_pa
 
 def save_where_rank_0s_root_publish_fails_unexpectedly(rank, world, store):
     from alpha_ckpt.errors import PublishFailed
-    from alpha_ckpt.publish import star as module
+    from alpha_ckpt.tiers.durable import star as module
 
     def broken(*args, **kwargs):
         raise RuntimeError("an unexpected failure while writing the root manifest")

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from alpha_ckpt.resilient import sever_connections_to
+from alpha_ckpt.launch.resilient import sever_connections_to
 
 # A peer process: connects to PORT, says it is ready, then waits for the other end to go away.
 PEER = """
@@ -64,8 +64,8 @@ def _compute_until(seconds: float) -> int:
 def test_a_new_round_interrupts_main_at_once_while_it_computes_and_never_outside_it():
     import threading
     import time
-    from alpha_ckpt.launch_env import round_key
-    from alpha_ckpt.resilient import FailureNotice, PeerFailed
+    from alpha_ckpt.runtime.launch_env import round_key
+    from alpha_ckpt.launch.resilient import FailureNotice, PeerFailed
     server, endpoint = _control_store()
     notice = FailureNotice(endpoint, 30, first_round=0)
     begun = []

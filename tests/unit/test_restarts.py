@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 import alpha_ckpt
-from alpha_ckpt import launch_env, launcher
+from alpha_ckpt.runtime import launch_env
+from alpha_ckpt.launch import launcher
 from alpha_ckpt.job.owner import Resume, attempt_resume
 
 ROOT = "ab" * 32

@@ -11,10 +11,10 @@ from hypothesis import given, settings, strategies as st
 from alpha_ckpt import CheckpointerOptions, Refusal, RefusalCode, UsageError
 from alpha_ckpt.collective.schedule import (DEFAULT_DURABLE_EVERY, DURABLE, MEMORY, Schedule, save_event_fields,
                                             save_tier)
-from alpha_ckpt.interval import saves_per_durable, young_daly
-from alpha_ckpt.progress import emit
-from alpha_ckpt.publish import messages
-from alpha_ckpt.publish.messages import Interval
+from alpha_ckpt.runtime.interval import saves_per_durable, young_daly
+from alpha_ckpt.runtime.progress import emit
+from alpha_ckpt.tiers.durable import messages
+from alpha_ckpt.tiers.durable.messages import Interval
 
 
 def tiers_of(schedule: Schedule, saves: int) -> list[str]:

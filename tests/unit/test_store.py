@@ -5,10 +5,10 @@ import torch
 
 import alpha_ckpt
 from alpha_ckpt import PublishConflict, Refusal, RefusalCode
-from alpha_ckpt.format import CapturePrefix, RegionDecl
-from alpha_ckpt.planner import Piece
-from alpha_ckpt.reader import open_generation
-from alpha_ckpt.writer import word_bytes, write_manifest
+from alpha_ckpt.format.records import CapturePrefix, RegionDecl
+from alpha_ckpt.generation.planner import Piece
+from alpha_ckpt.generation.reader import open_generation
+from alpha_ckpt.generation.writer import word_bytes, write_manifest
 from alpha_ckpt.store import Store
 from alpha_ckpt.store.posix import PosixRefDir
 from alpha_ckpt.testing.forge import publish_forged
@@ -71,7 +71,7 @@ def test_a_manifest_naming_itself_cannot_exist_and_a_cycle_is_refused(saved):
         m = open_generation(s, root)
         m.close()
         record = m.manifest.shards[0]
-        from alpha_ckpt.format import ShardRef
+        from alpha_ckpt.format.records import ShardRef
         root2, size = write_manifest(s, m.prefix, m.manifest.regions,
                                      [ShardRef(root, s.open_object(root, "m").size, record.slices)], 1, None)
         with pytest.raises(Refusal) as info:

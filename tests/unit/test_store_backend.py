@@ -8,7 +8,7 @@ from typing import Callable, Iterator, Sequence
 import pytest
 
 from alpha_ckpt.errors import Refusal, RefusalCode
-from alpha_ckpt.format import digest_bytes
+from alpha_ckpt.format.records import digest_bytes
 from alpha_ckpt.store import ObjectFile, PosixBackend, PutResult, RefUnreadable, StorageBackend, StoreLayout
 from alpha_ckpt.store.backend import RefDir
 from alpha_ckpt.store.write_mode import DEFAULT_WRITE_THREADS

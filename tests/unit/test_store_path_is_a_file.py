@@ -79,7 +79,7 @@ SUBCOMMAND_ARGS = {
 
 
 def alpha_ckpt_subcommands() -> set:
-    from alpha_ckpt import cli
+    from alpha_ckpt.launch import cli
     return {name for action in cli._parser()._actions if isinstance(action, argparse._SubParsersAction)
             for name in action.choices}
 
@@ -102,7 +102,7 @@ def test_alpha_run_and_an_owner_given_a_store_that_is_a_file_exit_2_with_one_lin
                                                                                    monkeypatch):
     import torch.distributed
     import torch.distributed.run
-    from alpha_ckpt import launcher
+    from alpha_ckpt.launch import launcher
     from alpha_ckpt.job import owner
 
     def started(*args, **kwargs):

@@ -173,7 +173,7 @@ def _refs(store_dir) -> list:
 
 def test_a_declared_inf_buffer_round_trips_through_save_load_verify_and_export(store_dir, tmp_path):
     from safetensors.torch import load_file
-    from alpha_ckpt import cli
+    from alpha_ckpt.launch import cli
     t = Trainer(seed=0)
     root = alpha_ckpt.save({"model": t.model.state_dict()}, store=store_dir, run="r", step="s", update=1, cursor=0,
                            epoch=0, allow_nonfinite=MASKS)
@@ -211,7 +211,7 @@ def test_the_allowance_is_part_of_the_checkpoint_identity(store_dir):
                            allow_nonfinite=("m",))
     again = alpha_ckpt.save({"m": torch.zeros(2), "w": torch.ones(2)}, store=store_dir, run="r", step="s", update=2,
                             cursor=0, epoch=0)
-    from alpha_ckpt.reader import open_generation
+    from alpha_ckpt.generation.reader import open_generation
     with Store(store_dir, create=False) as s, open_generation(s, root) as g1, open_generation(s, again) as g2:
         assert [r.nonfinite for r in g1.manifest.regions] == [True, False]
         assert g1.manifest.schema_digest != g2.manifest.schema_digest
@@ -250,7 +250,7 @@ def test_latest_names_what_it_skipped(store_dir, caplog):
     good = alpha_ckpt.save({"w": torch.ones(4)}, store=store_dir, run="r", step="s", update=1, cursor=0, epoch=0)
     bad = alpha_ckpt.save({"w": torch.ones(4) * 2}, store=store_dir, run="r", step="s", update=2, cursor=0, epoch=0)
     with Store(store_dir, create=False) as s:
-        from alpha_ckpt.reader import open_generation
+        from alpha_ckpt.generation.reader import open_generation
         with open_generation(s, bad) as g:
             victim = s.object_path(next(iter(g.shards)))
     import os

@@ -6,14 +6,14 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from alpha_ckpt import Refusal, RefusalCode
-from alpha_ckpt.format import CapturePrefix, ChildRef
-from alpha_ckpt.planner import Hierarchy
+from alpha_ckpt.format.records import CapturePrefix, ChildRef
+from alpha_ckpt.generation.planner import Hierarchy
 from alpha_ckpt.testing import simulate
-from alpha_ckpt.publish.tree import Commitment, check_commitment
-from alpha_ckpt.reader import open_generation, verify_generation
+from alpha_ckpt.tiers.durable.tree import Commitment, check_commitment
+from alpha_ckpt.generation.reader import open_generation, verify_generation
 from alpha_ckpt.store import Store
 from alpha_ckpt.testing.forge import publish_ref_unfenced
-from alpha_ckpt.writer import write_manifest
+from alpha_ckpt.generation.writer import write_manifest
 
 
 @settings(max_examples=200, deadline=None)

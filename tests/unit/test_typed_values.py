@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from alpha_ckpt import Refusal, RefusalCode
-from alpha_ckpt.format import canonical_json, parse_canonical_json
-from alpha_ckpt.values import decode_value, encode_value
+from alpha_ckpt.format.records import canonical_json, parse_canonical_json
+from alpha_ckpt.format.values import decode_value, encode_value
 from gpt_training import assert_identical
 
 KEYS = st.text(max_size=8) | st.integers(-2**70, 2**70)

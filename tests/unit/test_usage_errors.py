@@ -126,7 +126,7 @@ def assert_one_line_usage_error(code, err: str) -> None:
 @pytest.mark.parametrize("flags, config", CASES)
 def test_alpha_run_refuses_a_usage_error_before_any_owner_starts(flags, config, tmp_path, capsys,
                                                                   no_owner_may_start):
-    from alpha_ckpt import launcher
+    from alpha_ckpt.launch import launcher
     store = tmp_path / "store"
     argv = ["--nproc", "2", "--store", str(store), "--updates", "3", *flags, config_path(tmp_path, config)]
     code = exit_code_of(launcher.main, argv)
@@ -135,7 +135,7 @@ def test_alpha_run_refuses_a_usage_error_before_any_owner_starts(flags, config, 
 
 @pytest.mark.parametrize("flags", LAUNCHER_ONLY_CASES)
 def test_alpha_run_refuses_a_bad_torchrun_flag_before_any_owner_starts(flags, tmp_path, capsys, no_owner_may_start):
-    from alpha_ckpt import launcher
+    from alpha_ckpt.launch import launcher
     argv = ["--store", str(tmp_path / "store"), "--updates", "3", *flags, CONFIG]
     code = exit_code_of(launcher.main, argv)
     assert_one_line_usage_error(code, capsys.readouterr().err)
@@ -155,7 +155,7 @@ def test_an_owner_under_plain_torchrun_refuses_the_same_usage_errors_with_exit_2
 @pytest.mark.timeout(120)
 def test_the_alpha_run_process_prints_one_line_and_exits_2_without_starting_owners(tmp_path):
     for flags in (["--set", "bogus=1"], ["--nproc", "0"], ["--run", "a/b"], ["--updates", "0"]):
-        proc = launch.python_m("alpha_ckpt.launcher", "--nproc", "2", "--store", tmp_path / "store", "--updates", "3",
+        proc = launch.python_m("alpha_ckpt.launch.launcher", "--nproc", "2", "--store", tmp_path / "store", "--updates", "3",
                                *flags, CONFIG, timeout=60)
         assert_one_line_usage_error(proc.returncode, proc.stderr)
         assert proc.stdout == ""
@@ -183,7 +183,8 @@ def test_a_worker_process_started_as_torchrun_would_exits_2_with_one_line(tmp_pa
 def test_alpha_run_refuses_a_read_only_store_before_any_owner_starts(tmp_path, capsys, monkeypatch,
                                                                       no_owner_may_start):
     """In-process: the store's file system answers EROFS to every file created (see the e2e test for a real mount)."""
-    from alpha_ckpt import Store, launcher
+    from alpha_ckpt import Store
+    from alpha_ckpt.launch import launcher
     store = tmp_path / "store"
     Store(store).close()
     real_open = os.open
@@ -214,7 +215,7 @@ def test_the_script_runner_keeps_a_scripts_exit_status_runs_its_atexit_handlers_
     script = tmp_path / "s.py"
     script.write_text(SCRIPT_WITH_ATEXIT.format(code=code))
     marker = tmp_path / "marker"
-    done = launch.python_m("alpha_ckpt.script_runner", script, marker, timeout=60)
+    done = launch.python_m("alpha_ckpt.launch.script_runner", script, marker, timeout=60)
     assert done.returncode == expected
     assert marker.read_text() == "ran"
     assert done.stdout == "out\n"
@@ -227,7 +228,8 @@ def test_the_script_runner_keeps_a_scripts_exit_status_runs_its_atexit_handlers_
                  id="a-named-c10d-rendezvous-is-kept"),
 ])
 def test_restarts_on_one_node_run_a_rendezvous_whose_every_round_has_a_new_store(flags, standalone):
-    from alpha_ckpt import launch_env, launcher
+    from alpha_ckpt.runtime import launch_env
+    from alpha_ckpt.launch import launcher
     args = launcher.parse(["--nproc", "2", *flags, CONFIG])
     assert ("--standalone" in launcher.torchrun_argv(args)) is standalone
     with launch_env.exported(1):  # every round of torch's c10d rendezvous gives the ranks a store of their own

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from alpha_ckpt import cli
+from alpha_ckpt.launch import cli
 from alpha_ckpt.store import Store
 
 
@@ -157,7 +157,7 @@ def test_usage_errors_exit_2(saved):
 @pytest.mark.timeout(120)
 def test_console_script_exit_codes(saved):
     store_dir, root, _ = saved
-    run = lambda *a: subprocess.run([sys.executable, "-m", "alpha_ckpt.cli", *a], capture_output=True, text=True, timeout=60)
+    run = lambda *a: subprocess.run([sys.executable, "-m", "alpha_ckpt.launch.cli", *a], capture_output=True, text=True, timeout=60)
     ok = run("verify", "--store", str(store_dir), root)
     assert ok.returncode == 0, ok.stderr
     shard, path = next((d, p) for d, p in _objects(store_dir).items() if d != root)
@@ -189,6 +189,6 @@ def test_latest_skips_a_damaged_newer_generation_and_names_it(store_dir):
 
 
 def _shard_of(store, root, digest):
-    from alpha_ckpt.reader import open_generation
+    from alpha_ckpt.generation.reader import open_generation
     with open_generation(store, root) as g:
         return digest in g.shards

@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import alpha_ckpt
-from alpha_ckpt import durable, writer
+from alpha_ckpt.store import durable
+from alpha_ckpt.generation import writer
 from alpha_ckpt.store import EXPLORE_EVERY, Store, WriteModes
 
 

@@ -13,8 +13,9 @@ import threading
 import torch
 
 import alpha_ckpt
-from alpha_ckpt import heap, writer
-from alpha_ckpt.reader import open_generation
+from alpha_ckpt.runtime import heap
+from alpha_ckpt.generation import writer
+from alpha_ckpt.generation.reader import open_generation
 from alpha_ckpt.store import Store
 
 

@@ -1,0 +1,1 @@
+"""format: see docs/ARCHITECTURE.md."""

@@ -1,0 +1,633 @@
+"""alpha-run: start the owners of a job like torchrun does, on torch's own elastic launcher.
+
+    alpha-run --nproc 4 --store S --updates 5 configs/forecast.toml
+    alpha-run --nproc 4 --store S --updates 5 --resume-from ROOT_DIGEST configs/forecast.toml
+    alpha-run --nnodes 2 --node-rank 0 --nproc 2 --rdzv-endpoint HOST:PORT ... configs/forecast.toml
+    alpha-run --nproc 2 --store S [--run R] [--resume latest | --resume-from D] train.py --its --own --args
+
+A training script runs on every rank as ``python train.py ARGS`` would under
+torchrun; its Checkpointer finds the store, the run (default: the script's
+name), the resume choice and the checkpoint flags with
+``Checkpointer.from_launcher_env()`` (alpha_ckpt/runtime/launch_env.py). A Refusal
+escaping the script exits 3.
+
+torchrun's launcher flags are accepted and handed to torch.distributed.run,
+which sets the same worker environment (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT, ...) and does the rendezvous. Each owner runs
+`python -m alpha_ckpt.job`, which also runs under plain torchrun.
+
+Every flag, config key and value, run name and the store's writability are
+checked here, in one process, before any owner starts: a usage error is one
+line on stderr and exit 2. The owners die with this process, however it dies
+(see alpha_ckpt/runtime/lifeline.py).
+
+Exit codes: 0 done, 1 a script's own error before any checkpoint call (not
+restarted), 3 checkpoint refused, 75 retryable failure (an owner died, a
+publish failed, a script failed after a checkpoint call), 2 usage error, 130
+interrupted. A refusal or usage error the ranks meet is printed once, naming
+the ranks (they leave it in this launch's directory, launch_env.LAUNCH_DIR).
+
+With ``--max-restarts N`` torch's elastic agent restarts every rank when one
+fails, through :func:`restarting_agent`: a worker that exits 3 (refused) or 2
+(usage) ends the restarts at once (the next attempt would be told the same),
+and each restart's workers learn what failed, when it was seen and what they
+resume (:func:`alpha_ckpt.runtime.launch_env.restart_context`): the newest generation
+(:func:`restart_resume`).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import re
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from typing import Callable, Iterator
+
+from alpha_ckpt.format.records import NAME_RE
+from alpha_ckpt.runtime import heartbeat, launch_env
+from alpha_ckpt.runtime.heartbeat import check_heartbeat_args
+from alpha_ckpt.launch.inplace import check_in_place_args, run_in_place
+from alpha_ckpt.job.usage import check_job_args
+from alpha_ckpt.launch.usage import OneLineArgumentParser, UsageError, check_checkpoint_flags, check_store_writable
+
+from alpha_ckpt.runtime.launch_env import (EXIT_INTERRUPTED, EXIT_OK, EXIT_REFUSED, EXIT_RETRY, EXIT_SCRIPT_ERROR,  # noqa: F401
+                         EXIT_USAGE, describe_exit)
+
+# torchrun flags we pass through unchanged: (flag, argparse kwargs)
+_TORCHRUN_FLAGS = (
+    ("--nnodes", {"default": "1"}),
+    ("--node-rank", {"type": int, "default": 0}),
+    ("--master-addr", {}),
+    ("--master-port", {"type": int}),
+    ("--rdzv-endpoint", {}),
+    ("--rdzv-backend", {}),
+    ("--rdzv-id", {}),
+    ("--max-restarts", {"type": int, "default": 0}),
+)
+
+
+def parser() -> OneLineArgumentParser:
+    # No abbreviations: argparse reads them anywhere, even among the script's own arguments after
+    # its path, and a script's option that prefixes one of ours (--st of --store) would be refused.
+    p = OneLineArgumentParser(prog="alpha-run", description="Launch the owners of an alpha_ckpt job (torchrun-compatible).",
+                              allow_abbrev=False)
+    p.add_argument("config", metavar="TARGET", help="a training script (train.py; its own arguments follow it), "
+                   "-m MODULE, or the built-in job's config (TOML), e.g. configs/forecast.toml")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.add_argument("-m", dest="module", action="store_true", help="TARGET is a module (python -m), as torchrun -m")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", "--nproc", dest="nproc", type=int, default=1)
+    for flag, kwargs in _TORCHRUN_FLAGS:
+        p.add_argument(flag, flag.replace("-", "_").replace("__", "--", 1), **kwargs)
+    p.add_argument("--standalone", action="store_true")
+    p.add_argument("--backend", choices=["gloo", "nccl"], help="gloo or nccl (default: nccl when CUDA is present)")
+    p.add_argument("--store", default="./alpha-store", help="store directory (default ./alpha-store)")
+    p.add_argument("--run", help="run name (overrides the config)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    p.add_argument("--updates", type=int, help="the job: committed update count to reach (absolute; required)")
+    p.add_argument("--checkpoint-every", default="0", metavar="K|auto",
+                   help="publish a generation every K updates, or 'auto': Young/Daly's interval from the measured "
+                        "checkpoint cost and --mtbf (always at the end too)")
+    p.add_argument("--mtbf", metavar="DURATION", help="mean time between failures for --checkpoint-every auto "
+                   "(21600, 360m, 6h)")
+    p.add_argument("--checkpoint-cost", metavar="DURATION",
+                   help="auto: the checkpoint cost assumed until one is measured (default: checkpoint after the "
+                        "first update to measure it)")
+    p.add_argument("--save", choices=["sync", "async"], default="sync",
+                   help="async: snapshot at the boundary and publish while training goes on (default sync)")
+    p.add_argument("--in-flight", choices=["wait", "skip"], default="wait",
+                   help="async: a boundary that finds the previous save still running waits for it, or skips "
+                        "its checkpoint (logged) (default wait)")
+    p.add_argument("--discard-checkpoints", action="store_true",
+                   help="once the fitted model (the declared output) is published, remove this run/step's "
+                        "checkpoints; pinned generations stay")
+    resume = p.add_mutually_exclusive_group()
+    resume.add_argument("--resume-from", metavar="ROOT_DIGEST", help="continue exactly this generation or refuse")
+    resume.add_argument("--resume", choices=["latest"], help="continue the newest complete generation")
+    resume.add_argument("--branch-from", metavar="ROOT_DIGEST",
+                        help="start a new run (--run, no generations yet) from another run's generation")
+    p.add_argument("--memory", action="store_true",
+                   help="a script: hold every save in host memory too, copied to --replicas peer ranks; one save in "
+                        "--durable-every goes to the store (the tier lives while alpha-run does)")
+    p.add_argument("--replicas", type=int, default=1, help="--memory: peer copies of every object (default 1)")
+    p.add_argument("--durable-every", type=int, metavar="K",
+                   help="--memory: one save in K also goes to the store (default 5)")
+    p.add_argument("--publisher", choices=["star", "tree"], default="star",
+                   help="star: owner 0 gathers and publishes; tree: bounded fan-out manifest tree")
+    p.add_argument("--fanout", type=int, default=8, help="tree: children per owner at most (default 8)")
+    p.add_argument("--commit-timeout", type=float, default=60.0,
+                   help="tree: seconds a parent waits for its children's commitments (default 60)")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds every collective of a rank's process groups may wait (default 120)")
+    p.add_argument("--heartbeat-limit", type=float, metavar="SECONDS",
+                   help="a rank whose heartbeat is silent this long is hung: killed and handled as a failed rank "
+                        "(default: half of --timeout; below --timeout)")
+    p.add_argument("--heartbeat-period", type=float, metavar="SECONDS",
+                   help="seconds between a rank's heartbeats (default 1, or a quarter of --heartbeat-limit)")
+    p.add_argument("--in-place", action="store_true", help="with --max-restarts on one node: replace only a failed "
+                   "rank; the others recover in their processes (the script calls alpha_ckpt.run_resilient)")
+    return p
+
+
+def torchrun_argv(args) -> list[str]:
+    out = ["--nproc-per-node", str(args.nproc), "--nnodes", args.nnodes, "--node-rank", str(args.node_rank),
+           "--max-restarts", str(args.max_restarts)]
+    for flag in ("--master-addr", "--master-port", "--rdzv-endpoint", "--rdzv-backend", "--rdzv-id"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            out += [flag, str(value)]
+    if args.standalone or restarts_on_one_node(args):
+        out.append("--standalone")
+    worker = [args.config, "--store", args.store, "--updates", str(args.updates),
+              "--checkpoint-every", str(args.checkpoint_every), "--save", args.save, "--in-flight", args.in_flight,
+              "--publisher", args.publisher,
+              "--fanout", str(args.fanout), "--commit-timeout", str(args.commit_timeout), "--timeout", str(args.timeout)]
+    # The run name travels as a config override: a worker flag named --run would be
+    # an ambiguous prefix of torchrun's --run-path when torchrun parses the command.
+    if args.discard_checkpoints:
+        worker.append("--discard-checkpoints")
+    for item in config_overrides(args):
+        worker += ["--set", item]
+    for flag in ("resume_from", "resume", "branch_from", "backend", "mtbf", "checkpoint_cost"):
+        value = getattr(args, flag)
+        if value is not None:
+            worker += ["--" + flag.replace("_", "-"), value]
+    return out + ["-m", "alpha_ckpt.job"] + worker
+
+
+def torchrun_args(argv: list[str]):
+    """torchrun's namespace for ``argv`` (launcher flags, ``-m MODULE``, then the program's arguments).
+
+    Only the launcher's part goes through torchrun's parser: argparse classifies every
+    argument before it knows where the program's begin, so a program option that is a
+    prefix of one of torchrun's (``--run`` of ``--run-path``) would be refused or taken.
+    """
+    from torch.distributed.run import get_args_parser
+    at = argv.index("-m") + 2
+    namespace = get_args_parser().parse_args(argv[:at])
+    namespace.training_script_args = argv[at:]
+    return namespace
+
+
+def config_overrides(args) -> list[str]:
+    # The run name travels as a config override (see torchrun_argv).
+    return args.set + ([f"run={args.run}"] if args.run else [])
+
+
+def check_launch_args(args) -> None:
+    """torchrun's own flags, by torch's own parsers; :class:`UsageError` for the first bad one."""
+    from torch.distributed.elastic.rendezvous import registry
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+    from torch.distributed.run import parse_min_max_nnodes
+    if args.nproc < 1:
+        raise UsageError(f"--nproc-per-node must be at least 1, not {args.nproc}")
+    try:
+        min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
+    except (ValueError, RuntimeError):
+        raise UsageError(f"--nnodes takes N or MIN:MAX, not {args.nnodes!r}") from None
+    if not 0 < min_nodes <= max_nodes:
+        raise UsageError(f"--nnodes {args.nnodes}: need 0 < MIN <= MAX")
+    if not 0 <= args.node_rank < max_nodes:
+        raise UsageError(f"--node-rank must be in [0, {max_nodes}), not {args.node_rank}")
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts must not be negative, not {args.max_restarts}")
+    if args.max_restarts > 0 and static_rendezvous(args):
+        # The static rendezvous keeps one store for every attempt: a restarted rank can read the
+        # previous attempt's addresses there and wait on a dead peer (gloo) until the timeout.
+        raise UsageError("--max-restarts needs torch's c10d rendezvous, not the static one (--master-addr/"
+                         "--master-port): on one node drop those flags; on several pass --rdzv-backend c10d "
+                         "--rdzv-endpoint HOST:PORT")
+    if args.master_port is not None and not 0 < args.master_port < 65536:
+        raise UsageError(f"--master-port must be in [1, 65535], not {args.master_port}")
+    if (args.master_port is not None and args.node_rank == 0 and not args.standalone
+            and args.rdzv_endpoint is None and args.rdzv_backend in (None, "static") and port_taken(args.master_port)):
+        raise UsageError(f"--master-port {args.master_port} is taken on this host (another job's rendezvous?)")
+    if args.rdzv_endpoint is not None:
+        try:
+            parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
+        except ValueError as exc:
+            raise UsageError(f"--rdzv-endpoint {args.rdzv_endpoint!r}: {exc}") from None
+    known = getattr(registry.handler_registry, "_registry", None)  # torch's and plugins' backends
+    if args.rdzv_backend is not None and known is not None and args.rdzv_backend not in known:
+        raise UsageError(f"--rdzv-backend must be one of {', '.join(sorted(known))}, not {args.rdzv_backend!r}")
+    if args.branch_from is not None and args.run is None:
+        raise UsageError("--branch-from needs --run NEW_RUN")
+
+
+def static_rendezvous(args) -> bool:
+    """torchrun's static rendezvous: --master-addr/--master-port, or --rdzv-backend static."""
+    return (not args.standalone and args.rdzv_endpoint is None and args.rdzv_backend in (None, "static")
+            and (args.master_addr is not None or args.master_port is not None or args.rdzv_backend == "static"
+                 or args.nnodes != "1"))
+
+
+def restarts_on_one_node(args) -> bool:
+    """--max-restarts on one node with no rendezvous named: torch's c10d rendezvous on a free local port
+    (torchrun --standalone), whose every restart is a new round with a new store for the ranks."""
+    return (args.max_restarts > 0 and args.nnodes == "1" and not args.standalone and args.rdzv_endpoint is None
+            and args.rdzv_backend is None and args.master_addr is None and args.master_port is None)
+
+
+def port_taken(port: int) -> bool:
+    """Whether a listening socket holds ``port`` here, where node 0's rendezvous server will listen."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server does: TIME_WAIT is no owner
+        try:
+            probe.bind(("", port))
+        except OSError:
+            return True
+    return False
+
+
+def is_job(args) -> bool:
+    """The built-in forecasting job (a TOML config), or a training script of the user's own."""
+    return not args.module and args.config.endswith(".toml")
+
+
+def script_argv(args) -> list[str]:
+    """torchrun's arguments that start ``python -m alpha_ckpt.launch.script_runner`` per rank."""
+    target = ["-m", args.config] if args.module else [os.path.abspath(args.config)]
+    launcher = torchrun_argv(args)
+    return launcher[:launcher.index("-m")] + ["-m", "alpha_ckpt.launch.script_runner", *target, *args.script_args]
+
+
+def script_environment(args) -> dict[str, str]:
+    """What a script's ``Checkpointer.from_launcher_env()`` reads (alpha_ckpt/runtime/launch_env.py)."""
+    return launch_env.script_environment(args, script_run(args))
+
+
+def script_run(args) -> str:
+    """The script's run: --run, else its name as a run name can be (``_train_v2.py``: ``train-v2``)."""
+    if args.run:
+        return args.run
+    stem = os.path.splitext(os.path.basename(args.config.rstrip("/")))[0]
+    return re.sub(r"[^A-Za-z0-9.-]", "-", stem).strip("-.")[:128]
+
+
+def check_script_args(args) -> None:
+    check_checkpoint_flags(args)
+    run = script_run(args)
+    if not NAME_RE.match(run):
+        raise UsageError(f"--run {args.run!r} is not a plain name ([A-Za-z0-9._-], 1-128 chars, starting with a "
+                         f"letter or digit)" if args.run else
+                         f"no run name can be made of {args.config!r}: pass --run NAME")
+    if args.module:
+        from alpha_ckpt.launch.script_runner import module_problem
+        problem = module_problem(args.config)
+        if problem:
+            raise UsageError(problem)
+        return
+    if not os.path.isfile(args.config):
+        raise UsageError(f"script {args.config}: no such file")
+    if (args.replicas != 1 or args.durable_every is not None) and not args.memory:
+        raise UsageError("--replicas and --durable-every go with --memory")
+    if args.replicas < 1 or (args.durable_every is not None and args.durable_every < 1):
+        raise UsageError("--replicas and --durable-every are at least 1")
+    if args.updates is not None or args.set or args.branch_from or args.discard_checkpoints:
+        raise UsageError("--updates, --set, --branch-from and --discard-checkpoints belong to the built-in job; a "
+                         "script takes its own arguments after its path")
+
+
+def parse(argv: list[str]):
+    """alpha-run's arguments. A script's own arguments follow its path; the job's config may
+    come anywhere among alpha-run's flags, as before scripts were launched."""
+    args = parser().parse_args(argv)
+    if is_job(args) and args.script_args:
+        position = len(argv) - len(args.script_args) - 1
+        args = parser().parse_args(argv[:position] + argv[position + 1:] + [args.config])
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(list(sys.argv[1:] if argv is None else argv))
+    branch_into = None
+    try:
+        # The job's (or script's) own checks first: they need no torch, so a typo there answers at
+        # once; torchrun's flags are checked by torch's parsers (seconds to import) next.
+        if is_job(args):
+            if args.script_args:
+                raise UsageError(f"unrecognized arguments after the job config: {' '.join(args.script_args)}")
+            if args.updates is None:
+                raise UsageError("the job needs --updates (the committed update count to reach)")
+            if args.memory or args.replicas != 1 or args.durable_every is not None:
+                raise UsageError("--memory, --replicas and --durable-every are for training scripts (the job "
+                                 "publishes every generation to the store)")
+            config = check_job_args(args, config_overrides(args))
+            branch_into = (config.run, config.step) if args.branch_from else None
+        else:
+            check_script_args(args)
+        check_in_place_args(args)
+        check_heartbeat_args(args)
+        check_launch_args(args)
+        check_store_writable(args.store)
+    except UsageError as exc:
+        print(f"alpha-run: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    from torch.distributed import DistNetworkError
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import run
+    # Each owner binds its life to this process (alpha_ckpt/runtime/lifeline.py); torch copies
+    # this environment into every owner it starts, restarts included.
+    if args.memory:  # the memory tier's holders: in host memory, for as long as this launch lives
+        parent = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        remove_orphaned_tiers(parent)
+        args.memory_dir = tempfile.mkdtemp(prefix=f"{MEMORY_PREFIX}{os.getpid()}-", dir=parent)
+    outcome = Outcome()
+    # Where the ranks leave notes for this process (launch_env.LAUNCH_DIR), for as long as this launch lives.
+    remove_orphaned_tiers(tempfile.gettempdir(), LAUNCH_PREFIX)
+    args.launch_dir = tempfile.mkdtemp(prefix=f"{LAUNCH_PREFIX}{os.getpid()}-")
+    notes = {launch_env.LAUNCH_DIR: args.launch_dir}
+    own_errors: list[Failure] = []  # a script's rank that failed before any checkpoint call (no restart)
+
+    def ends_restarts(attempt: int, failures: dict) -> bool:
+        in_order = sorted(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+        found = None if is_job(args) else launch_env.own_error(
+            args.launch_dir, attempt, [(rank, failure.exitcode) for rank, failure in in_order])
+        if found is not None:
+            own_errors.append(Failure(time.time(), *found))
+        return found is not None
+    try:
+        if args.in_place:  # this launcher's own agent (alpha_ckpt/launch/inplace.py), not torch's
+            with launch_env.exported(os.getpid(), {**script_environment(args), **notes}):
+                return run_in_place(args)
+        # The store this node's ranks beat to, for as long as the launch lives (alpha_ckpt/runtime/heartbeat.py).
+        beats, endpoint = heartbeat.serve(BEAT_HOST)
+        watcher = heartbeat.Watcher(beats, args.heartbeat_limit, startup=args.timeout)
+        ranks = {} if is_job(args) else script_environment(args)
+        with launch_env.exported(os.getpid(), {**ranks, **notes, **launch_env.heartbeat_environment(
+                    endpoint, args.heartbeat_period)}), \
+                restarting_agent(lambda attempt, failure: on_restart(args, branch_into, attempt, failure),
+                                 watcher, outcome, ends_restarts):
+            run(torchrun_args(torchrun_argv(args) if is_job(args) else script_argv(args)))
+    except ChildFailedError as exc:
+        codes = {failure.exitcode for failure in exc.failures.values()}
+        # A refusal is a collective verdict: every owner exits 3, and the agent may
+        # stop the slower ones with a signal first. Any other failure is retryable.
+        if EXIT_REFUSED in codes:
+            return EXIT_REFUSED
+        # A usage error (a script's argparse) stops the first rank; the agent then
+        # signals the rest, so only the first failure tells the cause.
+        first = outcome.failure or first_failure(exc.failures, time.time())
+        if EXIT_USAGE in codes and first.exitcode == EXIT_USAGE:
+            return EXIT_USAGE
+        if own_errors:
+            print(own_error_line(own_errors[-1]), file=sys.stderr)
+            return EXIT_SCRIPT_ERROR
+        print(f"alpha-run: rank {first.rank} {first.describe()}"
+              + (f"; no restart left of --max-restarts {args.max_restarts}" if args.max_restarts else "")
+              + "; retry with --resume latest", file=sys.stderr)
+        return EXIT_RETRY
+    except DistNetworkError as exc:
+        if "EADDRINUSE" not in str(exc):
+            raise
+        # The port was free when checked and taken before the rendezvous server listened on it.
+        print(f"alpha-run: --master-port {args.master_port}: address already in use", file=sys.stderr)
+        return EXIT_USAGE
+    except SignalException:
+        return EXIT_INTERRUPTED
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    finally:
+        say_verdicts(args.launch_dir)
+        shutil.rmtree(args.launch_dir, ignore_errors=True)
+        if args.memory:
+            shutil.rmtree(args.memory_dir, ignore_errors=True)
+    return EXIT_OK
+
+
+BEAT_HOST = "127.0.0.1"  # each node's ranks beat to their own launcher, on their host
+
+
+def own_error_line(failure: Failure) -> str:
+    """The line of a script whose rank failed before any checkpoint call (its traceback is above it)."""
+    return (f"alpha-run: rank {failure.rank} failed ({describe_exit(failure.exitcode)}) before any checkpoint call: "
+            "the script's own error (above), which a restart would meet again; not restarted")
+
+
+def say_verdicts(directory: str) -> None:
+    """Each verdict the ranks recorded (a refusal, a usage error), once, naming the ranks that met it."""
+    for kind, text, ranks in launch_env.recorded_verdicts(directory):
+        what = "checkpoint refused" if kind == "refused" else "usage error"
+        print(f"alpha-run: {what} on {launch_env.ranks_text(ranks)}: {text}", file=sys.stderr)
+
+
+MEMORY_PREFIX = "alpha-ckpt-memory-"  # + the launcher's pid: a tier whose launcher is gone is removed
+LAUNCH_PREFIX = "alpha-run-"  # + the launcher's pid: the notes of a launch whose launcher is gone are removed
+
+
+def remove_orphaned_tiers(parent: str, prefix: str = MEMORY_PREFIX) -> None:
+    """Remove the directories (``prefix`` + a launcher's pid) of launchers that died without removing theirs
+    (SIGKILL): the memory tiers (host memory), the launches' notes."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(prefix):].split("-", 1)[0]
+        if not name.startswith(prefix) or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # its launcher still runs
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # another user's launcher
+        path = os.path.join(parent, name)
+        if os.stat(path).st_uid == os.getuid():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+KILLED_GONE_S = 10.0  # how long the agent waits to see a killed hung worker gone (SIGKILL: at once)
+
+# Worker exits that a restart would only repeat: a refusal (the same store gives the same verdict)
+# and a usage error. The agent stops at the first attempt that has one.
+VERDICTS = frozenset({EXIT_REFUSED, EXIT_USAGE})
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """What the agent saw fail: when (``time.time()``), the global rank that failed first and its exit
+    code (negative: the signal), both None when unknown (a worker stuck in the kernel, a node joining);
+    ``hung``: the rank was killed for its silent heartbeat (:class:`alpha_ckpt.runtime.heartbeat.Hung`)."""
+    detected_at: float
+    rank: int | None = None
+    exitcode: int | None = None
+    hung: heartbeat.Hung | None = None
+
+    def describe(self) -> str:
+        """What happened to the rank, for a message: "failed (exit code 1)", "hung: no heartbeat for 5.0 s, killed"."""
+        if self.hung is not None:
+            return self.hung.describe()
+        return "failed" + (f" ({describe_exit(self.exitcode)})" if self.exitcode is not None else "")
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What :func:`restarting_agent` learned of the current attempt that torch's result does not say: the
+    rank it killed as hung (None: none)."""
+    failure: Failure | None = None
+
+
+def first_failure(failures: dict, detected_at: float) -> Failure:
+    """The failure that most likely caused the others, of ``failures`` (global rank -> torch's
+    ProcessFailure): the earliest (torch stamps whole seconds), and among those a worker killed by a
+    signal before one that exited (a peer that saw the connection drop exits a moment later, often
+    in the same second), SIGTERM last (the agent's own, stopping the rest), then the lowest rank."""
+    if not failures:
+        return Failure(detected_at)
+
+    def cause(item):
+        rank, failure = item
+        code = failure.exitcode
+        return failure.timestamp, 2 if code == -signal.SIGTERM else 0 if code < 0 else 1, rank
+    rank, failure = min(failures.items(), key=cause)
+    return Failure(detected_at, rank, failure.exitcode)
+
+
+@contextlib.contextmanager
+def restarting_agent(on_restart: Callable[[int, Failure], None], watcher: heartbeat.Watcher | None = None,
+                     outcome: Outcome | None = None,
+                     ends_restarts: Callable[[int, dict], bool] | None = None) -> Iterator[None]:
+    """torch's elastic agent, for the block, as alpha-run runs it: a worker exit in :data:`VERDICTS`
+    ends the restarts, and so do the failures of attempt ``a`` (global rank -> torch's ProcessFailure)
+    for which ``ends_restarts(a, failures)`` holds (a script's own error before any checkpoint call,
+    :func:`alpha_ckpt.runtime.launch_env.own_error`); ``on_restart(attempt, failure)`` runs before the workers
+    of each restart start (the previous attempt's all stopped, the rendezvous done), and with
+    ``watcher`` a worker whose heartbeat is silent past its limit is killed and is the attempt's
+    failure (kept in ``outcome`` too, for the message when no restart is left).
+
+    torch's launcher builds its agent inside ``launch_agent`` and offers no other way to give it
+    another class; the class it names is replaced for the block and put back after.
+    """
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.launcher import api as launcher_api
+    base = launcher_api.LocalElasticAgent
+    seen = Outcome() if outcome is None else outcome
+
+    class RestartingAgent(base):
+        _failure: Failure | None = None
+        _restarting = False
+
+        def _monitor_workers(self, worker_group):
+            result = super()._monitor_workers(worker_group)
+            if result.state == WorkerState.HEALTHY and watcher is not None:
+                hung = watcher.hung({rank: proc.pid for rank, proc in self._running(worker_group).items()})
+                if hung:
+                    result = self._kill_hung(worker_group, hung)
+            if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+                self._failure = seen.failure or first_failure(result.failures, time.time())
+                attempt = worker_group.spec.max_restarts - self._remaining_restarts
+                if any(failure.exitcode in VERDICTS for failure in result.failures.values()) or (
+                        ends_restarts is not None and ends_restarts(attempt, result.failures)):
+                    # torch's own way to end restarts (its check of workers stuck in the kernel does so too):
+                    # with none left, its loop stops the workers and returns the failure.
+                    self._remaining_restarts = 0
+            return result
+
+        def _running(self, worker_group) -> dict:
+            """Global rank -> the process (Popen) of each worker still running: one that ended is not watched,
+            and its pid, once reaped, may be another process's."""
+            handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}  # torch's, for a command
+            return {worker_group.workers[local_rank].global_rank: handler.proc
+                    for local_rank, handler in handlers.items() if handler.proc.poll() is None}
+
+        def _kill_hung(self, worker_group, hung: list):
+            """Kill the hung workers (the first is the attempt's failure) and return torch's result once it
+            sees them gone, so that nothing starts in their place before."""
+            detected_at = time.time()
+            running = self._running(worker_group)
+            for each in hung:
+                if each.rank in running and running[each.rank].pid == each.pid:  # not reaped: the pid is its own
+                    heartbeat.kill(each.pid)
+            seen.failure = Failure(detected_at, hung[0].rank, -signal.SIGKILL, hung=hung[0])
+            deadline = time.monotonic() + KILLED_GONE_S
+            while True:
+                result = super()._monitor_workers(worker_group)
+                if result.state != WorkerState.HEALTHY or time.monotonic() > deadline:
+                    return result
+                time.sleep(0.01)
+
+        def _restart_workers(self, worker_group):
+            # After a failure, or when another node joins or leaves (then no rank of ours failed).
+            if self._failure is None:
+                self._failure = Failure(time.time())
+            self._restarting = True
+            super()._restart_workers(worker_group)
+
+        def _start_workers(self, worker_group):
+            if self._restarting:
+                attempt = worker_group.spec.max_restarts - self._remaining_restarts
+                on_restart(attempt, self._failure)
+                self._failure, self._restarting = None, False
+            seen.failure = None  # a new attempt: no rank of it was found hung yet
+            return super()._start_workers(worker_group)
+
+    launcher_api.LocalElasticAgent = RestartingAgent
+    try:
+        yield
+    finally:
+        launcher_api.LocalElasticAgent = base
+
+
+def on_restart(args, branch_into: tuple[str, str] | None, attempt: int, failure: Failure) -> None:
+    """Tell the workers of restart ``attempt`` what failed and what they resume, and say it on stderr."""
+    resume = restart_resume(args.store, resume_from=args.resume_from, branch_from=args.branch_from,
+                            branch_into=branch_into)
+    launch_env.export_restart(attempt=attempt, detected_at=failure.detected_at, failed_rank=failure.rank,
+                              failed_exit=failure.exitcode, resume=resume)
+    cause = ("another node joined or left" if failure.rank is None and failure.exitcode is None else
+             f"rank {failure.rank if failure.rank is not None else '?'} {failure.describe()}")
+    what = {None: f"branches from {str(args.branch_from)[:16]}... again", "latest": "resumes the newest generation"}
+    # The restarts that run out end with the one line that starts "alpha-run: rank R failed".
+    print(f"alpha-run: restart {attempt} of {args.max_restarts} after {cause}: it "
+          f"{what.get(resume, f'resumes {str(resume)[:16]}...')}", file=sys.stderr, flush=True)
+
+
+def resume_after_restart(resume_from: str | None, *, root_epoch: int | None, newest_epoch: int | None) -> str:
+    """What a restart resumes (pure): the newest generation, except after ``--resume-from ROOT`` while the
+    run has no continuation of ROOT yet (no generation of an epoch newer than ROOT's, ``root_epoch``):
+    then ROOT again. The newest generation would then be one ROOT was chosen over, and once a
+    continuation published, ROOT is stale: going back to it would lose what the restarts trained.
+    An unknown epoch (ROOT not found) keeps ROOT, which its restore refuses as it did the first time."""
+    if resume_from is None:
+        return "latest"
+    if root_epoch is None or newest_epoch is None or newest_epoch <= root_epoch:
+        return resume_from
+    return "latest"
+
+
+def restart_resume(store_root: str, *, resume_from: str | None, branch_from: str | None,
+                   branch_into: tuple[str, str] | None) -> str | None:
+    """What the workers of a restart resume, read from the store once the previous attempt stopped:
+    "latest", a root digest, or None (a branch whose new run has no generation yet: branch again)."""
+    if resume_from is None and branch_from is None:
+        return "latest"
+    from alpha_ckpt.errors import Refusal
+    from alpha_ckpt.store import Store
+    try:
+        with Store(store_root) as store:
+            if branch_from is not None:
+                return "latest" if branch_into is not None and store.history(*branch_into).entries else None
+            record = store.find_ref(resume_from)
+            newest = None if record is None else max(
+                (r.prefix.epoch for r in store.history(record.run, record.step).records), default=None)
+    except (OSError, Refusal, ValueError):
+        # The store cannot be read now: the first attempt's choice, which its restore checks again.
+        return resume_from if branch_from is None else None
+    return resume_after_restart(resume_from, root_epoch=None if record is None else record.prefix.epoch,
+                                newest_epoch=newest)
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

@@ -1,0 +1,1 @@
+"""runtime: see docs/ARCHITECTURE.md."""

@@ -1,0 +1,1 @@
+"""tiers: see docs/ARCHITECTURE.md."""

@@ -1,0 +1,1 @@
+"""upkeep: see docs/ARCHITECTURE.md."""
