@@ -230,7 +230,7 @@ def test_a_pin_made_while_gc_is_between_planning_and_applying_keeps_its_ref_and_
         launch.wait_until(lambda: planned.exists() or gc.poll() is not None, timeout=60, what="gc planned",
                           every=0.01)
         assert planned.exists(), gc.output()[1][-2000:]
-        pin = launch.python_c("import sys; from alpha_ckpt import cli; sys.exit(cli.main(sys.argv[1:]))", "pin",
+        pin = launch.python_c("import sys; from alpha_ckpt.launch import cli; sys.exit(cli.main(sys.argv[1:]))", "pin",
                               "--store", store_dir, roots[0], timeout=60)
         assert pin.returncode == 0, pin.stdout + pin.stderr
         go.write_text("go")

@@ -164,7 +164,7 @@ def test_the_alpha_run_process_prints_one_line_and_exits_2_without_starting_owne
 @pytest.mark.timeout(60)
 def test_alpha_run_checks_its_flags_config_and_store_without_importing_torch(tmp_path):
     # A typo answers at once: torch (seconds to import) is loaded only to launch the owners.
-    probe = ("import sys; from alpha_ckpt import launcher; code = launcher.main(sys.argv[1:]); "
+    probe = ("import sys; from alpha_ckpt.launch import launcher; code = launcher.main(sys.argv[1:]); "
              "print(code, 'torch' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", probe, "--nproc", "2", "--store", str(tmp_path / "store"),
                            "--updates", "3", "--set", "lr=abc", CONFIG], capture_output=True, text=True, timeout=60)
