@@ -5,14 +5,16 @@
     backend.py     the storage interface (StorageBackend): put an object if absent, read, list,
                    publish a ref if absent, compare-and-swap a run's head, delete
     posix.py       its first implementation, the POSIX file system (PosixBackend)
+    in_memory.py   everything in this process's memory, no file touched (InMemoryBackend)
+    read_through.py   one backend reading what it lacks from others, read only (ReadThroughBackend)
     refs.py        the ref format, a run/step's History and the fence a publish passes
     objects.py     an object opened for reading (ObjectFile)
     write_mode.py  how large objects are written (WriteModes, the learner a Store owns)
-    leases.py, pending.py   pending-publish leases (what lets gc run beside a publish)
+    leases.py, pending.py   pending-publish leases (what lets gc run beside a publish); a backend keeps them
     sweep.py       gc's file operations: set objects and refs aside, put them back, remove
     pinfiles.py    the pins directory's files (what a pin means: alpha_ckpt.upkeep.pins)
     records.py     the verified directory's files (what a record means: alpha_ckpt.upkeep.complete)
-    store.py       the Store, over a backend
+    store.py       the Store, over a backend: Store(path) is over PosixBackend, Store(backend) over any
 
 Every write goes through :func:`alpha_ckpt.store.durable.durable_commit`. Every read
 opens relative to the store's directory descriptors with O_NOFOLLOW and

@@ -42,9 +42,12 @@ An object is written through a file descriptor its backend hands the writer
 (``write(fd)`` writes the bytes and returns the name): a file under tmp/ for
 the POSIX backend; an anonymous memory file (``os.memfd_create``) that a
 backend of another kind uploads or keeps, for an object store or a peer's
-memory. :class:`PosixBackend <alpha_ckpt.store.posix.PosixBackend>` is the
-first implementation; ``tests/unit/test_store_backend.py`` runs one contract
-against it and against a backend that keeps everything in memory.
+memory. Two implementations: :class:`PosixBackend <alpha_ckpt.store.posix.PosixBackend>`
+(the file system) and :class:`InMemoryBackend <alpha_ckpt.store.in_memory.InMemoryBackend>`
+(everything in this process's memory, no file touched);
+:class:`ReadThroughBackend <alpha_ckpt.store.read_through.ReadThroughBackend>`
+reads what one backend lacks from others (the memory tier's view of a node).
+``tests/unit/test_store_backend.py`` runs one contract against each.
 """
 from __future__ import annotations
 
@@ -112,6 +115,24 @@ class RefDir(Protocol):
 
 class StorageBackend(Protocol):
     """The operations a Store needs of its storage (see the module's docstring for order and guarantees)."""
+
+    location: str
+    """What messages name the store by (a path, a URL): never a credential."""
+
+    def read_instance(self) -> str | None:
+        """The store's instance id (random, written once), or None where it has none."""
+
+    def make_instance(self) -> str:
+        """The store's instance id, written once if absent (of two first writers, one id stands)."""
+
+    def put_lease(self, name: str, body: bytes) -> None:
+        """Keep a pending-publish lease (:mod:`alpha_ckpt.store.leases`) durably under ``name``."""
+
+    def remove_lease(self, name: str) -> None:
+        """Drop lease ``name`` (best effort: a stale lease only delays gc)."""
+
+    def put_output(self, run: str, step: str, name: str, data: bytes) -> str:
+        """Publish a step's declared output once (named by its content); return where it lies."""
 
     def put_objects(self, writes: Sequence[Callable[[int], str]], threads: int) -> list[PutResult]:
         """Put each object if its name is absent, durably; ``threads`` of them written at once."""

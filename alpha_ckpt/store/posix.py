@@ -67,6 +67,7 @@ class PosixBackend:
             raise
         self._fan_lock = threading.Lock()
         self._fans_to_sync = False
+        self._pending_fd = -1
         # (st_dev, st_ino, st_size) of objects this handle committed or read back in full: an existing
         # object that matches is reused without reading it again (its file is read-only since its commit).
         self._known_intact: set[tuple[int, int, int]] = set()
@@ -74,6 +75,11 @@ class PosixBackend:
     @property
     def tmp_fd(self) -> int:
         return self._tmp_fd
+
+    @property
+    def location(self) -> str:
+        """The store's path, as the user gave it (messages name the store by it)."""
+        return self.layout.root
 
     def _exists(self, name: str) -> bool:
         try:
@@ -93,11 +99,12 @@ class PosixBackend:
             raise
 
     def close(self) -> None:
-        for fd in [self.root_fd, self._objects_fd, self._tmp_fd, self._quarantine_fd, *self._fan_fds.values()]:
+        for fd in [self.root_fd, self._objects_fd, self._tmp_fd, self._quarantine_fd, getattr(self, "_pending_fd", -1),
+                   *self._fan_fds.values()]:
             if fd >= 0:
                 os.close(fd)
         self._fan_fds.clear()
-        self.root_fd = self._objects_fd = self._tmp_fd = self._quarantine_fd = -1
+        self.root_fd = self._objects_fd = self._tmp_fd = self._quarantine_fd = self._pending_fd = -1
 
     def probe_write(self) -> None:
         """Create and remove a file in tmp/, where every write starts (OSError if that fails). A real
@@ -141,9 +148,31 @@ class PosixBackend:
             return self.read_instance() or value  # another opener's id stands
         return value
 
-    def put_output(self, run: str, step: str, name: str, data: bytes) -> None:
+    def put_lease(self, name: str, body: bytes) -> None:
+        """Write a pending-publish lease file ``pending/<name>`` durably (:mod:`alpha_ckpt.store.leases`)."""
+        if self._pending_fd < 0:
+            try:  # a store opened with create=True made it durable already
+                self._pending_fd = os.open(L.PENDING, _DIR_FLAGS, dir_fd=self.root_fd)
+            except FileNotFoundError:
+                self._pending_fd = durable.make_dir_durable(self.root_fd, L.PENDING)
+            except NotADirectoryError:
+                _check_plain_dir(self.root_fd, L.PENDING)
+                raise
+        # Its temporary file lives in pending/ too: gc's sweep of tmp/ never meets a lease half-written.
+        durable.durable_commit(tmp_dir=self._pending_fd, dest_dir=self._pending_fd,
+                               write=lambda fd: write_all(fd, body), name=name, kind="lease")
+
+    def remove_lease(self, name: str) -> None:
+        """Remove lease ``name``. No directory fsync: a lease that reappears after a power cut names a dead
+        process, so gc finds it stale. A failed unlink only delays collection."""
+        try:
+            os.unlink(name, dir_fd=self._pending_fd)
+        except OSError:
+            pass
+
+    def put_output(self, run: str, step: str, name: str, data: bytes) -> str:
         """Publish ``data`` as ``outputs/<run>/<step>/<name>`` once, durably; a file of that name
-        already there is kept (outputs are named by their content)."""
+        already there is kept (outputs are named by their content). Returns its absolute path."""
         out_fd = durable.make_dir_durable(self.root_fd, L.OUTPUTS)
         run_fd = durable.make_dir_durable(out_fd, run)
         step_fd = durable.make_dir_durable(run_fd, step)
@@ -156,6 +185,7 @@ class PosixBackend:
         finally:
             for fd in (step_fd, run_fd, out_fd):
                 os.close(fd)
+        return os.path.abspath(self.layout.output_path(run, step, name))
 
     # ------------------------------------------------------------ objects
 

@@ -20,6 +20,8 @@ _FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 def object_identity(store: Store, digest: str) -> list[int] | None:
     """[st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns] of the object's file (lstat), or None where it
     is not a regular file: a write into it, a replacement, a chmod or a renewal changes it."""
+    if store.layout is None:
+        return None  # objects that are not files: no identity to record, so no record is trusted
     try:
         st = os.stat(store.object_path(digest), follow_symlinks=False)
     except OSError:
@@ -31,6 +33,8 @@ def object_identity(store: Store, digest: str) -> list[int] | None:
 
 def _verified_dir(store: Store) -> int | None:
     """The records' directory, never through a symlink; None where there is none (or something else)."""
+    if store.layout is None:
+        return None
     try:
         return store.layout.open_dir(VERIFIED)
     except OSError:
@@ -62,6 +66,8 @@ def read_record_file(store: Store, root: str, max_bytes: int) -> bytes | None:
 def write_record_file(store: Store, root: str, data: bytes) -> None:
     """Replace ``root``'s record with ``data``, durably (best effort: a record that cannot be written only
     costs a later validation)."""
+    if store.layout is None:
+        return
     try:
         root_fd = store.layout.open_root()
         try:

@@ -16,7 +16,7 @@ from alpha_ckpt.errors import DurableWriteError, PublishConflict, Refusal, Refus
 from alpha_ckpt.format.records import CapturePrefix, check_name, is_digest
 from alpha_ckpt.store._posix import _log
 from alpha_ckpt.store import layout as L
-from alpha_ckpt.store.backend import RefDir, RefUnreadable
+from alpha_ckpt.store.backend import RefDir, RefUnreadable, StorageBackend
 from alpha_ckpt.store.layout import StoreLayout, ref_name
 from alpha_ckpt.store.objects import ObjectFile, Validate
 from alpha_ckpt.store.pending import PublishLease, _LeaseBook
@@ -29,7 +29,9 @@ logger = logging.getLogger("alpha_ckpt")
 
 
 class Store:
-    """A store rooted at ``root`` (created if missing).
+    """A store over ``root_or_backend``: a directory (created if missing, kept by a
+    :class:`PosixBackend`) or any :class:`~alpha_ckpt.store.backend.StorageBackend`
+    (:class:`~alpha_ckpt.store.in_memory.InMemoryBackend`, a read-through view, ...).
 
     ``write_mode``: how large objects are written, "buffered" (the default), "direct" (O_DIRECT) or
     "auto" (by measurement), or a :class:`WriteModes` learner to share with other stores on the same
@@ -37,18 +39,21 @@ class Store:
     batch (a save's shards) are written at once. Where things lie under ``root``: :attr:`layout`.
     """
 
-    def __init__(self, root: str | os.PathLike, *, create: bool = True,
+    def __init__(self, root_or_backend: str | os.PathLike | StorageBackend, *, create: bool = True,
                  write_mode: str | WriteModes = DEFAULT_WRITE_MODE, write_threads: int = DEFAULT_WRITE_THREADS):
-        self.layout = StoreLayout(root)
-        self.root = self.layout.root
         self.objects_opened = 0  # objects opened for reading: tests prove a restore reads only its path
         self.bytes_written = 0   # bytes of objects this handle created (a deduplicated object adds none)
         self.write_modes = write_mode if isinstance(write_mode, WriteModes) else WriteModes(write_mode)
         self.write_threads = check_write_threads(write_threads)
-        self.backend = PosixBackend(self.layout, create)
+        if isinstance(root_or_backend, (str, os.PathLike)):
+            self.layout: StoreLayout | None = StoreLayout(root_or_backend)
+            self.backend: StorageBackend = PosixBackend(self.layout, create)
+        else:
+            self.backend = root_or_backend
+            self.layout = getattr(root_or_backend, "layout", None)  # a file system's: gc and records read it
+        self.root = self.backend.location  # what messages name the store by
         self._instance = self._first_writable_open() if create else None
-        # Leases are files beside the objects, written through the root's descriptor (see pending.py).
-        self._leases = _LeaseBook(self.backend.root_fd)
+        self._leases = _LeaseBook(self.backend)
 
     def _first_writable_open(self) -> str | None:
         """Give a writable store its instance id if it has none; a store that cannot be written keeps none."""
@@ -68,7 +73,6 @@ class Store:
         return self._instance
 
     def close(self) -> None:
-        self._leases.close()
         self.backend.close()
 
     def __enter__(self) -> "Store":
@@ -93,8 +97,7 @@ class Store:
         the same output is never written twice."""
         for value, what in ((run, "run"), (step, "step"), (name, "output name")):
             check_name(value, what)
-        self.backend.put_output(run, step, name, data)
-        return os.path.abspath(self.layout.output_path(run, step, name))
+        return self.backend.put_output(run, step, name, data)
 
     # ------------------------------------------------------------ objects
 
@@ -168,7 +171,10 @@ class Store:
         return self.backend.open_object(digest, what)
 
     def object_path(self, digest: str) -> str:
+        """The object's file (a store on a file system only)."""
         self.check_digest(digest)
+        if self.layout is None:
+            raise StoreUsageError(f"store {self.root}: its objects are not files")
         return self.layout.object_path(digest)
 
     def delete_object(self, digest: str) -> bool:

@@ -22,7 +22,7 @@ and inside one restore, before the durable candidates::
 A memory generation counts (its ref is written) only once every object it
 names is held by at least two ranks, every copy checked against its name.
 Ranks whose holders share a tmpfs (one node) copy through the files, and a
-restore reads the objects its node holds in place (:class:`NodeView`); only
+restore reads the objects its node holds in place (:func:`node_view`); only
 copies between nodes travel over the tier's gloo group. A
 recovery hashes every copy it will use before any rank copies a byte;
 anything missing or damaged anywhere makes every rank fall back to the
@@ -59,7 +59,8 @@ from alpha_ckpt.generation.payloads import validate_object_file
 from alpha_ckpt.tiers.durable.messages import Completion, Outcome, Record
 from alpha_ckpt.tiers.durable.star import StarPublisher
 from alpha_ckpt.tiers.durable.wire import any_rank, broadcast_json, gather_json, global_rank
-from alpha_ckpt.store import ObjectFile, RefRecord, Store
+from alpha_ckpt.store import ObjectFile, PosixBackend, RefRecord, Store, StoreLayout
+from alpha_ckpt.store.read_through import ReadThroughBackend
 from alpha_ckpt.generation.writer import write_manifest
 from alpha_ckpt.tiers.memory.plan import Transfer, network_needs, plan_fetch, plan_replication, split_by_reach, under_held
 from alpha_ckpt.tiers.memory.transfer import TransferReport, copy_through_files, run_transfers
@@ -271,30 +272,21 @@ def holder_directory(parent: str, rank: int) -> str:
     return os.path.join(parent, f"rank-{rank:05d}")
 
 
-class NodeView(Store):
-    """A holder that reads an object it lacks from other holders of its node (read only: no write goes
-    to a peer's holder through it). Every read is the restore's, validated against its name."""
-
-    def __init__(self, root: str, peers: Sequence[str]):
-        super().__init__(root, create=False)
-        self.peers = [Store(path, create=False) for path in peers]
-
-    def open_object(self, digest: str, what: str) -> ObjectFile:
-        try:
-            return super().open_object(digest, what)
-        except Refusal as missing:
-            if missing.code != RefusalCode.MISSING_SHARD:
-                raise
-            for peer in self.peers:
-                if peer.has_object(digest):
-                    self.objects_opened += 1  # counted as this view's reads
-                    return peer.open_object(digest, what)
-            raise
-
-    def close(self) -> None:
-        for peer in self.peers:
-            peer.close()
-        super().close()
+def node_view(holder: str, peers: Sequence[str]) -> Store:
+    """The holder at ``holder``, reading an object it lacks from the holders at ``peers`` (read only:
+    no write goes to a peer's holder through it)."""
+    def opened(path: str) -> PosixBackend:
+        return PosixBackend(StoreLayout(path), create=False)
+    own = opened(holder)
+    try:
+        peer_backends = []
+        for path in peers:
+            peer_backends.append(opened(path))
+    except BaseException:
+        for backend in (own, *peer_backends):
+            backend.close()
+        raise
+    return Store(ReadThroughBackend(own, peer_backends), create=False)
 
 
 class MemoryTier:
@@ -347,12 +339,12 @@ class MemoryTier:
         every = broadcast_json(gather_json(sees, root, self.group), root, self.group)
         return frozenset((dst, src) for dst, srcs in enumerate(every) for src in srcs)
 
-    def reader(self) -> "NodeView":
+    def reader(self) -> Store:
         """What a restore of an assembled generation reads: this rank's holder, and in place the objects it
         lacks from the holders of its node (each validated by the restore, as every object it reads is).
         The caller closes it."""
         readable = sorted(src for dst, src in self.readable if dst == self.rank)
-        return NodeView(self.holder.root, [holder_directory(self.directory, src) for src in readable])
+        return node_view(self.holder.root, [holder_directory(self.directory, src) for src in readable])
 
     def _carry(self, transfers: Sequence[Transfer]) -> TransferReport:
         """Collective: carry out ``transfers``, through the files between ranks that read each other's
