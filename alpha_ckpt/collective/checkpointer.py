@@ -49,7 +49,6 @@ in :mod:`.agreement`; the publishers behind one interface in
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -71,9 +70,12 @@ from alpha_ckpt.runtime import launch_env
 from alpha_ckpt.runtime.launch_env import launcher_settings
 from alpha_ckpt.state.manifest import encode_identity
 from alpha_ckpt.generation.planner import Hierarchy
-from alpha_ckpt.tiers.memory.tier import MemoryTier, lineage, memory_directory, rejection, replica_stride
-from alpha_ckpt.tiers.durable.messages import Candidate, Candidates, Completion, Descriptor, Interval, Outcome
+from alpha_ckpt.tiers.memory.tier import MemoryTier, memory_directory, replica_stride
+from alpha_ckpt.tiers.durable.choice import DAMAGE, Choice
+from alpha_ckpt.tiers.durable.messages import Candidate, Descriptor, Interval, Outcome
 from alpha_ckpt.tiers.durable.publisher import Contribution, Publisher
+from alpha_ckpt.tiers.durable.tier import DurableTier
+from alpha_ckpt.tiers.seam import DURABLE, MEMORY, Tier, walk_order
 from alpha_ckpt.tiers.durable.star import StarPublisher
 from alpha_ckpt.tiers.durable.tree import TreePublisher
 from alpha_ckpt.tiers.durable.wire import any_rank, broadcast_json, global_rank
@@ -88,8 +90,7 @@ from alpha_ckpt.collective.arrival import Arrivals, group_timeout
 from alpha_ckpt.collective.options import CheckpointerOptions
 from alpha_ckpt.collective.recovery import RecoveryClock
 from alpha_ckpt.collective.result import SaveResult, completed
-from alpha_ckpt.collective.resume import DAMAGE, Choice, announce, announce_save, prepare, shards_read
-from alpha_ckpt.collective.schedule import DURABLE, MEMORY
+from alpha_ckpt.collective.resume import announce, announce_save, prepare, shards_read
 from alpha_ckpt.collective.verdict import agree, agree_usage
 
 logger = logging.getLogger("alpha_ckpt")
@@ -200,8 +201,9 @@ class Checkpointer:
                     logger.warning("memory tier off: store %s has no instance id (it is read-only, or older and not "
                                    "opened writable since)", self.store.root)
             else:
-                self.memory = MemoryTier(memory_directory(options, self.store.root), instance=instance,
-                                         rank=self.rank, world=self.world, copies=1 + options.replicas,
+                self.memory = MemoryTier(memory_directory(options, self.store.root), store=self.store,
+                                         instance=instance, rank=self.rank, world=self.world,
+                                         copies=1 + options.replicas,
                                          stride=replica_stride(self.world), group=tier_group,
                                          identity=self.identity)
         # Never closed: at exit, while the interpreter is still whole, the save thread is joined and the
@@ -211,10 +213,13 @@ class Checkpointer:
         on_exit(self._release)
         self.device = current_device(torch.device("cuda", torch.cuda.current_device()) if nccl
                                      else torch.device("cpu"))
-        self._publisher: Publisher = (
+        publisher: Publisher = (
             TreePublisher(self.store, self.hierarchy, self.rank, device=self.device, timeout=self.commit_timeout,
                           carry=self._carry, identity=self.identity) if self.publisher == "tree" else
             StarPublisher(self.store, self.rank, self.world, carry=self._carry, identity=self.identity))
+        self._durable = DurableTier(self.store, publisher, self.rank, self.group)
+        # Where generations live, fastest first: a save walks those its schedule names, a restore all.
+        self._tiers: list[Tier] = [t for t in (self.memory, self._durable) if t is not None]
 
     @classmethod
     def from_launcher_env(cls, *, group: Any = None, bindings: Callable[[Any], None] | None = None,
@@ -389,12 +394,19 @@ class Checkpointer:
                 prefix, regions, layout, own_parts(regions, own),
                 self._metadata(layout) if self.rank == 0 else {},
                 lambda digests: replica_digests(regions, wrote, digests, others.result()), self.follows, group,
-                lambda digests: shared_digests(regions, shared_wrote, digests, others_shared.result()))
-            in_memory = self._publish_in_memory(contribution) if self.memory is not None else None
-            memory_skipped = None if in_memory is None or in_memory.outcome.ok else in_memory.outcome.reason
-            if memory_skipped is not None and not durable:
-                durable, tier = True, DURABLE  # the tier could not hold it (the same verdict on every rank): the store does
-            completion = self._publisher.publish(contribution) if durable else in_memory
+                lambda digests: shared_digests(regions, shared_wrote, digests, others_shared.result()),
+                ancestor=self._ancestry() if self.memory is not None and self.rank == 0 else None)
+            named = {DURABLE if durable else MEMORY} | ({MEMORY} if self.memory is not None else set())
+            memory_skipped, completion = None, None
+            for each in self._tiers:  # fastest first: a durable save is held in memory too
+                if each.name not in named:
+                    continue
+                done = each.publish(contribution)
+                if each.name == MEMORY and not done.outcome.ok:
+                    memory_skipped = done.outcome.reason  # the same verdict on every rank: the store holds it
+                    named.add(DURABLE)
+                    durable, tier = True, DURABLE
+                completion = done
         completion.outcome.raise_failure()
         if durable and self.rank == 0:
             self.follows, self._ancestor = completion.generation, (completion.generation, completion.root)
@@ -414,44 +426,21 @@ class Checkpointer:
             self._retain()
         return completion.root
 
-    def _publish_in_memory(self, contribution: Contribution):
-        """The same contribution into this rank's holder, then copies to peers (the tier's refs once they stand,
-        each recording the store's generation this one descends from); a failed completion, the same on every
-        rank, when the generation does not count in memory."""
-        self.memory.last = None
-        completion = self.memory.publisher().publish(dataclasses.replace(contribution, follows=None))
-        if not completion.outcome.ok:
-            return Completion.failed(Outcome(False, f"the memory tier: {completion.outcome.reason}"))
-        report = self.memory.replicate(contribution.prefix, completion, owners=self.world,
-                                       lineage_=self._lineage() if self.rank == 0 else None)
-        if report.failure is not None:
-            return Completion.failed(Outcome(False, f"the memory tier: {report.failure}"))
-        return completion
-
-    def _lineage(self) -> dict:
-        """Rank 0: what a memory generation saved now descends from (the store's generation self.follows)."""
+    def _ancestry(self) -> tuple[int, str] | None:
+        """Rank 0: (generation, root) of the store's generation this history continues (self.follows)."""
         if not self.follows:
             self._ancestor = None
         elif self._ancestor is None or self._ancestor[0] != self.follows:
             record = next((r for r in self.store.history(self.run, self.step).records if r.generation == self.follows),
                           None)
             self._ancestor = (record.generation, record.root) if record is not None else None
-        return lineage(self.memory.instance, self._ancestor)
+        return self._ancestor
 
     def _held_bytes(self) -> int:
         try:
             return self.memory.held_bytes()
         except OSError:
             return 0
-
-    def _memory_rejects(self):
-        """Rank 0: why a memory generation is not this store's (None: it is), from this store's history."""
-        records = self.store.history(self.run, self.step).records
-        held, roots = {(r.generation, r.root) for r in records}, {r.root for r in records}
-
-        def holds(generation: int | None, root: str) -> bool:
-            return root in roots if generation is None else (generation, root) in held
-        return lambda root, lineage_: rejection(lineage_, root, self.memory.instance, holds)
 
     def _metadata(self, layout) -> dict:
         """The root manifest's metadata: the script's, the identity, the ranks' devices, the saved layout."""
@@ -499,68 +488,38 @@ class Checkpointer:
             raise ValueError(f"per_rank is 'keep' or 'drop', not {per_rank!r}")
         if branch and root in (None, "latest"):
             raise ValueError("branch=True needs the root digest of the generation to branch from")
-        choice = Choice(self.store, self.run, self.step)
-        self.memory_skipped = []
-        candidates = self._candidates(choice, root, branch)
-        if self.memory is not None and root == "latest" and not branch:
-            counters = self._restore_from_memory(state, candidates, per_rank)
-            if counters is not None:
-                return counters
-        for i, candidate in enumerate(candidates):
+        walk = walk_order([tier.newest(self.run, self.step, root, branch) for tier in self._tiers])
+        if self.rank == 0 and self._durable.follows is not None:
+            self.follows = self._durable.follows
+        self.memory_skipped = list(self.memory.skipped) if self.memory is not None else []
+        tiers = {tier.name: tier for tier in self._tiers}
+
+        def wanted(manifest) -> set[str]:
+            return shards_read(state, manifest, rank=self.rank, world=self.world, per_rank=per_rank,
+                               allow_optimizer_change=self.options.allow_optimizer_change)
+        for i, candidate in enumerate(walk):
             if candidate.root is None:  # rank 0's refusal of the choice itself
                 raise Refusal(candidate.refusal.code, candidate.refusal.message)
-            candidate, refused, fill, counters = self._prepare_agreed(self.store, candidate.root, state, per_rank)
-            if refused is not None:
-                if (root == "latest" and not candidate.binding and refused.code in DAMAGE
-                        and i + 1 < len(candidates)):
-                    continue  # damaged: every rank falls back to the next older generation together
-                raise refused
-            fill()
-            return self._restored(counters, 0 if branch else counters.epoch + 1, tier="durable", bytes_from_peers=0,
-                                  bytes_from_store=self.last_restore["bytes_read"])
+            with tiers[candidate.tier].reader(candidate, wanted) as reading:
+                if reading is None:
+                    continue  # not within reach (the same on every rank): the next candidate
+                bound, refused, fill, counters = self._prepare_agreed(reading.store, candidate.root, state, per_rank)
+                if refused is not None:
+                    # Damaged: every rank tries the next candidate together (from memory, the store always is).
+                    if (root == "latest" and not bound.binding and refused.code in DAMAGE
+                            and (i + 1 < len(walk) or candidate.tier == MEMORY)):
+                        if self.rank == 0:
+                            logger.warning("%s tier: update %s refused (%s); trying the next candidate",
+                                           candidate.tier, candidate.update, refused)
+                        continue
+                    raise refused
+                fill()
+            from_store = self.last_restore["bytes_read"] if candidate.tier == DURABLE else 0
+            return self._restored(counters, 0 if branch else counters.epoch + 1, tier=candidate.tier,
+                                  bytes_from_peers=reading.bytes_from_peers, bytes_from_store=from_store,
+                                  **({"assemble_seconds": reading.seconds} if candidate.tier == MEMORY else {}))
         self._announce(None)
         return None
-
-    def _restore_from_memory(self, state: Mapping[str, Any], candidates: list[Candidate],
-                             per_rank: str) -> Counters | None:
-        """Collective: restore the newest generation the memory tier holds, if it is newer than the store's
-        newest (or the same), every copy verified first; None: the durable store's turn (nothing newer in
-        memory, or something missing or damaged anywhere: every rank falls back together)."""
-        offer = self.memory.newest(self.run, self.step, self._memory_rejects() if self.rank == 0 else None)
-        if offer is None:
-            return None
-        self.memory_skipped = list(offer.skipped)
-        if self.memory_skipped and self.rank == 0:
-            logger.warning("memory tier: %s/%s: passed over %s", self.run, self.step, "; ".join(self.memory_skipped))
-        if not offer.root:
-            return None
-        newer = None
-        if self.rank == 0:
-            durable = self.store.find_ref(candidates[0].root) if candidates and candidates[0].root else None
-            newer = durable is None or durable.root == offer.root or \
-                (offer.epoch, offer.update) > (durable.prefix.epoch, durable.prefix.update)
-        if not broadcast_json(newer, global_rank(0, self.group), self.group):
-            return None
-        report = self.memory.assemble(offer, lambda manifest: shards_read(
-            state, manifest, rank=self.rank, world=self.world, per_rank=per_rank,
-            allow_optimizer_change=self.options.allow_optimizer_change))
-        if report.failure is not None:
-            if self.rank == 0:
-                logger.warning("memory tier: update %d cannot be recovered from memory (%s); restoring from the "
-                               "store", offer.update, report.failure)
-            return None
-        with self.memory.reader() as holders:
-            candidate, refused, fill, counters = self._prepare_agreed(holders, offer.root, state, per_rank)
-            if refused is not None:
-                if candidate.binding or refused.code not in DAMAGE:
-                    raise refused
-                if self.rank == 0:
-                    logger.warning("memory tier: update %d refused (%s); restoring from the store", offer.update,
-                                   refused)
-                return None
-            fill()
-        return self._restored(counters, counters.epoch + 1, tier="memory", bytes_from_peers=report.bytes_received,
-                              bytes_from_store=0, assemble_seconds=report.seconds)
 
     def _prepare_agreed(self, store: Store, root: str, state: Mapping[str, Any], per_rank: str):
         """Collective, for one generation ``root`` of ``store`` (the durable store or this rank's holder): rank 0
@@ -600,20 +559,6 @@ class Checkpointer:
         self.schedule.restored()
         self._announce(counters)
         return counters
-
-    def _candidates(self, choice: Choice, root: Any, branch: bool) -> list[Candidate]:
-        """Rank 0 decides what to try, in order; every rank gets the same list."""
-        out = None
-        if self.rank == 0:
-            try:
-                out = Candidates.of(choice.candidates(root, branch))
-            except Refusal as refusal:
-                out = Candidates.of([Candidate.refused(refusal, binding=True)])
-            finally:
-                if choice.follows is not None:
-                    self.follows = choice.follows
-        return Candidates.from_json(broadcast_json(out.to_json() if out else None, global_rank(0, self.group),
-                                                   self.group)).candidates()
 
     def _announce(self, counters: Counters | None) -> None:
         """With the option ``announce`` (alpha-run's scripts): rank 0 says what the script resumed.

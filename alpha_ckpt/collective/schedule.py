@@ -29,9 +29,8 @@ import time
 
 from alpha_ckpt.runtime.interval import IntervalPlan, parse_duration, saves_per_durable, young_daly
 from alpha_ckpt.tiers.durable.messages import Interval
+from alpha_ckpt.tiers.seam import DURABLE, MEMORY
 
-MEMORY = "memory"
-DURABLE = "durable"
 TIERS = (MEMORY, DURABLE)
 # With the memory tier and a fixed schedule: one save in five is durable. A whole-job or node loss then
 # redoes at most five save intervals of work, while the store's write is paid once every five saves; it is

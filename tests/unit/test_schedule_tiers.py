@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from alpha_ckpt import CheckpointerOptions, Refusal, RefusalCode, UsageError
-from alpha_ckpt.collective.schedule import (DEFAULT_DURABLE_EVERY, DURABLE, MEMORY, Schedule, save_event_fields,
-                                            save_tier)
+from alpha_ckpt.collective.schedule import DEFAULT_DURABLE_EVERY, Schedule, save_event_fields, save_tier
+from alpha_ckpt.tiers.seam import DURABLE, MEMORY
 from alpha_ckpt.runtime.interval import saves_per_durable, young_daly
 from alpha_ckpt.runtime.progress import emit
 from alpha_ckpt.tiers.durable import messages

@@ -226,7 +226,9 @@ class Candidate(Record):
     """A generation a restore tries (rank 0 decides), or the refusal that stops the restore.
 
     ``binding``: a refusal no older generation of this history would escape (an identity, a
-    binding of the program's, a digest that is not this run's), so there is no fallback past it."""
+    binding of the program's, a digest that is not this run's), so there is no fallback past it.
+    ``tier``: the tier that holds it (``"durable"``, ``"memory"``); ``epoch``/``update``: its counters where
+    known, by which the candidates of several tiers are walked newest first."""
 
     KIND: ClassVar[str] = "candidate"
     NESTED: ClassVar[Mapping[str, type]] = {"refusal": Verdict}
@@ -234,6 +236,9 @@ class Candidate(Record):
     refusal: Verdict | None = None
     binding: bool = False
     devices: list | None = None  # bind_devices: the devices that saved each rank
+    tier: str = "durable"
+    epoch: int | None = None
+    update: int | None = None
 
     @classmethod
     def refused(cls, refusal: Refusal, binding: bool) -> "Candidate":

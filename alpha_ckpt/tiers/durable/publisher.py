@@ -32,6 +32,9 @@ class Contribution:
     group: Any = None                       # the torch.distributed group the ranks talk over
     # given the write's digests: [name, lo, hi, digest] of every shared piece (words other ranks hold too)
     shared_digests: Callable[[Mapping[tuple, str]], list] = lambda written: []
+    # rank 0: (generation, root) of the store's generation this history continues, where known (the memory
+    # tier records it, so that a memory generation is taken only by a store it descends from)
+    ancestor: tuple[int, str] | None = None
 
 
 class Publisher(Protocol):

@@ -31,8 +31,12 @@ class StarPublisher:
     """Rank ``rank`` of ``world`` publishing into ``store`` (see the module docstring)."""
 
     def __init__(self, store: Store, rank: int, world: int, *, carry: ShardCarry | None = None,
-                 identity: Any = None):
+                 identity: Any = None, publish_ref: bool = True):
+        """``publish_ref=False``: the root manifest is written but no ref (the memory tier writes its refs once
+        the copies stand); rank 0 then keeps, per root, the shards it names in :attr:`named` until taken."""
         self.store, self.rank, self.world, self.carry, self.identity = store, rank, world, carry, identity
+        self.publish_ref = publish_ref
+        self.named: dict[str, list] = {}
 
     def publish(self, c: Contribution) -> Completion:
         root0 = global_rank(0, c.group)
@@ -71,6 +75,9 @@ class StarPublisher:
                                                                             f"{m.digest[:16]}...",
                                                                             identity=self.identity,
                                                                             metadata=dict(c.metadata)))
+            if not self.publish_ref:
+                self.named[root] = [[s.digest, s.size] for s in shard_refs]
+                return Completion(Outcome.success(), root, 0, size)  # generation 0: no ref; bytes: the root's size
             record = self.store.publish_ref(c.prefix, root, size, size + sum(s.size for s in shard_refs),
                                             owners=self.world, follows=c.follows)
             return Completion(Outcome.success(), root, record.generation, record.bytes)

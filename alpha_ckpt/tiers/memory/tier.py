@@ -6,18 +6,13 @@ holder outlives its rank's process (a restarted rank finds it) but not the
 node, and alpha-run removes the tier when it exits, so a whole-job loss
 resumes from the durable store.
 
-Call order, on every rank, inside one save (the ranks already agreed on the
-layout)::
-
-    publisher = tier.publisher()                   # the star publisher, minus the ref
-    completion = publisher.publish(contribution)   # every rank's shards into its own holder
-    tier.replicate(prefix, completion, owners)     # copies to peers; then the ref, on every holder
-
-and inside one restore, before the durable candidates::
-
-    offer = tier.offer(run, step)                  # rank 0: the newest generation any holder names
-    outcome = tier.assemble(offer, wanted)         # every rank pulls what its restore reads
-    ... collective.resume.prepare(tier.holder, ...) # the one validator, on this rank's holder
+The tier keeps the seam of :mod:`alpha_ckpt.tiers.seam`. Inside one save (the ranks already agreed on
+the layout), ``tier.publish(contribution)``: the star publisher minus the ref writes every rank's shards
+into its own holder, :meth:`MemoryTier.replicate` copies them to peers, then the ref goes on every holder.
+Inside one restore of "latest": ``tier.newest(...)`` (rank 0: the newest generation any holder names
+that descends from the store), then ``with tier.reader(candidate, wanted)``: every rank pulls what its
+restore reads (:meth:`MemoryTier.assemble`) and reads it from its holder and its node's, through the one
+validator (``collective.resume.prepare``).
 
 A memory generation counts (its ref is written) only once every object it
 names is held by at least two ranks, every copy checked against its name.
@@ -30,8 +25,9 @@ durable store together.
 """
 from __future__ import annotations
 
-import logging
 import contextlib
+import dataclasses
+import logging
 import fcntl
 import json
 import os
@@ -39,7 +35,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import AbstractSet, Any, Callable, Sequence
+from typing import AbstractSet, Any, Callable, Iterator, Sequence
 
 import blake3
 import torch
@@ -51,17 +47,17 @@ from alpha_ckpt.runtime import launch_env
 from alpha_ckpt.store._posix import write_all
 from alpha_ckpt.store.leases import process_alive, process_start
 
-from alpha_ckpt.errors import DurableWriteError, Refusal, RefusalCode, StoreUsageError, UsageError
-from alpha_ckpt.format.records import CapturePrefix, ShardRef
+from alpha_ckpt.errors import DurableWriteError, Refusal, StoreUsageError, UsageError
+from alpha_ckpt.format.records import CapturePrefix
 from alpha_ckpt.generation.opening import open_generation
-from alpha_ckpt.state.manifest import check_root_manifest
 from alpha_ckpt.generation.payloads import validate_object_file
-from alpha_ckpt.tiers.durable.messages import Completion, Outcome, Record
+from alpha_ckpt.tiers.durable.messages import Candidate, Completion, Outcome, Record
+from alpha_ckpt.tiers.durable.publisher import Contribution
+from alpha_ckpt.tiers.seam import MEMORY, Reading
 from alpha_ckpt.tiers.durable.star import StarPublisher
 from alpha_ckpt.tiers.durable.wire import any_rank, broadcast_json, gather_json, global_rank
-from alpha_ckpt.store import ObjectFile, PosixBackend, RefRecord, Store, StoreLayout
+from alpha_ckpt.store import PosixBackend, RefRecord, Store, StoreLayout
 from alpha_ckpt.store.read_through import ReadThroughBackend
-from alpha_ckpt.generation.writer import write_manifest
 from alpha_ckpt.tiers.memory.plan import Transfer, network_needs, plan_fetch, plan_replication, split_by_reach, under_held
 from alpha_ckpt.tiers.memory.transfer import TransferReport, copy_through_files, run_transfers
 
@@ -96,29 +92,6 @@ class TierReport:
     bytes_received: int = 0
     seconds: float = 0.0
     failure: str | None = None
-
-
-class _HolderPublisher(StarPublisher):
-    """The star publisher writing into a holder, without a ref: the tier writes refs once the copies stand.
-    Rank 0 keeps, per root, the shards its root manifest names (the tier replicates exactly those)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.named: dict[str, list] = {}
-
-    def _publish_root(self, c, shard_refs: list[ShardRef]) -> Completion:
-        try:
-            root, size = write_manifest(self.store, c.prefix, c.regions, shard_refs, self.world, dict(c.metadata),
-                                        state=c.layout.state,
-                                        check=lambda m: check_root_manifest(m, shard_refs, "memory root manifest",
-                                                                            identity=self.identity,
-                                                                            metadata=dict(c.metadata)))
-        except Refusal as refusal:
-            return Completion.failed(Outcome.of(refusal))
-        except (OSError, ValueError, DurableWriteError) as exc:
-            return Completion.failed(Outcome(False, str(exc)))
-        self.named[root] = [[s.digest, s.size] for s in shard_refs]
-        return Completion(Outcome.success(), root, 0, size)  # generation 0: no ref yet; bytes: the root's size
 
 
 def memory_directory(options: Any, store_root: str) -> str:
@@ -292,11 +265,15 @@ def node_view(holder: str, peers: Sequence[str]) -> Store:
 class MemoryTier:
     """This rank's holder and the tier's collective steps over ``group`` (a gloo group of the tier's own)."""
 
-    def __init__(self, directory: str, *, instance: str, rank: int, world: int, copies: int, stride: int = 1,
-                 group: Any = None, identity: Any = None):
+    name = MEMORY
+
+    def __init__(self, directory: str, *, store: Store, instance: str, rank: int, world: int, copies: int,
+                 stride: int = 1, group: Any = None, identity: Any = None):
         """Collective over ``group``. ``directory``: the tier directory (shared by stores; each store's holders
-        lie under their own directory in it, named by the store's ``instance`` id). A tier that cannot be
-        written on any rank is a :class:`UsageError` on every rank."""
+        lie under their own directory in it, named by the store's ``instance`` id). ``store``: the durable
+        store this tier stands in front of (rank 0 reads its history: a memory generation is taken only if
+        it descends from it). A tier that cannot be written on any rank is a :class:`UsageError` on every rank."""
+        self.store = store
         if world < MIN_HOLDERS:
             raise UsageError(f"the memory tier keeps copies on peer ranks: it needs at least {MIN_HOLDERS} ranks, "
                              f"this group has {world}")
@@ -319,8 +296,11 @@ class MemoryTier:
             raise UsageError(f"memory tier directory {directory!r} cannot hold the tier ({failed[0]})")
         self.identity = identity
         self.last: TierReport | None = None
-        self._publisher = _HolderPublisher(self.holder, rank, world, identity=identity)
+        # The star publisher minus the ref: the tier writes its refs once the copies stand.
+        self._publisher = StarPublisher(self.holder, rank, world, identity=identity, publish_ref=False)
         self.readable = self._readable_holders()
+        self.skipped: list[str] = []  # the last newest(): newer memory generations passed over, and why
+        self._offers: dict[str, MemoryGeneration] = {}
 
     def _readable_holders(self) -> frozenset[tuple[int, int]]:
         """Collective: the pairs (dst, src) where rank dst sees rank src's holder itself (the same directory:
@@ -339,7 +319,7 @@ class MemoryTier:
         every = broadcast_json(gather_json(sees, root, self.group), root, self.group)
         return frozenset((dst, src) for dst, srcs in enumerate(every) for src in srcs)
 
-    def reader(self) -> Store:
+    def _node_view(self) -> Store:
         """What a restore of an assembled generation reads: this rank's holder, and in place the objects it
         lacks from the holders of its node (each validated by the restore, as every object it reads is).
         The caller closes it."""
@@ -369,8 +349,63 @@ class MemoryTier:
         if discard:
             shutil.rmtree(self.holder.root, ignore_errors=True)
 
-    def publisher(self) -> StarPublisher:
-        return self._publisher
+    # ------------------------------------------------------------------ the tier seam (alpha_ckpt.tiers.seam)
+
+    def publish(self, contribution: Contribution) -> Completion:
+        """Collective: the contribution into this rank's holder, then copies to peers, then the tier's refs once
+        they stand, each recording the store's generation this one descends from (``contribution.ancestor``).
+        A failed completion, the same on every rank, when the generation does not count in memory."""
+        self.last = None
+        completion = self._publisher.publish(dataclasses.replace(contribution, follows=None))
+        if not completion.outcome.ok:
+            return Completion.failed(Outcome(False, f"the memory tier: {completion.outcome.reason}"))
+        report = self.replicate(contribution.prefix, completion, owners=self.world,
+                                lineage_=lineage(self.instance, contribution.ancestor) if self.rank == 0 else None)
+        if report.failure is not None:
+            return Completion.failed(Outcome(False, f"the memory tier: {report.failure}"))
+        return completion
+
+    def newest(self, run: str, step: str, root: Any, branch: bool) -> list[Candidate]:
+        """Collective: the newest generation any holder names that descends from the store (only for a
+        restore of "latest"; :attr:`skipped` says why newer ones were passed over)."""
+        self.skipped = []
+        if root != "latest" or branch:
+            return []
+        offer = self._offer(run, step, self._rejects(run, step) if self.rank == 0 else None)
+        if offer is None:
+            return []
+        self.skipped = list(offer.skipped)
+        if self.skipped and self.rank == 0:
+            logger.warning("memory tier: %s/%s: passed over %s", run, step, "; ".join(self.skipped))
+        if not offer.root:
+            return []
+        self._offers = {offer.root: offer}
+        return [Candidate(root=offer.root, tier=MEMORY, epoch=offer.epoch, update=offer.update)]
+
+    @contextlib.contextmanager
+    def reader(self, candidate: Candidate, wanted: Callable[[Any], set[str]]) -> Iterator[Reading | None]:
+        """Collective: every rank pulls what ``wanted(root manifest)`` names, every copy checked first; then
+        this rank's holder, reading in place what the holders of its node keep. None: something is missing or
+        damaged somewhere (every rank falls back together)."""
+        offer = self._offers[candidate.root]
+        report = self.assemble(offer, wanted)
+        if report.failure is not None:
+            if self.rank == 0:
+                logger.warning("memory tier: update %d cannot be recovered from memory (%s); trying the store",
+                               offer.update, report.failure)
+            yield None
+            return
+        with self._node_view() as holders:
+            yield Reading(holders, bytes_from_peers=report.bytes_received, seconds=report.seconds)
+
+    def _rejects(self, run: str, step: str) -> Callable[[str, dict | None], str | None]:
+        """Rank 0: why a memory generation is not this store's (None: it is), from the store's history."""
+        records = self.store.history(run, step).records
+        held, roots = {(r.generation, r.root) for r in records}, {r.root for r in records}
+
+        def holds(generation: int | None, root: str) -> bool:
+            return root in roots if generation is None else (generation, root) in held
+        return lambda root, lineage_: rejection(lineage_, root, self.instance, holds)
 
     # ------------------------------------------------------------------ save
 
@@ -459,8 +494,8 @@ class MemoryTier:
 
     # ------------------------------------------------------------------ recovery
 
-    def newest(self, run: str, step: str,
-               rejects: Callable[[str, dict | None], str | None] = lambda root, lineage_: None) -> MemoryGeneration | None:
+    def _offer(self, run: str, step: str,
+               rejects: Callable[[str, dict | None], str | None] | None) -> MemoryGeneration | None:
         """Collective: rank 0 learns every holder's refs and answers the newest generation any of them
         names that ``rejects(root, lineage)`` (rank 0's) does not reject, with the ranks naming it (every rank
         gets the same answer). The answer's ``skipped`` says why each newer generation was passed over; an
@@ -482,7 +517,7 @@ class MemoryTier:
                         seen[root] = [key, size, lineage_]
             skipped = []
             for root, (key, size, lineage_) in sorted(seen.items(), key=lambda kv: kv[1][0], reverse=True):
-                reason = rejects(root, lineage_)
+                reason = rejects(root, lineage_) if rejects is not None else None
                 if reason is None:
                     answer = MemoryGeneration(root, int(size), holders=sorted(named[root]), epoch=int(key[0]),
                                               update=int(key[1]), lineage=lineage_, skipped=skipped)
