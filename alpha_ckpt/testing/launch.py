@@ -192,8 +192,8 @@ def run_ranks(world: int, fn: Callable, *args, tmp: Path, timeout: float = 120.0
         p.start()
     _join(procs, timeout)
     results = [json.loads(Path(o).read_text()) for o in outs]
-    crashes = [r["crash"] for r in results if isinstance(r, dict) and "crash" in r]
-    assert not crashes, crashes[0]
+    crashes = [f"rank {rank}: {r['crash']}" for rank, r in enumerate(results) if isinstance(r, dict) and "crash" in r]
+    assert not crashes, "\n".join(crashes)  # every rank's: the first is often only a peer's lost connection
     return results
 
 

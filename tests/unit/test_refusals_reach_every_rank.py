@@ -68,3 +68,50 @@ def test_an_unexpected_failure_of_rank_0s_root_publish_fails_the_save_on_every_r
     assert results == [{"outcome": "publish-failed", "prompt": True}] * 2
     with Store(store, create=False) as s:
         assert s.list_refs("r", "train") == []
+
+
+class _LeasesRefused:
+    """A file system store whose pending-publish leases cannot be written (a full file system)."""
+
+    def __init__(self, own):
+        self.own, self.location = own, own.location
+
+    def __getattr__(self, name: str):
+        return getattr(self.own, name)
+
+    def put_lease(self, name: str, body: bytes) -> None:
+        import errno
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def save_where_rank_1_cannot_take_its_lease(rank, world, path, publisher):
+    from alpha_ckpt.errors import PublishFailed
+    from alpha_ckpt.store import PosixBackend, Store, StoreLayout
+    if rank == 0:
+        Store(path).close()
+    torch.distributed.barrier()
+    backend = PosixBackend(StoreLayout(path), create=False)
+    store = Store(_LeasesRefused(backend) if rank == 1 else backend, create=False)
+    ckpt = Checkpointer(store, run="r", publisher=publisher)
+    t0 = time.monotonic()
+    try:
+        ckpt.save({"w": torch.arange(4.0)}, update=1)
+        outcome = "published"
+    except PublishFailed as exc:
+        outcome = str(exc)
+    elapsed = time.monotonic() - t0
+    ckpt.close()
+    store.close()
+    return {"outcome": outcome, "prompt": elapsed < PG_TIMEOUT_S / 4}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("publisher", ["star", "tree"])
+def test_a_lease_one_rank_cannot_write_fails_the_save_on_every_rank_promptly_naming_it(tmp_path, publisher):
+    from alpha_ckpt.store import Store
+    path = str(tmp_path / "s")
+    results = run_ranks(2, save_where_rank_1_cannot_take_its_lease, path, publisher, tmp=tmp_path)
+    assert all(r["prompt"] for r in results), results
+    assert all("lease" in r["outcome"] and "1" in r["outcome"] for r in results), results
+    with Store(path, create=False) as store:
+        assert store.list_refs("r", "train") == []  # nothing published

@@ -21,7 +21,7 @@ from alpha_ckpt.store import Store
 from alpha_ckpt.generation.writer import ShardCarry, write_manifest
 from alpha_ckpt.tiers.durable.messages import Completion, Outcome, WriteReport, written_verdict
 from alpha_ckpt.tiers.durable.publisher import Contribution, shard_lists
-from alpha_ckpt.tiers.durable.tree import write_or_fail
+from alpha_ckpt.tiers.durable.tree import take_lease, write_or_fail
 from alpha_ckpt.tiers.durable.wire import broadcast_json, gather_json, global_rank
 
 logger = logging.getLogger("alpha_ckpt")
@@ -42,11 +42,13 @@ class StarPublisher:
         root0 = global_rank(0, c.group)
         written: dict[tuple, str] = {}
         # gc spares what this rank writes until the ref names it, or the publish has failed
-        lease = self.store.pending_publish(c.prefix.run, c.prefix.step)
+        lease, failure = take_lease(self.store, c.prefix, f"rank {self.rank}")
         try:
-            shard_refs, failure = write_or_fail(self.store, c.prefix, c.regions, shard_lists(c.parts),
-                                                f"rank {self.rank}", carry=self.carry, digests_out=written,
-                                                writers=self.world, agreed_mode=c.layout.write_mode)
+            shard_refs = []
+            if failure is None:
+                shard_refs, failure = write_or_fail(self.store, c.prefix, c.regions, shard_lists(c.parts),
+                                                    f"rank {self.rank}", carry=self.carry, digests_out=written,
+                                                    writers=self.world, agreed_mode=c.layout.write_mode)
             report = WriteReport(replicas=c.replica_digests(written), shared=c.shared_digests(written),
                                  shards=[s.to_json() for s in shard_refs],
                                  failure=list(failure) if failure else None)
@@ -64,7 +66,8 @@ class StarPublisher:
                 broadcast_json(ack.to_json(), root0, c.group, echo=False)
             return ack
         finally:
-            lease.release()
+            if lease is not None:
+                lease.release()
 
     def _publish_root(self, c: Contribution, shard_refs: list[ShardRef]) -> Completion:
         """Rank 0: the root manifest naming every rank's shards, then the ref; the acknowledgment."""

@@ -227,6 +227,16 @@ def write_or_fail(store: Store, prefix: CapturePrefix, regions: Sequence[RegionD
         return [], (f"{who}: {refusal.message}", refusal.code.value)
 
 
+def take_lease(store: Store, prefix: CapturePrefix, who: str) -> tuple[Any, tuple[str, None] | None]:
+    """The pending-publish lease of ``who``'s writes: (lease, None), or (None, (reason, None)) when the store
+    cannot keep one (a full file system), so that the failure travels to every owner as a failed write does
+    instead of leaving the others waiting for this one."""
+    try:
+        return store.pending_publish(prefix.run, prefix.step), None
+    except (OSError, DurableWriteError) as exc:
+        return None, (f"{who} could not take its pending-publish lease: {exc}", None)
+
+
 def _failed(reason: str, code: str | None = None) -> dict:
     """A failed completion (its reason cut to fit one message); ``code`` when it is a refusal."""
     return {"kind": "complete", "ok": False, "reason": reason[:600], **({"code": code} if code else {})}
@@ -299,7 +309,10 @@ class TreeRole:
         Checkpointer compares replica digests the writes computed) calls this, then
         :meth:`commit` (which then writes nothing), or :meth:`release` to give up.
         """
-        self._lease = self.store.pending_publish(prefix.run, prefix.step)
+        self._lease, failure = take_lease(self.store, prefix, f"role {self.role}")
+        if failure is not None:
+            self._written, self._write_failure = [], failure
+            return failure
         try:
             self._written, self._write_failure = write_or_fail(self.store, prefix, regions, own_shards,
                                                                f"role {self.role}", pool=self.pool, carry=self.carry,
