@@ -32,7 +32,7 @@ __version__ = "0.1.0"
 # checks of its flags, config and store; the store and format layers) starts in a fraction of
 # a second instead of the seconds torch takes to import.
 _LAZY = {
-    "save": "api", "save_async": "api", "restore": "api", "load": "api", "verify": "api", "latest": "api", "Latest": "api",
+    "save": "api", "save_async": "api", "restore": "api", "verify": "api", "latest": "api", "Latest": "api",
     "Skipped": "api", "AsyncSaver": "generation.async_save", "SaveHandle": "generation.async_save", "ShardCarry": "generation.writer",
     "Published": "generation.writer", "RNGState": "state", "WorkerRNGDataset": "state.loaders", "CapturedState": "state",
     "capture_state": "state",

@@ -1,24 +1,22 @@
 """The one-process API: save, save_async, restore, verify, latest (re-exported by :mod:`alpha_ckpt`).
 
 A generation is named by its root digest, ``root`` everywhere (the Checkpointer, the DCP backend and
-the alpha-ckpt command say the same); ``digest=`` is its deprecated spelling, accepted for one release.
-Bringing a generation back is ``restore`` everywhere too; ``load`` is its deprecated spelling.
+the alpha-ckpt command say the same); bringing one back is ``restore`` everywhere.
 """
 from __future__ import annotations
 
 import logging
 import os
-import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from alpha_ckpt.generation.async_save import AsyncSaver, SaveHandle
 from alpha_ckpt.runtime.launch_env import note_checkpoint_call
-from alpha_ckpt.errors import OldSpellingWarning, RefusalCode, UsageError
+from alpha_ckpt.errors import RefusalCode, UsageError
 from alpha_ckpt.format.records import CapturePrefix
 from alpha_ckpt.generation.reader import Counters, latest_generation, load_state, verify_generation
 from alpha_ckpt.state import CapturedState, capture_state
-from alpha_ckpt.state.optimizers import allowed_changes
+from alpha_ckpt.runtime.options import allowed_changes
 from alpha_ckpt.generation.writer import DEFAULT_MAX_SHARD_BYTES, Published, ShardCarry, save_state
 from alpha_ckpt.store import Store
 
@@ -29,19 +27,6 @@ def _store(store: Store | str | os.PathLike, create: bool) -> tuple[Store, bool]
     if isinstance(store, Store):
         return store, False
     return Store(store, create=create), True
-
-
-def _root(root: str | None, digest: str | None, call: str) -> str:
-    """The generation a call names: ``root=``, or the deprecated ``digest=`` spelling of it (one release)."""
-    if digest is not None:
-        if root is not None:
-            raise TypeError(f"{call}() takes root= or its old spelling digest=, not both")
-        warnings.warn(f"{call}(digest=...) is deprecated: pass root= (the generation's root digest)",
-                      OldSpellingWarning, stacklevel=3)
-        return digest
-    if root is None:
-        raise TypeError(f"{call}() needs root= (the generation's root digest)")
-    return root
 
 
 def _allowed_changes(value: Any) -> tuple[tuple[str, str], ...]:
@@ -153,19 +138,8 @@ def restore(state: Mapping[str, Any], *, store: Store | str | os.PathLike, root:
             s.close()
 
 
-def load(state: Mapping[str, Any], *, store: Store | str | os.PathLike, root: str | None = None,
-         digest: str | None = None) -> Counters:
-    """Deprecated spelling of :func:`restore` (and ``digest=`` of ``root=``), kept for one release."""
-    warnings.warn("alpha_ckpt.load is deprecated: call alpha_ckpt.restore(state, store=..., root=...)",
-                  OldSpellingWarning, stacklevel=2)
-    return restore(state, store=store, root=_root(root, digest, "load"))
-
-
-def verify(store: Store | str | os.PathLike, root: str | None = None, *, digest: str | None = None) -> None:
-    """Validate every object of generation ``root``; raise :class:`Refusal` if anything is wrong.
-
-    ``digest=`` is the deprecated spelling of ``root=``."""
-    root = _root(root, digest, "verify")
+def verify(store: Store | str | os.PathLike, root: str) -> None:
+    """Validate every object of generation ``root``; raise :class:`Refusal` if anything is wrong."""
     s, owned = _store(store, create=False)
     try:
         verify_generation(s, root)

@@ -128,11 +128,6 @@ class StoreUsageError(UsageError):
     """A caller passed a bad name or argument (not a property of a checkpoint)."""
 
 
-class OldSpellingWarning(DeprecationWarning):
-    """An old spelling (``load``, ``digest=``, ``Checkpointer()`` without a store) still accepted for one
-    release; the message names the new one."""
-
-
 class WorkerRNGWarning(UserWarning):
     """A saved data loader's worker processes draw from generators its state does not hold: a resumed run's
     random transforms may differ from the run that never stopped (see ``alpha_ckpt.WorkerRNGDataset``)."""

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from alpha_ckpt.dcp import StorageReader, StorageWriter
+from alpha_ckpt.runtime import launch_env
 from alpha_ckpt.store import Store
 
 
@@ -48,8 +49,10 @@ def main():
     parser.add_argument("--every", type=int, default=2)
     args = parser.parse_args()
     dist.init_process_group("gloo")
-    store = os.environ.get("ALPHA_CKPT_STORE") or os.environ["CKPT_STORE"]  # alpha-run --store, or your own
-    run = os.environ.get("ALPHA_CKPT_RUN") or "fsdp2-dcp"
+    # Under alpha-run: its --store and run (the options it hands its ranks); else your own.
+    launched = launch_env.launcher_settings() if os.environ.get(launch_env.OPTIONS) else {}
+    store = launched.get("store") or os.environ["CKPT_STORE"]
+    run = launched.get("run") or "fsdp2-dcp"
     model, optim = build(init_device_mesh("cpu", (dist.get_world_size(),)))
 
     step = 0

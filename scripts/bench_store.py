@@ -118,7 +118,7 @@ plus the time waiting at the fence.
                        blocking copies: what works on a CPU-only torch); the fence
                        is the response's ``staging_completion``
 
-After each save (untimed) the checkpoint is read back (``alpha_ckpt.load`` or
+After each save (untimed) the checkpoint is read back (``alpha_ckpt.restore`` or
 ``dcp.load``) and compared with a copy of the state taken at the boundary:
 a snapshot that let the in-place change through fails the run. Reported per
 method: median stall (call + fence), median seconds from the call to durable,
@@ -272,7 +272,7 @@ goes into preallocated tensors (overwritten before it) and is compared with
 
   ckpt     ``alpha_ckpt.Checkpointer`` on a 1-rank gloo group (created, and
            restored with None, untimed): ``save`` and ``restore(dest, root)``
-  ours     ``alpha_ckpt.save`` / ``alpha_ckpt.load``, as in the store section
+  ours     ``alpha_ckpt.save`` / ``alpha_ckpt.restore``, as in the store section
   torch    ``torch.save`` with fsync of the file and its directory /
            ``torch.load(weights_only=True)`` then ``copy_``, as in the store section
   dcp      ``dcp.save`` / ``dcp.load`` (on the 1-rank group), as in the store section

@@ -52,17 +52,16 @@ from __future__ import annotations
 import logging
 import os
 import time
-import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
 from alpha_ckpt.generation.async_save import AsyncSaver
 from alpha_ckpt.state.device import check_devices, current_device
-from alpha_ckpt.errors import OldSpellingWarning, Refusal, RefusalCode, StoreUsageError, UsageError
+from alpha_ckpt.errors import Refusal, RefusalCode, StoreUsageError, UsageError
 from alpha_ckpt.format.records import CapturePrefix, block_digests
 from alpha_ckpt.upkeep.gc import retain_newest
 from alpha_ckpt.runtime.heap import cyclic_gc_paused
@@ -98,52 +97,25 @@ logger = logging.getLogger("alpha_ckpt")
 _FROM_OPTIONS = object()
 
 
-class _Default:
-    def __repr__(self) -> str:
-        return "<the option's default>"
-
-
-_DEFAULT: Any = _Default()  # a keyword argument left out: CheckpointerOptions' default
-
-
 class Checkpointer:
     """Collective checkpoints of one run/step of a training script (see the module docstring)."""
 
     def __init__(self, store: str | os.PathLike | Store | None = None, *, run: str | None = None,
-                 step: str = _DEFAULT, group: Any = None, publisher: str = _DEFAULT, fanout: int = _DEFAULT,
-                 commit_timeout: float = _DEFAULT, save: str = _DEFAULT, in_flight: str = _DEFAULT,
-                 identity: Any = _DEFAULT, allow_nonfinite: str | Sequence[str] = _DEFAULT,
-                 every: int | str | None = _DEFAULT, mtbf: float | str | None = _DEFAULT,
-                 checkpoint_cost: float | str | None = _DEFAULT, keep: int | None = _DEFAULT,
-                 metadata: Mapping[str, Any] | None = _DEFAULT, bindings: Callable[[Any], None] | None = None,
-                 bind_devices: bool = _DEFAULT, per_rank: Sequence[str] | str = _DEFAULT,
-                 from_rank0: Sequence[str] | str = _DEFAULT, resume: str | None = _DEFAULT,
-                 memory: bool | str | None = _DEFAULT, replicas: int = _DEFAULT, durable_every: int | None = _DEFAULT,
-                 mtbf_durable: float | str | None = _DEFAULT,
-                 allow_optimizer_change: Sequence[tuple[str, str]] = _DEFAULT,
-                 options: CheckpointerOptions | None = None):
-        """The keyword arguments are :class:`CheckpointerOptions`' (documented there); or pass ``options=``.
-        ``group``: the torch.distributed group (default: the default group). ``bindings``: a program's own
-        check of a generation's root manifest, run by rank 0 before any rank reads a shard (it raises a
-        Refusal)."""
-        given = {k: v for k, v in dict(store=store, run=run, step=step, publisher=publisher, fanout=fanout,
-                                       commit_timeout=commit_timeout, save=save, in_flight=in_flight,
-                                       identity=identity, allow_nonfinite=allow_nonfinite, every=every, mtbf=mtbf,
-                                       checkpoint_cost=checkpoint_cost, keep=keep, metadata=metadata,
-                                       bind_devices=bind_devices, per_rank=per_rank, from_rank0=from_rank0,
-                                       resume=resume, memory=memory, replicas=replicas,
-                                       durable_every=durable_every, mtbf_durable=mtbf_durable,
-                                       allow_optimizer_change=allow_optimizer_change).items()
-                 if v is not _DEFAULT and (v is not None or k == "resume")}  # None: the default, but resume=None
+                 group: Any = None, bindings: Callable[[Any], None] | None = None,
+                 options: CheckpointerOptions | None = None, **option_kwargs: Any):
+        """``store``, ``run`` and the keyword options (one per option of
+        :data:`alpha_ckpt.runtime.options.OPTIONS`: ``step=``, ``publisher=``, ``memory=``, ...), checked
+        once by :class:`CheckpointerOptions`; or ``options=`` alone: given with any of them, neither would
+        plainly win, so that is a :class:`UsageError`. ``group``: the torch.distributed group (default: the
+        default group). ``bindings``: a program's own check of a generation's root manifest, run by rank 0
+        before any rank reads a shard (it raises a Refusal)."""
         if options is not None:
-            if given:
-                raise UsageError(f"Checkpointer: options= or keyword options, not both ({', '.join(sorted(given))})")
-        elif store is None or run is None:
-            warnings.warn("Checkpointer() without store= and run= reads alpha-run's settings: call "
-                          "Checkpointer.from_launcher_env() instead", OldSpellingWarning, stacklevel=2)
-            options = _launcher_options(given)
+            given = [name for name, value in (("store", store), ("run", run)) if value is not None]
+            if given or option_kwargs:
+                raise UsageError(f"Checkpointer: options= or store=, run= and keyword options, not both "
+                                 f"({', '.join(given + sorted(option_kwargs))} given beside options=)")
         else:
-            options = CheckpointerOptions(**given)
+            options = CheckpointerOptions(store=store, run=run, **option_kwargs)
         self.options = options
         self._recovery = RecoveryClock(launch_env.restart_context())  # marks this process's recovery, if it is one
         self._restore_started = time.monotonic()

@@ -27,6 +27,7 @@ import math
 import statistics
 import time
 
+from alpha_ckpt.runtime import options as options_core
 from alpha_ckpt.runtime.interval import IntervalPlan, parse_duration, saves_per_durable, young_daly
 from alpha_ckpt.tiers.durable.messages import Interval
 from alpha_ckpt.tiers.seam import DURABLE, MEMORY
@@ -66,30 +67,17 @@ class Schedule:
     def __init__(self, every: int | str | None, mtbf: float | str | None = None,
                  checkpoint_cost: float | str | None = None, *, memory: bool = False,
                  durable_every: int | None = None, mtbf_durable: float | str | None = None):
+        # The rules are the options' (alpha_ckpt.runtime.options): a UsageError, which is a ValueError.
+        values = options_core.check({"every": every, "mtbf": mtbf, "checkpoint_cost": checkpoint_cost,
+                                     "memory": True if memory else None, "durable_every": durable_every,
+                                     "mtbf_durable": mtbf_durable})
+        every, durable_every = values["every"], values["durable_every"]
         self.auto = every == "auto"
         if self.auto:
-            if mtbf is None:
-                raise ValueError('every="auto" needs mtbf= (the mean time between failures: seconds, or "6h")')
             self.mtbf_s = _seconds(mtbf, "mtbf")
             self.assumed_cost_s = None if checkpoint_cost is None else _seconds(checkpoint_cost, "checkpoint_cost")
-        elif every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-            raise ValueError(f'every is a number of updates >= 1 or "auto", not {every!r}')
-        elif mtbf is not None or checkpoint_cost is not None:
-            raise ValueError('mtbf and checkpoint_cost go with every="auto"')
         self.every = None if self.auto else every
         self.memory = bool(memory)
-        if durable_every is not None:
-            _count(durable_every, "durable_every")
-        if not self.memory:
-            if durable_every not in (None, 1):
-                raise ValueError(f"durable_every goes with memory= (without the memory tier every save is "
-                                 f"durable), not {durable_every!r}")
-            if mtbf_durable is not None:
-                raise ValueError('mtbf_durable goes with memory= and every="auto"')
-        if mtbf_durable is not None and not self.auto:
-            raise ValueError('mtbf_durable goes with every="auto" (it plans how often a save is durable)')
-        if mtbf_durable is not None and durable_every is not None:
-            raise ValueError("mtbf_durable plans durable_every; give one of them, not both")
         # every="auto" plans K unless durable_every fixes it.
         self.plans_durable = self.memory and self.auto and durable_every is None
         self.mtbf_durable_s = (None if not self.plans_durable else

@@ -56,7 +56,7 @@ from alpha_ckpt.runtime.launch_env import note_checkpoint_call
 from alpha_ckpt.format.records import DTYPES, CapturePrefix, RegionDecl, ShardRef, canonical_json, check_name, digest_bytes
 from alpha_ckpt.state.manifest import check_root_manifest, dtype_name, matches_any
 from alpha_ckpt.generation.planner import Piece
-from alpha_ckpt.state.capture import pattern_list
+from alpha_ckpt.runtime.options import pattern_list
 from alpha_ckpt.format.values import encode_value
 from alpha_ckpt.store import Store, check_fence
 from alpha_ckpt.runtime.teardown import exit_clean

@@ -30,7 +30,8 @@ from alpha_ckpt.format.records import (
 )
 from alpha_ckpt.runtime.heap import cyclic_gc_paused
 from alpha_ckpt.state.manifest import check_root_manifest, decode_manifest
-from alpha_ckpt.state.capture import CapturedState, capture_state, pattern_list
+from alpha_ckpt.runtime.options import pattern_list
+from alpha_ckpt.state.capture import CapturedState, capture_state
 from alpha_ckpt.generation.planner import Piece, pack_shards
 from alpha_ckpt.generation.hashing import (  # noqa: F401 (re-exported: imported from here)
     HASH_BATCH_BYTES, INLINE_HASH_BYTES, HashBatch, Ready, hash_stored, hash_part, hash_small, refuse_non_finite,

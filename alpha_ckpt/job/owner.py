@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 import blake3
 import torch
@@ -42,8 +43,9 @@ from alpha_ckpt.upkeep.gc import discard_completed_step
 from alpha_ckpt.generation.reader import open_generation
 from alpha_ckpt.store import Store
 from alpha_ckpt.launch.usage import OneLineArgumentParser, UsageError, check_store_writable
-from alpha_ckpt.job.usage import check_job_args
+from alpha_ckpt.job.usage import JOB_OPTIONS, check_job_args
 from alpha_ckpt.runtime import hooks, launch_env
+from alpha_ckpt.runtime import options as options_core
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_RETRY = 0, 2, 3, 75
 _IDENTITY_EXCLUDES = ("run", "step", "parameters", "bind_placement")
@@ -77,30 +79,21 @@ def parse_args(argv):
     p.add_argument("--store", default="./alpha-store")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--updates", type=int, required=True, help="committed update count to reach (absolute)")
-    p.add_argument("--checkpoint-every", default="0", help="publish every K updates, or 'auto' (and at the end)")
-    p.add_argument("--mtbf", help="--checkpoint-every auto: mean time between failures (21600, 360m, 6h)")
-    p.add_argument("--checkpoint-cost", help="--checkpoint-every auto: the cost assumed until one is measured")
-    p.add_argument("--save", choices=["sync", "async"], default="sync")
-    p.add_argument("--in-flight", choices=["wait", "skip"], default="wait")
     p.add_argument("--discard-checkpoints", action="store_true",
                    help="once the declared output is published, remove this step's checkpoints (pins excepted)")
     p.add_argument("--resume-from", metavar="ROOT_DIGEST")
     p.add_argument("--resume", choices=["latest"])
     p.add_argument("--branch-from", metavar="ROOT_DIGEST", help="start this run from another run's generation")
-    p.add_argument("--publisher", default="star", choices=["star", "tree"])
-    p.add_argument("--fanout", type=int, default=8, help="tree publisher: children per owner at most")
-    p.add_argument("--commit-timeout", type=float, default=60.0,
-                   help="tree publisher: seconds a parent waits for its children's commitments")
+    options_core.add_flags(p, JOB_OPTIONS)  # the Checkpointer's options the job takes, as alpha-run spells them
     p.add_argument("--backend", choices=["gloo", "nccl"])
     p.add_argument("--timeout", type=float, default=120.0, help="process-group timeout, seconds")
     return p.parse_args(argv)
 
 
 class Owner:
-    def __init__(self, config: JobConfig, store: Store, device: torch.device = torch.device("cpu"), *,
-                 publisher: str = "star", fanout: int = 8, commit_timeout: float = 60.0,
-                 save: str = "sync", in_flight: str = "wait", every: int | str | None = None,
-                 mtbf: str | None = None, checkpoint_cost: str | None = None):
+    def __init__(self, config: JobConfig, store: Store, device: torch.device = torch.device("cpu"),
+                 **options: Any):
+        """``options``: the Checkpointer's (alpha_ckpt/runtime/options.py) the job's flags gave."""
         self.config, self.store, self.device = config, store, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.state = LearnerState.initial(config, device)
@@ -108,11 +101,9 @@ class Owner:
         self.named = list(capture_state(self.state.tensors()).named)
         self.owned = [self._owned(name, t) for name, t in self.named]
         self.segments = [{"owners": self.world, "from": 0, "combine_order": COMBINE_ORDER}]
-        self.ckpt = Checkpointer(store, run=config.run, step=config.step, publisher=publisher, fanout=fanout,
-                                 commit_timeout=commit_timeout, save=save, in_flight=in_flight,
-                                 every=every, mtbf=mtbf, checkpoint_cost=checkpoint_cost,
-                                 identity=learner_identity(config), metadata=self.metadata(),
-                                 bindings=self._check_binding, bind_devices=config.bind_placement)
+        self.ckpt = Checkpointer(store, run=config.run, step=config.step, identity=learner_identity(config),
+                                 metadata=self.metadata(), bindings=self._check_binding,
+                                 bind_devices=config.bind_placement, **options)
         self._unreported: list[tuple[object, int]] = []  # asynchronous saves not yet reported
         self._plans_reported = 0
 
@@ -434,11 +425,8 @@ def run_owner(args) -> int:
     else:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
     store = Store(args.store)
-    every = str(args.checkpoint_every)
-    owner = Owner(config, store, device, publisher=args.publisher, fanout=args.fanout,
-                  commit_timeout=args.commit_timeout, save=args.save, in_flight=args.in_flight,
-                  every=None if every == "0" else every if every == "auto" else int(every),
-                  mtbf=args.mtbf, checkpoint_cost=args.checkpoint_cost)
+    options = options_core.from_flags(args, JOB_OPTIONS)
+    owner = Owner(config, store, device, **options)
     try:
         reached = None  # the resumed generation, when it is at --updates already: nothing to train or save
         resume = attempt_resume(args)
@@ -451,7 +439,7 @@ def run_owner(args) -> int:
                         f"(--updates {args.updates}): nothing to train")
         else:
             owner.start_fresh()
-        scheduled = every != "0"  # else only the final update is published
+        scheduled = options.get("every") is not None  # else only the final update is published
         while owner.state.update < args.updates:
             owner.train_update()
             hooks.installed().after_update(owner.rank, owner.state.update)

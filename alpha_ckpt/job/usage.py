@@ -10,6 +10,10 @@ import tomllib
 from alpha_ckpt.job.learner.config import JobConfig, load_config
 from alpha_ckpt.launch.usage import UsageError, check_checkpoint_flags
 
+# The Checkpointer options the job takes (alpha_ckpt/runtime/options.py): it publishes every generation to
+# the store (no memory tier), and names its own run, step and identity.
+JOB_OPTIONS = ("publisher", "fanout", "commit_timeout", "save", "in_flight", "every", "mtbf", "checkpoint_cost")
+
 
 def check_job_args(args, overrides: list[str]) -> JobConfig:
     """The job's config, or :class:`UsageError` naming the first problem in ``args`` or the config.

@@ -11,7 +11,7 @@
     alpha-ckpt pins    --store DIR [--json]
 
 ROOT is a generation's root digest (64 hex), as ``alpha_ckpt.save`` returns it. The JSON
-outputs name it ``root``; they also carry it as ``digest``, its old name, for one release.
+outputs name it ``root``.
 
 Exit codes: 0 done (verify: valid), 3 refused (the code and message are one
 line on stderr; ``latest``: no complete generation; ``unpin``: not pinned),
@@ -142,7 +142,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _ref_json(r: RefRecord) -> dict:
-    return {"run": r.run, "step": r.step, "generation": r.generation, "root": r.root, "digest": r.root, "update": r.prefix.update,
+    return {"run": r.run, "step": r.step, "generation": r.generation, "root": r.root, "update": r.prefix.update,
             "cursor": r.prefix.cursor, "epoch": r.prefix.epoch, "owners": r.owners, "bytes": r.bytes,
             "published_at": r.published_at}
 
@@ -299,7 +299,7 @@ def cmd_pin(store: Store, args, out, err=None) -> int:
 def cmd_unpin(store: Store, args, out, err=None) -> int:
     removed = unpin_generation(store, args.root)
     if args.json:
-        print(json.dumps({"root": args.root, "digest": args.root, "unpinned": removed}), file=out)
+        print(json.dumps({"root": args.root, "unpinned": removed}), file=out)
     else:
         if removed:
             print(f"unpinned {args.root}", file=out)
@@ -334,7 +334,7 @@ def cmd_verify(store: Store, args, out, err) -> int:
                 check_payloads(generation, advance=bar.advance)
         log["bytes"] = total
     if args.json:
-        print(json.dumps({"root": args.root, "digest": args.root, "valid": True}), file=out)
+        print(json.dumps({"root": args.root, "valid": True}), file=out)
     else:
         print(f"valid {args.root}", file=out)
     return EXIT_OK
@@ -363,7 +363,7 @@ def cmd_export(store: Store, args, out, err) -> int:
 
 def cmd_latest(store: Store, args, out, err) -> int:
     record, skipped = latest_generation(store, args.run, args.step)
-    why = [{"root": d, "digest": d, "code": r.code.value, "message": r.message} for d, r in skipped]
+    why = [{"root": d, "code": r.code.value, "message": r.message} for d, r in skipped]
     if args.json:
         print(json.dumps({"latest": _ref_json(record) if record else None, "skipped": why}), file=out)
     else:
@@ -422,7 +422,7 @@ def _refused(refusal: Refusal, args, out, err) -> int:
     """A refusal: with --json the answer on stdout (one JSON document), else one line on stderr."""
     if args.json:
         root = getattr(args, "root", None)
-        print(json.dumps({"root": root, "digest": root, "valid": False, "code": refusal.code.value,
+        print(json.dumps({"root": root, "valid": False, "code": refusal.code.value,
                           "message": refusal.message}), file=out)
     else:
         print(f"alpha-ckpt: refused {refusal.code.value}: {refusal.message}", file=err)

@@ -47,19 +47,22 @@ import socket
 import sys
 import tempfile
 import time
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from alpha_ckpt.format.records import NAME_RE
 from alpha_ckpt.runtime import heartbeat, launch_env
+from alpha_ckpt.runtime import options as options_core
 from alpha_ckpt.runtime.heartbeat import check_heartbeat_args
 from alpha_ckpt.launch.inplace import check_in_place_args, run_in_place
-from alpha_ckpt.job.usage import check_job_args
+from alpha_ckpt.job.usage import JOB_OPTIONS, check_job_args
 from alpha_ckpt.launch.usage import OneLineArgumentParser, UsageError, check_checkpoint_flags, check_store_writable
 
 from alpha_ckpt.runtime.launch_env import (EXIT_INTERRUPTED, EXIT_OK, EXIT_REFUSED, EXIT_RETRY, EXIT_SCRIPT_ERROR,  # noqa: F401
                          EXIT_USAGE, describe_exit)
 
 # torchrun flags we pass through unchanged: (flag, argparse kwargs)
+MEMORY_OPTIONS = ("memory", "replicas", "durable_every", "mtbf_durable")  # the memory tier's: scripts only
+
 _TORCHRUN_FLAGS = (
     ("--nnodes", {"default": "1"}),
     ("--node-rank", {"type": int, "default": 0}),
@@ -90,19 +93,6 @@ def parser() -> OneLineArgumentParser:
     p.add_argument("--run", help="run name (overrides the config)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     p.add_argument("--updates", type=int, help="the job: committed update count to reach (absolute; required)")
-    p.add_argument("--checkpoint-every", default="0", metavar="K|auto",
-                   help="publish a generation every K updates, or 'auto': Young/Daly's interval from the measured "
-                        "checkpoint cost and --mtbf (always at the end too)")
-    p.add_argument("--mtbf", metavar="DURATION", help="mean time between failures for --checkpoint-every auto "
-                   "(21600, 360m, 6h)")
-    p.add_argument("--checkpoint-cost", metavar="DURATION",
-                   help="auto: the checkpoint cost assumed until one is measured (default: checkpoint after the "
-                        "first update to measure it)")
-    p.add_argument("--save", choices=["sync", "async"], default="sync",
-                   help="async: snapshot at the boundary and publish while training goes on (default sync)")
-    p.add_argument("--in-flight", choices=["wait", "skip"], default="wait",
-                   help="async: a boundary that finds the previous save still running waits for it, or skips "
-                        "its checkpoint (logged) (default wait)")
     p.add_argument("--discard-checkpoints", action="store_true",
                    help="once the fitted model (the declared output) is published, remove this run/step's "
                         "checkpoints; pinned generations stay")
@@ -111,17 +101,9 @@ def parser() -> OneLineArgumentParser:
     resume.add_argument("--resume", choices=["latest"], help="continue the newest complete generation")
     resume.add_argument("--branch-from", metavar="ROOT_DIGEST",
                         help="start a new run (--run, no generations yet) from another run's generation")
-    p.add_argument("--memory", action="store_true",
-                   help="a script: hold every save in host memory too, copied to --replicas peer ranks; one save in "
-                        "--durable-every goes to the store (the tier lives while alpha-run does)")
-    p.add_argument("--replicas", type=int, default=1, help="--memory: peer copies of every object (default 1)")
-    p.add_argument("--durable-every", type=int, metavar="K",
-                   help="--memory: one save in K also goes to the store (default 5)")
-    p.add_argument("--publisher", choices=["star", "tree"], default="star",
-                   help="star: owner 0 gathers and publishes; tree: bounded fan-out manifest tree")
-    p.add_argument("--fanout", type=int, default=8, help="tree: children per owner at most (default 8)")
-    p.add_argument("--commit-timeout", type=float, default=60.0,
-                   help="tree: seconds a parent waits for its children's commitments (default 60)")
+    # The Checkpointer's options, each spelled once (alpha_ckpt/runtime/options.py): --publisher, --save,
+    # --checkpoint-every, --memory, ...
+    options_core.add_flags(p)
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds every collective of a rank's process groups may wait (default 120)")
     p.add_argument("--heartbeat-limit", type=float, metavar="SECONDS",
@@ -143,17 +125,15 @@ def torchrun_argv(args) -> list[str]:
             out += [flag, str(value)]
     if args.standalone or restarts_on_one_node(args):
         out.append("--standalone")
-    worker = [args.config, "--store", args.store, "--updates", str(args.updates),
-              "--checkpoint-every", str(args.checkpoint_every), "--save", args.save, "--in-flight", args.in_flight,
-              "--publisher", args.publisher,
-              "--fanout", str(args.fanout), "--commit-timeout", str(args.commit_timeout), "--timeout", str(args.timeout)]
+    worker = [args.config, "--store", args.store, "--updates", str(args.updates), "--timeout", str(args.timeout),
+              *options_core.to_argv(options_core.from_flags(args, JOB_OPTIONS))]
     # The run name travels as a config override: a worker flag named --run would be
     # an ambiguous prefix of torchrun's --run-path when torchrun parses the command.
     if args.discard_checkpoints:
         worker.append("--discard-checkpoints")
     for item in config_overrides(args):
         worker += ["--set", item]
-    for flag in ("resume_from", "resume", "branch_from", "backend", "mtbf", "checkpoint_cost"):
+    for flag in ("resume_from", "resume", "branch_from", "backend"):
         value = getattr(args, flag)
         if value is not None:
             worker += ["--" + flag.replace("_", "-"), value]
@@ -256,9 +236,20 @@ def script_argv(args) -> list[str]:
     return launcher[:launcher.index("-m")] + ["-m", "alpha_ckpt.launch.script_runner", *target, *args.script_args]
 
 
+def script_options(args) -> dict[str, Any]:
+    """The Checkpointer options a script's ranks get: the store, the run, the resume choice (neither --resume
+    nor --resume-from: "latest", as under torchrun) and every option a flag gave (with --memory, the tier's
+    directory this launch made)."""
+    options = {"store": os.path.abspath(args.store), "run": script_run(args),
+               "resume": args.resume_from or args.resume or "latest", **options_core.from_flags(args)}
+    if options.get("memory"):
+        options["memory"] = args.memory_dir
+    return options
+
+
 def script_environment(args) -> dict[str, str]:
     """What a script's ``Checkpointer.from_launcher_env()`` reads (alpha_ckpt/runtime/launch_env.py)."""
-    return launch_env.script_environment(args, script_run(args))
+    return launch_env.script_environment(script_options(args), args.timeout)
 
 
 def script_run(args) -> str:
@@ -284,10 +275,6 @@ def check_script_args(args) -> None:
         return
     if not os.path.isfile(args.config):
         raise UsageError(f"script {args.config}: no such file")
-    if (args.replicas != 1 or args.durable_every is not None) and not args.memory:
-        raise UsageError("--replicas and --durable-every go with --memory")
-    if args.replicas < 1 or (args.durable_every is not None and args.durable_every < 1):
-        raise UsageError("--replicas and --durable-every are at least 1")
     if args.updates is not None or args.set or args.branch_from or args.discard_checkpoints:
         raise UsageError("--updates, --set, --branch-from and --discard-checkpoints belong to the built-in job; a "
                          "script takes its own arguments after its path")
@@ -314,7 +301,7 @@ def main(argv=None) -> int:
                 raise UsageError(f"unrecognized arguments after the job config: {' '.join(args.script_args)}")
             if args.updates is None:
                 raise UsageError("the job needs --updates (the committed update count to reach)")
-            if args.memory or args.replicas != 1 or args.durable_every is not None:
+            if any(getattr(args, name) is not None for name in MEMORY_OPTIONS):
                 raise UsageError("--memory, --replicas and --durable-every are for training scripts (the job "
                                  "publishes every generation to the store)")
             config = check_job_args(args, config_overrides(args))

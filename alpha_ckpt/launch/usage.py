@@ -14,13 +14,11 @@ import math
 
 from alpha_ckpt.errors import DurableWriteError, Refusal, StoreUsageError, UsageError  # noqa: F401 (UsageError: its home was here)
 from alpha_ckpt.format.records import is_digest
-from alpha_ckpt.runtime.interval import check_schedule_args
+from alpha_ckpt.runtime import options as options_core
+from alpha_ckpt.runtime.options import MAX_SECONDS as MAX_TIMEOUT_S
 from alpha_ckpt.store import Store
 
 EXIT_USAGE = 2
-# Longer waits are no job's intent, and the derived waits (a tree's parent waits one
-# timeout per level) must stay within what timedelta and thread waits accept.
-MAX_TIMEOUT_S = 365 * 86400.0
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
@@ -36,14 +34,10 @@ def _check_seconds(flag: str, value: float) -> None:
 
 
 def check_checkpoint_flags(args) -> None:
-    """The flags the job and a launched script share: publisher, schedule, timeouts, digests."""
-    if args.fanout < 1:
-        raise UsageError(f"--fanout must be at least 1, not {args.fanout}")
-    _check_seconds("--commit-timeout", args.commit_timeout)
+    """The flags the job and a launched script share: the Checkpointer's options (their one set of rules,
+    alpha_ckpt/runtime/options.py), the process groups' timeout, digests."""
+    options_core.from_flags(args)
     _check_seconds("--timeout", args.timeout)
-    problem = check_schedule_args(args)
-    if problem:
-        raise UsageError(problem)
     for flag in ("resume_from", "branch_from"):
         value = getattr(args, flag)
         if value is not None and not is_digest(value):

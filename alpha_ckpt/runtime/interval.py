@@ -82,23 +82,3 @@ def _human(seconds: float) -> str:
     if seconds >= 120:
         return f"{seconds / 60:.1f} min"
     return f"{seconds:.3g} s"
-
-
-def check_schedule_args(args) -> str | None:
-    """The usage error in --checkpoint-every / --mtbf / --checkpoint-cost, or None."""
-    every = str(args.checkpoint_every)
-    if every != "auto":
-        if not (every.isascii() and every.isdigit()):
-            return f"--checkpoint-every takes a number of updates or 'auto', not {every!r}"
-        if args.mtbf is not None or args.checkpoint_cost is not None:
-            return "--mtbf and --checkpoint-cost go with --checkpoint-every auto"
-        return None
-    if args.mtbf is None:
-        return "--checkpoint-every auto needs --mtbf (the mean time between failures, e.g. 6h)"
-    try:
-        parse_duration(args.mtbf)
-        if args.checkpoint_cost is not None:
-            parse_duration(args.checkpoint_cost)
-    except ValueError as exc:
-        return str(exc)
-    return None

@@ -5,7 +5,8 @@ the store, the run, the resume choice and its checkpoint flags in the
 environment (torch's elastic agent copies the launcher's environment into
 every worker, restarts included), and names itself so that a worker can bind
 its life to it (:mod:`alpha_ckpt.runtime.lifeline`). This module holds the variable
-names, :func:`script_environment` (what the launcher writes),
+names, :func:`script_environment` (what the launcher writes: the options, alpha_ckpt/runtime/options.py,
+as one variable),
 :func:`launcher_settings` (what :meth:`Checkpointer.from_launcher_env
 <alpha_ckpt.Checkpointer.from_launcher_env>` reads),
 :func:`pop_launcher_pid`, the heartbeat's store and period (:func:`heartbeat_environment`,
@@ -35,20 +36,10 @@ from typing import Any, Iterator, Mapping
 
 from alpha_ckpt.errors import UsageError
 
-STORE = "ALPHA_CKPT_STORE"
-RUN = "ALPHA_CKPT_RUN"
-RESUME = "ALPHA_CKPT_RESUME"
-PUBLISHER = "ALPHA_CKPT_PUBLISHER"
-FANOUT = "ALPHA_CKPT_FANOUT"
-COMMIT_TIMEOUT = "ALPHA_CKPT_COMMIT_TIMEOUT"
-SAVE = "ALPHA_CKPT_SAVE"
-IN_FLIGHT = "ALPHA_CKPT_IN_FLIGHT"
-EVERY = "ALPHA_CKPT_EVERY"
-MTBF = "ALPHA_CKPT_MTBF"
-CHECKPOINT_COST = "ALPHA_CKPT_CHECKPOINT_COST"
-MEMORY = "ALPHA_CKPT_MEMORY"  # the memory tier's directory for this launch (alpha-run --memory), removed at its exit
-REPLICAS = "ALPHA_CKPT_REPLICAS"
-DURABLE_EVERY = "ALPHA_CKPT_DURABLE_EVERY"
+# The Checkpointer options alpha-run hands its ranks (its store, the run, the resume choice, and each option
+# its flags set, alpha_ckpt/runtime/options.py): one JSON object {option name: value}. With --memory, "memory"
+# is the memory tier's directory for this launch, removed at its exit.
+OPTIONS = "ALPHA_CKPT_OPTIONS"
 IN_PLACE_CONTROL = "ALPHA_CKPT_INPLACE_CONTROL"  # alpha-run --in-place: host:port of the launcher's control store
 IN_PLACE_TIMEOUT = "ALPHA_CKPT_INPLACE_TIMEOUT"  # seconds: every wait of a rank for a rendezvous round
 TIMEOUT = "ALPHA_CKPT_TIMEOUT"  # alpha-run --timeout, seconds: every process group's timeout in a script's rank
@@ -71,25 +62,10 @@ RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"  # torch's: 0 in the first attempt,
 SEPARATE_RANK_STORE = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 
-def script_environment(args: Any, run: str) -> dict[str, str]:
-    """What alpha-run hands a script's ranks: the store, ``run``, the resume choice, how to save
-    (--publisher, --fanout, --commit-timeout, --save, --in-flight, --checkpoint-every, --mtbf,
-    --checkpoint-cost) and the process groups' --timeout. Neither --resume nor --resume-from:
-    "latest", as under torchrun."""
-    env = {STORE: os.path.abspath(args.store), RUN: run, RESUME: args.resume_from or args.resume or "latest",
-           PUBLISHER: args.publisher, FANOUT: str(args.fanout), COMMIT_TIMEOUT: str(args.commit_timeout),
-           SAVE: args.save, IN_FLIGHT: args.in_flight, TIMEOUT: str(args.timeout)}
-    if str(args.checkpoint_every) != "0":  # the script's ckpt.due(step) follows --checkpoint-every
-        env[EVERY] = str(args.checkpoint_every)
-        for flag, name in (("mtbf", MTBF), ("checkpoint_cost", CHECKPOINT_COST)):
-            if getattr(args, flag):
-                env[name] = getattr(args, flag)
-    if getattr(args, "memory", False):
-        env[MEMORY] = args.memory_dir
-        env[REPLICAS] = str(args.replicas)
-        if args.durable_every is not None:
-            env[DURABLE_EVERY] = str(args.durable_every)
-    return env
+def script_environment(options: Mapping[str, Any], timeout: float) -> dict[str, str]:
+    """What alpha-run hands a script's ranks: the Checkpointer ``options`` its flags gave (the store, the run
+    and the resume choice among them), as one variable, and the process groups' --timeout."""
+    return {OPTIONS: json.dumps(dict(options), sort_keys=True), TIMEOUT: str(timeout)}
 
 
 @contextlib.contextmanager
@@ -111,42 +87,36 @@ def exported(launcher_pid: int, script: Mapping[str, str] | None = None) -> Iter
 
 
 def launcher_settings() -> dict[str, Any]:
-    """The Checkpointer options alpha-run passed, typed (keyword arguments of
-    :class:`~alpha_ckpt.collective.options.CheckpointerOptions`).
+    """The Checkpointer options alpha-run passed (keyword arguments of
+    :class:`~alpha_ckpt.collective.options.CheckpointerOptions`, checked there), a restart's resume choice
+    in place of the launch's.
 
-    :class:`UsageError` naming what is missing when this process was not started by alpha-run,
-    or naming the variable whose value cannot be.
+    :class:`UsageError` naming what is missing when this process was not started by alpha-run, or naming
+    the variable when its value cannot be read.
     """
-    env = os.environ
-    missing = [name for name in (STORE, RUN) if not env.get(name)]
-    if missing:
-        raise UsageError(f"Checkpointer.from_launcher_env: not started by alpha-run ({' and '.join(missing)} "
-                         "unset); pass Checkpointer(store, run=...) instead")
-    out: dict[str, Any] = {"store": env[STORE], "run": env[RUN]}
-    out["resume"] = env.get(RESUME) or "latest"  # "latest" or a root digest
+    text = os.environ.get(OPTIONS)
+    if not text:
+        raise UsageError(f"Checkpointer.from_launcher_env: not started by alpha-run ({OPTIONS} unset); pass "
+                         "Checkpointer(store, run=...) instead")
+    try:
+        out = json.loads(text)
+    except ValueError:
+        out = None
+    if not isinstance(out, dict) or not out.get("store") or not out.get("run"):
+        raise UsageError(f"{OPTIONS} is not what alpha-run writes (a JSON object with the store and the run)")
     restart = restart_context()
     if restart is not None and restart.resume is not None:
         out["resume"] = restart.resume  # what the launcher chose for this restart (see RestartContext)
-    for name, key, kind in ((PUBLISHER, "publisher", str), (FANOUT, "fanout", int),
-                            (COMMIT_TIMEOUT, "commit_timeout", float), (SAVE, "save", str),
-                            (IN_FLIGHT, "in_flight", str)):
-        if env.get(name):
-            out[key] = _typed(name, env[name], kind)
-    if env.get(MEMORY):
-        out["memory"] = env[MEMORY]
-        for name, key in ((REPLICAS, "replicas"), (DURABLE_EVERY, "durable_every")):
-            if env.get(name):
-                out[key] = _typed(name, env[name], int)
-    if env.get(EVERY):
-        out["every"] = "auto" if env[EVERY] == "auto" else _typed(EVERY, env[EVERY], int)
-        out["mtbf"] = env.get(MTBF) or None
-        out["checkpoint_cost"] = env.get(CHECKPOINT_COST) or None
     return out
 
 
 def memory_directory() -> str | None:
     """The memory tier's directory alpha-run made for this launch (``--memory``), or None."""
-    return os.environ.get(MEMORY) or None
+    try:
+        memory = json.loads(os.environ.get(OPTIONS) or "{}").get("memory")
+    except (ValueError, AttributeError):
+        return None
+    return memory if isinstance(memory, str) and memory else None
 
 
 def run_id() -> str | None:
@@ -262,13 +232,6 @@ def pop_launcher_pid() -> int | None:
         return None if named is None else int(named)
     except ValueError:
         return None
-
-
-def _typed(name: str, value: str, kind: type) -> Any:
-    try:
-        return kind(value)
-    except ValueError:
-        raise UsageError(f"{name}={value!r} is not a {kind.__name__}") from None
 
 
 # Exit statuses, for orchestrators (README): the same from alpha-run, its ranks and the job's owners.

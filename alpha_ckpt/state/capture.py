@@ -165,23 +165,6 @@ def _top_items(state: Mapping[str, Any]) -> Iterable[tuple[Any, Any]]:
         yield key, value
 
 
-def pattern_list(patterns: str | Iterable[str], what: str) -> tuple[str, ...]:
-    """A parameter that takes fnmatch patterns (``allow_nonfinite``): a bare string is ONE pattern
-    (``"*.mask"``, never the patterns ``*``, ``.``, ``m``, ...); ValueError for anything but strings."""
-    if isinstance(patterns, str):
-        return (patterns,)
-    if isinstance(patterns, (bytes, Mapping)):
-        raise ValueError(f"{what} is a pattern or a list of patterns, not {type(patterns).__name__}")
-    try:
-        out = tuple(patterns)
-    except TypeError:
-        raise ValueError(f"{what} is a pattern or a list of patterns, not {patterns!r}") from None
-    bad = [p for p in out if not isinstance(p, str)]
-    if bad:
-        raise ValueError(f"{what}: patterns are strings, not {bad[0]!r}")
-    return out
-
-
 def flatten_state(state) -> list[tuple[str, torch.Tensor]]:
     """The (dotted name, tensor) regions of ``state``, in declaration order (:func:`capture_state`)."""
     return list(capture_state(state).named)

@@ -122,19 +122,3 @@ def class_change(optimizer: torch.optim.Optimizer, groups: Any, allowed: Sequenc
     return f"saved by {pair[0] or 'another optimizer class'}, destination {destination.__name__}: {why}"
 
 
-def allowed_changes(value: Any, what: str = "allow_optimizer_change") -> tuple[tuple[str, str], ...]:
-    """``[("Adam", "AdamW"), ...]``: (saved class, destination class) name pairs; ValueError otherwise."""
-    if isinstance(value, (str, bytes, Mapping)):
-        raise ValueError(f"{what} is a list of (saved class, destination class) name pairs, such as "
-                         f"[('Adam', 'AdamW')], not {value!r}")
-    try:
-        pairs = tuple(value)
-    except TypeError:
-        raise ValueError(f"{what} is a list of (saved class, destination class) name pairs, not {value!r}") from None
-    out = []
-    for pair in pairs:
-        if (not isinstance(pair, (tuple, list)) or len(pair) != 2
-                or not all(isinstance(n, str) and n.isidentifier() for n in pair)):
-            raise ValueError(f"{what}: each entry is a pair of class names, such as ('Adam', 'AdamW'), not {pair!r}")
-        out.append((pair[0], pair[1]))
-    return tuple(out)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from alpha_ckpt.state.manifest import matches_any
-from alpha_ckpt.state.capture import pattern_list
+from alpha_ckpt.runtime.options import pattern_list
 
 METADATA_KEY = "placement_patterns"
 

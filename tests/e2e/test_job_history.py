@@ -38,7 +38,7 @@ def test_a_diverging_job_stops_with_a_refusal_and_its_last_good_generation_survi
     gc = alpha_ckpt_cli("gc", "--store", str(store), "--keep", "2", "--grace", "0", "--json")
     assert gc.returncode == 0, gc.stderr
     latest = alpha_ckpt_cli("latest", "--store", str(store), "--run", "nightly", "--step", "fit", "--json")
-    assert latest.returncode == 0 and json.loads(latest.stdout)["latest"]["digest"] == good
+    assert latest.returncode == 0 and json.loads(latest.stdout)["latest"]["root"] == good
     resumed = final(alpha_run(store, *DIVERGE[:4], "--updates", "1", "--resume", "latest", nproc=3))
     assert resumed["last_generation"] == good
 

@@ -1,5 +1,6 @@
 """Usage errors exit 2 with one line, before any rank starts where alpha-run can see them; a script's
 arguments after its path are the script's; a source tensor we cannot store is a Refusal naming it."""
+import json
 import socket
 
 import pytest
@@ -49,7 +50,7 @@ def test_a_script_named_with_a_leading_underscore_gets_a_valid_default_run(tmp_p
     script.write_text(HELLO)
     args = parse(["--nproc", "2", str(script)])
     check_script_args(args)  # no usage error
-    assert NAME_RE.match(script_environment(args)["ALPHA_CKPT_RUN"])
+    assert NAME_RE.match(json.loads(script_environment(args)["ALPHA_CKPT_OPTIONS"])["run"])
 
 
 @pytest.mark.timeout(60)

@@ -250,22 +250,19 @@ def test_a_nan_in_the_last_of_several_shards_refuses_the_save_and_commits_none_o
     assert os.listdir(os.path.join(store_dir, "tmp")) == []
 
 
-def test_a_generation_is_named_root_and_restored_by_restore_and_the_old_spellings_still_work_with_a_warning(store_dir):
+def test_a_generation_is_named_root_and_restored_by_restore_and_the_old_spellings_are_gone(store_dir):
     state = {"w": torch.arange(4.0)}
     root = alpha_ckpt.save(state, store=store_dir, run="r", step="s", update=1, cursor=0, epoch=0)
     out = {"w": torch.zeros(4)}
-    with pytest.warns(DeprecationWarning):
-        assert alpha_ckpt.load(out, store=store_dir, digest=root).root == root
+    assert alpha_ckpt.restore(out, store=store_dir, root=root).update == 1
     assert torch.equal(out["w"], state["w"])
-    with pytest.warns(DeprecationWarning):
-        alpha_ckpt.verify(store_dir, digest=root)
     alpha_ckpt.verify(store_dir, root=root)
-    with pytest.raises(TypeError), pytest.warns(DeprecationWarning):
-        alpha_ckpt.load(out, store=store_dir, root=root, digest=root)
-    with pytest.raises(TypeError), pytest.warns(DeprecationWarning):
-        alpha_ckpt.load(out, store=store_dir)
-    with pytest.warns(DeprecationWarning):  # load: restore's old name
-        assert alpha_ckpt.load(out, store=store_dir, root=root).root == root
+    alpha_ckpt.verify(store_dir, root)
+    assert not hasattr(alpha_ckpt, "load")
+    with pytest.raises(TypeError):
+        alpha_ckpt.verify(store_dir, digest=root)
+    with pytest.raises(TypeError):
+        alpha_ckpt.restore(out, store=store_dir, digest=root)
 
 
 def test_save_async_results_carry_the_root_save_returns(store_dir):

@@ -1,6 +1,5 @@
 """The Checkpointer's options: checked in one place, read from alpha-run only by from_launcher_env, and one
 resume rule whether a script runs under plain torch.distributed or under alpha-run."""
-import warnings
 
 import pytest
 import torch
@@ -33,11 +32,10 @@ def test_options_are_normalized_once():
 
 
 def test_from_launcher_env_outside_alpha_run_is_a_usage_error_naming_what_is_missing(monkeypatch):
-    for name in (launch_env.STORE, launch_env.RUN):
-        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv(launch_env.OPTIONS, raising=False)
     with pytest.raises(UsageError) as missing:
         Checkpointer.from_launcher_env()
-    assert launch_env.STORE in str(missing.value) and launch_env.RUN in str(missing.value)
+    assert launch_env.OPTIONS in str(missing.value)
 
 
 def test_what_alpha_run_writes_is_what_from_launcher_env_reads(tmp_path, monkeypatch):
@@ -48,9 +46,9 @@ def test_what_alpha_run_writes_is_what_from_launcher_env_reads(tmp_path, monkeyp
         monkeypatch.setenv(name, value)
     settings = launch_env.launcher_settings()
     assert settings == {"store": str(tmp_path / "s"), "run": "r", "resume": "latest", "publisher": "tree",
-                        "fanout": 3, "commit_timeout": 60.0, "save": "async", "in_flight": "wait", "every": "auto",
-                        "mtbf": "6h", "checkpoint_cost": None}
-    CheckpointerOptions(**settings)  # every value alpha-run passes is a valid option
+                        "fanout": 3, "save": "async", "every": "auto", "mtbf": "6h"}  # only what a flag gave
+    options = CheckpointerOptions(**settings)  # every value alpha-run passes is a valid option
+    assert (options.commit_timeout, options.in_flight, options.fanout) == (60.0, "wait", 3)
 
 
 def _alpha_run_environment(store: str, resume: list[str]) -> dict:
@@ -106,15 +104,12 @@ def fresh_start_over_history(rank, world, store, how):
     elif how == "argument":
         ckpt = Checkpointer(store, run="r")
         ckpt.restore({"model": model}, None)
-    else:  # the deprecated spelling: Checkpointer() reads alpha-run's settings, with a warning
+    else:  # no store: alpha-run's settings are from_launcher_env()'s, never read behind the caller's back
         os.environ.update(_alpha_run_environment(store, []))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            ckpt = Checkpointer()
-        counters = ckpt.restore({"model": model})
-        ckpt.close()
-        return {"deprecated": any(issubclass(w.category, DeprecationWarning) for w in caught),
-                "update": counters.update}
+        try:
+            Checkpointer()
+        except UsageError as exc:
+            return {"usage-error": "from_launcher_env" in str(exc)}
     return {"restored": True}
 
 
@@ -126,9 +121,9 @@ def test_a_fresh_start_of_a_run_with_history_is_refused_fenced_on_every_rank(tmp
 
 
 @pytest.mark.timeout(120)
-def test_checkpointer_without_a_store_still_reads_alpha_runs_settings_and_warns_that_it_is_deprecated(tmp_path):
-    results = run_ranks(2, fresh_start_over_history, str(tmp_path / "s"), "deprecated", tmp=tmp_path)
-    assert results == [{"deprecated": True, "update": 1}] * 2
+def test_checkpointer_without_a_store_is_a_usage_error_pointing_to_from_launcher_env_even_under_alpha_run(tmp_path):
+    results = run_ranks(2, fresh_start_over_history, str(tmp_path / "s"), "no-store", tmp=tmp_path)
+    assert results == [{"usage-error": True}] * 2
 
 
 

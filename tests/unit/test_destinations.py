@@ -123,7 +123,7 @@ def test_tied_destinations_pass_only_when_the_checkpoint_holds_the_same_words_th
         assert info.value.code == RefusalCode.COVERAGE and "'wte'" in info.value.message
 
 
-# ---------------------------------------------------------------- through alpha_ckpt.load
+# ---------------------------------------------------------------- through alpha_ckpt.restore
 
 KW = dict(run="r", step="s", update=1, cursor=0, epoch=0)
 

@@ -303,5 +303,5 @@ def test_read_commands_refuse_a_generation_whose_object_is_a_hostile_entry(saved
                  ["export", root, "--to", str(tmp_path / "out.safetensors")]):
         assert _run([argv[0], "--store", str(store_dir), *argv[1:]])[0] == 3, argv
     code, out, _ = _run(["list", "--store", str(store_dir), "--json"])
-    assert code == 0 and [g["digest"] for g in json.loads(out)["generations"]] == [root]
+    assert code == 0 and [g["root"] for g in json.loads(out)["generations"]] == [root]
     assert os.path.lexists(path) and not (tmp_path / "out.safetensors").exists()

@@ -1,9 +1,7 @@
 """Young/Daly's checkpoint interval: the seed's example and the arithmetic around it."""
-import argparse
-
 import pytest
 
-from alpha_ckpt.runtime.interval import check_schedule_args, parse_duration, young_daly
+from alpha_ckpt.runtime.interval import parse_duration, young_daly
 
 
 def test_the_seed_example_sixty_seconds_and_six_hours_gives_27_minutes_3_7_percent_and_13_minutes():
@@ -38,10 +36,3 @@ def test_a_cost_or_mtbf_out_of_range_is_refused():
     for cost, mtbf in [(-1, 10), (1, 0), (float("inf"), 10)]:
         with pytest.raises(ValueError):
             young_daly(cost, mtbf)
-
-
-def test_schedule_flags_are_checked_together():
-    ns = lambda every, mtbf=None, cost=None: argparse.Namespace(checkpoint_every=every, mtbf=mtbf, checkpoint_cost=cost)
-    assert check_schedule_args(ns("0")) is None and check_schedule_args(ns("auto", "6h", "60")) is None
-    assert "needs --mtbf" in check_schedule_args(ns("auto"))
-    assert "go with" in check_schedule_args(ns("3", cost="60"))

@@ -125,7 +125,7 @@ def test_a_damaged_newest_ref_is_passed_over_by_latest_restore_publish_and_gc_al
 
     # `alpha-ckpt latest` names generation 2 and the ref it passed over.
     code, latest = _latest(store_dir)
-    assert code == 0 and latest["latest"]["digest"] == roots[1]
+    assert code == 0 and latest["latest"]["root"] == roots[1]
     assert [s["code"] for s in latest["skipped"]] in (["corrupt-shard"], ["format"])
 
     # gc keeps every readable generation and leaves the damaged newest ref in place: its number is taken.
@@ -141,7 +141,7 @@ def test_a_damaged_newest_ref_is_passed_over_by_latest_restore_publish_and_gc_al
     assert len(before_publish["unreadable_refs"]) == 1 and before_publish["objects"] == 0
     assert before_publish["held_by_refs"] == ["r/train/0000000003"]  # what it reaches cannot be told
     code, latest = _latest(store_dir)
-    assert code == 0 and latest["latest"]["digest"] == resumed["root"] and latest["skipped"] == []
+    assert code == 0 and latest["latest"]["root"] == resumed["root"] and latest["skipped"] == []
 
     # Now gc sets the damaged ref aside (a newer one keeps the numbering) and keeps the two newest complete.
     report = _gc(store_dir)
@@ -154,7 +154,7 @@ def test_a_damaged_newest_ref_is_passed_over_by_latest_restore_publish_and_gc_al
             verify_generation(s, root)
         # A later publish still takes a number after the damaged one's.
         assert s.history("r", "train").top == 4
-    assert _latest(store_dir)[1]["latest"]["digest"] == resumed["root"]
+    assert _latest(store_dir)[1]["latest"]["root"] == resumed["root"]
     assert _save(store_dir, 5, epoch=1) and _latest(store_dir)[1]["latest"]["generation"] == 5
 
 

@@ -19,7 +19,7 @@ ROOT = "ab" * 32
 
 @pytest.fixture
 def clean_restart_env(monkeypatch):
-    for name in (launch_env.RESTART, launch_env.RESTART_COUNT, launch_env.STORE, launch_env.RUN, launch_env.RESUME):
+    for name in (launch_env.RESTART, launch_env.RESTART_COUNT, launch_env.OPTIONS):
         monkeypatch.setenv(name, "")  # recorded, so that what a test exports is taken back after it
         monkeypatch.delenv(name)
     return monkeypatch
@@ -95,9 +95,7 @@ def test_the_launchers_environment_starts_without_a_restart_context_and_is_put_b
 
 
 def test_a_restarted_script_resumes_what_the_launcher_chose_not_its_first_flag(clean_restart_env):
-    clean_restart_env.setenv(launch_env.STORE, "/s")
-    clean_restart_env.setenv(launch_env.RUN, "r")
-    clean_restart_env.setenv(launch_env.RESUME, ROOT)
+    clean_restart_env.setenv(launch_env.OPTIONS, json.dumps({"store": "/s", "run": "r", "resume": ROOT}))
     assert launch_env.launcher_settings()["resume"] == ROOT
     restarted(clean_restart_env, 1, resume="latest")
     assert launch_env.launcher_settings()["resume"] == "latest"
