@@ -53,6 +53,7 @@ import logging
 import os
 import time
 import weakref
+from types import MappingProxyType
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping
 
@@ -142,9 +143,9 @@ class Checkpointer:
         self.store = store if isinstance(store, Store) else _open_store(store, self.rank, group)
         self.epoch = 0
         self.follows: int | None = None  # rank 0: the generation this history continues (store.check_fence)
-        self.last_restore: dict | None = None  # what this rank's last restore read (bytes, shards)
+        self._last_restore: dict | None = None  # what this rank's last restore read (bytes, shards)
         self.skipped = 0  # async saves skipped because one was in flight (in_flight="skip")
-        self.last_save: dict | None = None  # the last completed save: root, generation, bytes, bytes_written, seconds
+        self._last_save: dict | None = None  # the last completed save: root, generation, bytes, bytes_written, seconds
         # What this process wrote before: a region whose bytes did not change (a frozen embedding
         # table) is named again as carried instead of written again (one save in flight at a time).
         self._carry = ShardCarry()
@@ -258,6 +259,7 @@ class Checkpointer:
         try:
             captured = capture_state(state, self.rank, self.world, self.rules)
             regions = captured.regions(self.allow_nonfinite)
+            capture_s = time.monotonic() - t0
         except (ValueError, Refusal) as exc:
             # Not raised here alone: the refusal travels in the descriptor exchange, so every rank
             # raises it at once instead of waiting for this rank until the group times out.
@@ -266,20 +268,22 @@ class Checkpointer:
         except Exception as exc:  # noqa: BLE001 - a state_dict() of the script's own that failed
             refused = exc
             captured, regions = None, ()
+        capture_s = time.monotonic() - t0
         tensors = [t for _, t in captured.named] if captured is not None else []
         if self._saver is None:
-            result = completed(self._exchange(prefix, captured, regions, tensors, self._control, refused, durable),
-                               dict(self.last_save))
+            result = completed(self._exchange(prefix, captured, regions, tensors, self._control, refused, durable,
+                                              capture_s), dict(self._last_save))
             cost = time.monotonic() - t0
-            tier = self.last_save["tier"]  # durable after all when the memory tier could not hold it
+            tier = self._last_save["tier"]  # durable after all when the memory tier could not hold it
         else:
             stats: dict = {}
 
             @cyclic_gc_paused()
             def publish(snapshot):
                 with self._arrivals.named("save", number):  # on the save thread: its failure names who did not come
-                    root = self._exchange(prefix, captured, regions, snapshot, self._save_group, refused, durable)
-                stats.update(self.last_save)  # this save's, before a later save replaces last_save
+                    root = self._exchange(prefix, captured, regions, snapshot, self._save_group, refused, durable,
+                                          capture_s)
+                stats.update(self._last_save)  # this save's, before a later save replaces last_save
                 return root
             handle = self._saver.submit(tensors, publish, defer_snapshot=defer_snapshot)
             result = SaveResult(handle=handle, stats=stats) if handle is not None else SaveResult(skipped=True)
@@ -288,11 +292,24 @@ class Checkpointer:
         self.schedule.saved(cost, tier)
         if self.options.announce and self.rank == 0 and not result.skipped:
             announce_save(self.run, self.step, update, tier, result, cost,
-                          self.last_save.get("memory_skipped") if self._saver is None else None)
+                          self._last_save.get("memory_skipped") if self._saver is None else None)
         if self.schedule.auto and self._due_asked:
             self._replan(update)  # after a save the schedule asked for (not after one the script adds)
         self._due_asked = False
         return result
+
+    @property
+    def last_save(self) -> Mapping[str, Any] | None:
+        """The last completed save, read-only: root, update, generation, bytes, bytes_written, tier, seconds, and
+        ``phases``, this rank's seconds in each (capture, agree, then per tier: ``durable.write``,
+        ``durable.commit``, ``memory.write``, ``memory.commit``, ``memory.replicate``); with the memory tier,
+        ``memory_ok``, ``memory_skipped``, ``memory_bytes_sent``, ``memory_held_bytes``."""
+        return None if self._last_save is None else MappingProxyType(self._last_save)
+
+    @property
+    def last_restore(self) -> Mapping[str, Any] | None:
+        """What this rank's last restore read, read-only (bytes, shards, tier, bytes from peers and store)."""
+        return None if self._last_restore is None else MappingProxyType(self._last_restore)
 
     @property
     def last_recovery(self) -> dict | None:
@@ -334,7 +351,7 @@ class Checkpointer:
         return any_rank(flag, self._control)
 
     def _exchange(self, prefix: CapturePrefix, captured, regions, tensors, group,
-                  refused: BaseException | None = None, durable: bool = True) -> str:
+                  refused: BaseException | None = None, durable: bool = True, capture_s: float = 0.0) -> str:
         """Agree on one layout (rank 0 checks every capture), then publish it by star or tree.
 
         Every rank hashes each replica once: the one that writes it while writing, the others
@@ -353,7 +370,9 @@ class Checkpointer:
             raise AssertionError("unreachable: the agreement refuses")  # pragma: no cover
         descriptor, own, hashed, wrote = describe(prefix, captured, regions, views, self.rank, self.world,
                                                   self.device)
+        agreeing = time.monotonic()
         layout = agreement.agree_layout(descriptor, group, self.rank, self.store, self.world)
+        phases = {"capture": capture_s, "agree": time.monotonic() - agreeing}
         regions = agreed_regions(layout)
         own, shared_wrote, shared_hashed = split_shared(layout, self.rank, own)
         # Only digests of replicas travel, never their bytes; a diverged one refuses before any ref.
@@ -374,6 +393,7 @@ class Checkpointer:
                 if each.name not in named:
                     continue
                 done = each.publish(contribution)
+                phases.update({f"{each.name}.{phase}": seconds for phase, seconds in each.phases.items()})
                 if each.name == MEMORY and not done.outcome.ok:
                     memory_skipped = done.outcome.reason  # the same verdict on every rank: the store holds it
                     named.add(DURABLE)
@@ -387,11 +407,11 @@ class Checkpointer:
         # Every rank learns what the publish wrote in all (the tree's ranks write their own shards).
         total = torch.tensor([self.store.bytes_written - written], dtype=torch.int64)
         dist.all_reduce(total, group=group)
-        self.last_save = {"root": completion.root, "update": prefix.update, "generation": completion.generation,
+        self._last_save = {"root": completion.root, "update": prefix.update, "generation": completion.generation,
                           "bytes": completion.bytes, "bytes_written": int(total.item()), "tier": tier,
-                          "seconds": time.monotonic() - started}
+                          "seconds": time.monotonic() - started, "phases": phases}
         if self.memory is not None:
-            self.last_save.update(memory_ok=memory_skipped is None, memory_skipped=memory_skipped,
+            self._last_save.update(memory_ok=memory_skipped is None, memory_skipped=memory_skipped,
                                   memory_bytes_sent=self.memory.last.bytes_sent if self.memory.last else 0,
                                   memory_held_bytes=self._held_bytes())
         if durable and self.rank == 0:
@@ -486,7 +506,7 @@ class Checkpointer:
                         continue
                     raise refused
                 fill()
-            from_store = self.last_restore["bytes_read"] if candidate.tier == DURABLE else 0
+            from_store = self._last_restore["bytes_read"] if candidate.tier == DURABLE else 0
             return self._restored(counters, 0 if branch else counters.epoch + 1, tier=candidate.tier,
                                   bytes_from_peers=reading.bytes_from_peers, bytes_from_store=from_store,
                                   **({"assemble_seconds": reading.seconds} if candidate.tier == MEMORY else {}))
@@ -509,7 +529,7 @@ class Checkpointer:
                 raise Refusal(candidate.refusal.code, candidate.refusal.message)
             if self.bind_devices:  # each rank: the very device that saved its rank
                 check_devices((candidate.devices or [])[self.rank:self.rank + 1] or [None], [self.device], True)
-            fill, counters, self.last_restore = prepare(store, state, root, rank=self.rank, world=self.world,
+            fill, counters, self._last_restore = prepare(store, state, root, rank=self.rank, world=self.world,
                                                         per_rank=per_rank,
                                                         allow_optimizer_change=self.options.allow_optimizer_change)
         except Refusal as exc:
@@ -524,9 +544,9 @@ class Checkpointer:
 
     def _restored(self, counters: Counters, epoch: int, **read: Any) -> Counters:
         """Every rank, once its state holds the generation: what it read, the new epoch, the schedule, the line."""
-        self.last_restore.update(read)
+        self._last_restore.update(read)
         if self.memory_skipped:
-            self.last_restore["memory_skipped"] = list(self.memory_skipped)
+            self._last_restore["memory_skipped"] = list(self.memory_skipped)
         self.epoch = epoch
         self.schedule.restored()
         self._announce(counters)
@@ -535,10 +555,10 @@ class Checkpointer:
     def _announce(self, counters: Counters | None) -> None:
         """With the option ``announce`` (alpha-run's scripts): rank 0 says what the script resumed.
         A restarted rank's clock marks the end of its restore (the ``recovered`` event follows its first step)."""
-        self._recovery.restored(counters, self.last_restore if counters else None,
+        self._recovery.restored(counters, self._last_restore if counters else None,
                                 time.monotonic() - self._restore_started, self.group)
         if self.options.announce:
-            announce(self.run, self.step, counters, self.last_restore["bytes_read"] if counters else 0,
+            announce(self.run, self.step, counters, self._last_restore["bytes_read"] if counters else 0,
                      self.rank, self.group, memory_skipped=self.memory_skipped)
 
     def close(self) -> None:

@@ -7,9 +7,6 @@
 * skipped (``in_flight="skip"`` while a save was in flight, on every rank): ``.skipped``
   is True, ``.root`` None.
 
-For one release a sync result is also the root digest as a ``str`` (it compares equal to
-it), as ``save`` returned before; new code reads ``.root``.
-
 Copied or pickled (``deepcopy``, ``torch.save`` of a dict holding it, a worker's return
 value), a result is its root digest as a plain ``str`` (async: once durable; it waits), so a
 script that keeps it in its own checkpoint reads it back with ``torch.load(weights_only=True)``
@@ -19,7 +16,8 @@ root to keep: pickling it is a ``TypeError``.
 from __future__ import annotations
 
 import codecs
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Mapping
 
 
 class SaveResult:
@@ -51,9 +49,16 @@ class SaveResult:
             self._handle.wait_snapshot()
 
     @property
-    def stats(self) -> dict:
-        """What the publish wrote: root, update, generation, bytes, bytes_written, seconds (once done)."""
-        return self._stats
+    def stats(self) -> Mapping[str, Any]:
+        """What the publish wrote, read-only: root, update, generation, bytes, bytes_written, seconds, phases
+        (once done; see :attr:`Checkpointer.last_save <alpha_ckpt.Checkpointer.last_save>`)."""
+        return MappingProxyType(self._stats)
+
+    @property
+    def phases(self) -> Mapping[str, float]:
+        """This rank's seconds in each phase of the save (capture, agree, ``durable.write``, ...), once done:
+        where a save's time goes, without timing anything from outside."""
+        return MappingProxyType(self._stats.get("phases", {}))
 
     @property
     def stall_s(self) -> float:
@@ -79,20 +84,6 @@ class SaveResult:
         return f"SaveResult(root={self._root!r})" if self._handle is None else "SaveResult(done)"
 
 
-class _SyncResult(str, SaveResult):
-    """A completed sync save; also its root digest as a ``str``, as ``save`` returned before (one release)."""
-
-    def __new__(cls, root: str, stats: dict):
-        obj = super().__new__(cls, root)
-        SaveResult.__init__(obj, root=root, stats=stats)
-        return obj
-
-    def __init__(self, root: str, stats: dict):  # noqa: D107 - initialized in __new__
-        pass
-
-    __repr__ = SaveResult.__repr__
-
-
 def _plain_str(text: str) -> tuple:
     """A pickle reduction that rebuilds ``text`` as a plain ``str``.
 
@@ -105,4 +96,4 @@ def _plain_str(text: str) -> tuple:
 
 
 def completed(root: str, stats: dict) -> SaveResult:
-    return _SyncResult(root, stats)
+    return SaveResult(root=root, stats=stats)

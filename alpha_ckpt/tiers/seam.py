@@ -38,6 +38,7 @@ class Reading:
 
 class Tier(Protocol):
     name: str  # DURABLE or MEMORY: what a save's result and a restore's event name it by
+    phases: dict[str, float]  # this rank's seconds in each phase of the last publish (write, commit, ...)
 
     def publish(self, contribution: Contribution) -> Completion:
         """Collective: the ranks' contributions as one generation of this tier (the same completion on every rank)."""

@@ -163,3 +163,35 @@ def test_save_returns_one_type_in_every_mode(tmp_path):
     assert sync[:3] == [True, True, False] and sync[3] == sync[4] and len(sync[3]) == 64 and sync[5] == 1
     assert skipped == [True, True, True, None]
     assert background == [True, True, False, 64, 1]
+
+
+def save_and_read_phases(rank, world, store, publisher, memory):
+    state = {"w": torch.arange(64.0) + rank * 0}
+    ckpt = Checkpointer(store, run=f"phases-{publisher}-{bool(memory)}", publisher=publisher,
+                        memory=memory, durable_every=1 if memory else None)
+    done = ckpt.save(state, update=1)
+    out = {"phases": dict(done.phases), "seconds": done.stats["seconds"], "is_str": isinstance(done, str),
+           "same": dict(done.phases) == dict(ckpt.last_save["phases"])}
+    for view in (done.stats, done.phases, ckpt.last_save):
+        try:
+            view["root"] = "changed"
+            out["writable"] = True
+        except TypeError:
+            out.setdefault("writable", False)
+    ckpt.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("publisher, memory", [("star", False), ("tree", False), ("star", True)])
+def test_a_save_says_where_its_time_went_phase_by_phase_and_its_stats_are_read_only(tmp_path, publisher, memory):
+    memory_dir = str(tmp_path / "holders") if memory else None
+    results = run_ranks(2, save_and_read_phases, str(tmp_path / "s"), publisher, memory_dir, tmp=tmp_path)
+    for r in results:
+        expected = {"capture", "agree", "durable.write", "durable.commit"}
+        if memory:
+            expected |= {"memory.write", "memory.commit", "memory.replicate"}
+        assert set(r["phases"]) == expected
+        assert all(s >= 0 for s in r["phases"].values())
+        assert sum(v for k, v in r["phases"].items() if k != "capture") <= r["seconds"] + 0.05
+        assert r["same"] and not r["writable"] and not r["is_str"]

@@ -11,6 +11,7 @@ most ``fanout`` children.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from alpha_ckpt.errors import DurableWriteError, PublishConflict, Refusal
@@ -37,10 +38,12 @@ class StarPublisher:
         self.store, self.rank, self.world, self.carry, self.identity = store, rank, world, carry, identity
         self.publish_ref = publish_ref
         self.named: dict[str, list] = {}
+        self.phases: dict[str, float] = {}  # the last publish's seconds: write (this rank's shards), commit (the rest)
 
     def publish(self, c: Contribution) -> Completion:
         root0 = global_rank(0, c.group)
         written: dict[tuple, str] = {}
+        started = time.perf_counter()
         # gc spares what this rank writes until the ref names it, or the publish has failed
         lease, failure = take_lease(self.store, c.prefix, f"rank {self.rank}")
         try:
@@ -49,6 +52,7 @@ class StarPublisher:
                 shard_refs, failure = write_or_fail(self.store, c.prefix, c.regions, shard_lists(c.parts),
                                                     f"rank {self.rank}", carry=self.carry, digests_out=written,
                                                     writers=self.world, agreed_mode=c.layout.write_mode)
+            wrote = time.perf_counter()
             report = WriteReport(replicas=c.replica_digests(written), shared=c.shared_digests(written),
                                  shards=[s.to_json() for s in shard_refs],
                                  failure=list(failure) if failure else None)
@@ -64,6 +68,7 @@ class StarPublisher:
             fault_point("publish", "before-completion")
             if self.rank == 0:
                 broadcast_json(ack.to_json(), root0, c.group, echo=False)
+            self.phases = {"write": wrote - started, "commit": time.perf_counter() - wrote}
             return ack
         finally:
             if lease is not None:

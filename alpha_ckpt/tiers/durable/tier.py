@@ -26,6 +26,10 @@ class DurableTier:
     def publish(self, contribution: Contribution) -> Completion:
         return self.publisher.publish(contribution)
 
+    @property
+    def phases(self) -> dict[str, float]:
+        return dict(self.publisher.phases)
+
     def newest(self, run: str, step: str, root: Any, branch: bool) -> list[Candidate]:
         """Rank 0 decides what to try, in order (a refusal of the choice itself is a candidate that stops
         the restore); every rank gets the same list."""

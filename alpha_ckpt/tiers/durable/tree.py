@@ -445,8 +445,18 @@ class TreePublisher:
                  carry: ShardCarry | None = None, identity: Any = None):
         self.store, self.hierarchy, self.rank, self.device = store, hierarchy, rank, device
         self.timeout, self.carry, self.identity = timeout, carry, identity
+        self.phases: dict[str, float] = {}  # the last publish's seconds: write (this role's shards), commit (the rest)
 
     def publish(self, c: Contribution) -> Completion:
+        started = time.perf_counter()
+        try:
+            return self._publish(c, started)
+        finally:
+            self.phases.setdefault("write", time.perf_counter() - started)
+            self.phases["commit"] = time.perf_counter() - started - self.phases["write"]
+
+    def _publish(self, c: Contribution, started: float) -> Completion:
+        self.phases = {}
         metadata = dict(c.metadata) if self.rank == 0 else {"device": self.device}
         role = TreeRole(self.store, self.hierarchy, self.rank, GroupTransport(c.group), timeout=self.timeout,
                         carry=self.carry,
@@ -457,6 +467,7 @@ class TreePublisher:
         try:
             failure = role.write_own(c.prefix, c.regions, shard_lists(c.parts), digests_out=written,
                                      agreed_mode=c.layout.write_mode)
+            self.phases["write"] = time.perf_counter() - started
             report = WriteReport(replicas=c.replica_digests(written), shared=c.shared_digests(written),
                                  failure=list(failure) if failure else None)
             reports = gather_json(report.to_json(), root0, c.group)

@@ -300,6 +300,7 @@ class MemoryTier:
         self._publisher = StarPublisher(self.holder, rank, world, identity=identity, publish_ref=False)
         self.readable = self._readable_holders()
         self.skipped: list[str] = []  # the last newest(): newer memory generations passed over, and why
+        self.phases: dict[str, float] = {}  # the last publish's seconds: write, commit, replicate
         self._offers: dict[str, MemoryGeneration] = {}
 
     def _readable_holders(self) -> frozenset[tuple[int, int]]:
@@ -357,10 +358,13 @@ class MemoryTier:
         A failed completion, the same on every rank, when the generation does not count in memory."""
         self.last = None
         completion = self._publisher.publish(dataclasses.replace(contribution, follows=None))
+        self.phases = dict(self._publisher.phases)
         if not completion.outcome.ok:
             return Completion.failed(Outcome(False, f"the memory tier: {completion.outcome.reason}"))
+        started = time.perf_counter()
         report = self.replicate(contribution.prefix, completion, owners=self.world,
                                 lineage_=lineage(self.instance, contribution.ancestor) if self.rank == 0 else None)
+        self.phases["replicate"] = time.perf_counter() - started
         if report.failure is not None:
             return Completion.failed(Outcome(False, f"the memory tier: {report.failure}"))
         return completion
