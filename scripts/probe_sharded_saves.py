@@ -191,7 +191,7 @@ def save(method: str, state: dict, directory: str, rnd: int, ckpt) -> str | None
         raw_save(state, directory)
         return None
     if method == "ckpt":
-        return ckpt.save({"model": state}, update=rnd + 1, cursor=rnd + 1)
+        return ckpt.save({"model": state}, update=rnd + 1, cursor=rnd + 1).root
     if method == "dcp":
         dcp.save(state, checkpoint_id=directory)
         return None

@@ -458,7 +458,7 @@ def save_task(rank: int, world: int, recipe_text: str, store: str) -> dict:
     before = store_snapshot(store) if rank == 0 else None
     dist.barrier()
     try:
-        out = {"root": ckpt.save(state, update=decode(recipe["update"]), cursor=decode(recipe["cursor"]))}
+        out = {"root": ckpt.save(state, update=decode(recipe["update"]), cursor=decode(recipe["cursor"])).root}
     except Refusal as refusal:
         out = {"refusal": refusal.code.value, "message": refusal.message}
     except (ValueError, TypeError) as exc:

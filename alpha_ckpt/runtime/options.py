@@ -45,8 +45,12 @@ class Option:
     switch: bool = False
     none_is_a_value: bool = False  # None given means None (resume=None: a fresh start), not the default
 
-    def spelled(self, as_flag: bool) -> str:
-        return self.flag if as_flag and self.flag else f"{self.name}="
+    def spelled(self, as_flag: bool, value: Any = None) -> str:
+        """The option as its caller writes it: ``--checkpoint-every`` or ``every=`` (with ``value``:
+        ``--checkpoint-every auto`` or ``every='auto'``)."""
+        if as_flag and self.flag:
+            return self.flag if value is None else f"{self.flag} {value}"
+        return f"{self.name}=" if value is None else f"{self.name}={value!r}"
 
 
 # ---------------------------------------------------------------------------------------------- rules
@@ -290,22 +294,23 @@ def check(given: Mapping[str, Any], *, as_flags: bool = False) -> dict[str, Any]
             text = exc.message if isinstance(exc, Refusal) else str(exc)
             raise UsageError(f"{option.spelled(as_flags)} {text}" if text.startswith("is ") or
                              text.startswith("takes ") else f"{option.spelled(as_flags)}: {text}") from None
-    problem = schedule_problem(values, lambda name: options[name].spelled(as_flags))
+    problem = schedule_problem(values, lambda name, value=None: options[name].spelled(as_flags, value))
     if problem:
         raise UsageError(problem)
     return values
 
 
-def schedule_problem(values: Mapping[str, Any], spell: Callable[[str], str]) -> str | None:
-    """The rules between the schedule's options and the memory tier's (None: they hold). Pure."""
-    every, memory = values["every"], values["memory"] is not None
+def schedule_problem(values: Mapping[str, Any], spell: Callable[..., str]) -> str | None:
+    """The rules between the schedule's options and the memory tier's (None: they hold); ``spell(name,
+    value=None)`` writes an option as the caller does. Pure."""
+    every, memory, auto = values["every"], values["memory"] is not None, spell("every", "auto")
     if every != "auto":
         if values["mtbf"] is not None or values["checkpoint_cost"] is not None:
-            return f'{spell("mtbf")} and {spell("checkpoint_cost")} go with {spell("every")} "auto"'
+            return f'{spell("mtbf")} and {spell("checkpoint_cost")} go with {auto}'
         if values["mtbf_durable"] is not None:
-            return f'{spell("mtbf_durable")} goes with {spell("every")} "auto" (it plans how often a save is durable)'
+            return f'{spell("mtbf_durable")} goes with {auto} (it plans how often a save is durable)'
     elif values["mtbf"] is None:
-        return f'{spell("every")} "auto" needs {spell("mtbf")} (the mean time between failures: seconds, or "6h")'
+        return f'{auto} needs {spell("mtbf")} (the mean time between failures: seconds, or "6h")'
     if not memory:
         if values["replicas"] != 1:
             return f'{spell("replicas")} goes with {spell("memory")} (the peers that hold a rank\'s objects in memory)'
@@ -313,7 +318,7 @@ def schedule_problem(values: Mapping[str, Any], spell: Callable[[str], str]) -> 
             return (f'{spell("durable_every")} goes with {spell("memory")} (without the memory tier every save is '
                     "durable)")
         if values["mtbf_durable"] is not None:
-            return f'{spell("mtbf_durable")} goes with {spell("memory")} and {spell("every")} "auto"'
+            return f'{spell("mtbf_durable")} goes with {spell("memory")} and {auto}'
     if values["mtbf_durable"] is not None and values["durable_every"] is not None:
         return f'{spell("mtbf_durable")} plans {spell("durable_every")}; give one of them, not both'
     return None

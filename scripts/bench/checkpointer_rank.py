@@ -221,7 +221,7 @@ def checkpointer_process(config: dict) -> None:
     def save(n: int, method: str, directory: str, rnd: int, ckpt) -> object:
         group = groups[n]
         if ckpt is not None:
-            return ckpt.save(ours(n, "src"), update=rnd + 1, cursor=rnd + 1)
+            return ckpt.save(ours(n, "src"), update=rnd + 1, cursor=rnd + 1).root
         if method == "dcp":
             dcp.save(theirs(n, "src"), checkpoint_id=directory, process_group=group)
         elif method == "dcp-t2":

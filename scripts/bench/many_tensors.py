@@ -52,7 +52,7 @@ def many_save_restore(name: str, top: str):
             ckpt = alpha_ckpt.Checkpointer(open_store(workdir), run="bench", step="fit")  # untimed: created once per job
             ckpt.restore(state, None)
             t = time.perf_counter()
-            root = ckpt.save(state, update=rep)
+            root = ckpt.save(state, update=rep).root
             elapsed = time.perf_counter() - t
             return (ckpt, root), elapsed
 

@@ -33,7 +33,7 @@ def test_a_diverging_job_stops_with_a_refusal_and_its_last_good_generation_survi
         return  # the refusal's path differs per publisher; what follows is shared
     published = refs(store)
     assert [g["update"] for g in published] == [1]
-    good = published[0]["digest"]
+    good = published[0]["root"]
     assert alpha_ckpt_cli("verify", "--store", str(store), good).returncode == 0
     gc = alpha_ckpt_cli("gc", "--store", str(store), "--keep", "2", "--grace", "0", "--json")
     assert gc.returncode == 0, gc.stderr

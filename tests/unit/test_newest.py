@@ -32,7 +32,7 @@ def _save(store_dir, update, epoch=0):
 def _checkpoint_updates(rank, world, store_dir, updates):
     ckpt = Checkpointer(store_dir, run="r")
     ckpt.restore(_state(0), None)
-    roots = [ckpt.save(_state(u), update=u, cursor=u) for u in updates]
+    roots = [ckpt.save(_state(u), update=u, cursor=u).root for u in updates]
     ckpt.close()
     return roots
 
@@ -105,7 +105,7 @@ def _resume_latest_and_publish(rank, world, store_dir):
     update = counters.update + 1
     state["w"].fill_(float(update))
     state["progress"]["update"] = update
-    root = ckpt.save(state, update=update, cursor=update)
+    root = ckpt.save(state, update=update, cursor=update).root
     generation = ckpt.last_save["generation"]
     ckpt.close()
     return {"restored": counters.update, "values": restored, "unchanged": unchanged, "root": root, "generation": generation, "epoch": counters.epoch}

@@ -2,6 +2,7 @@
 ranks and the Checkpointer; the flags and the keywords are checked by the same rules."""
 import json
 import os
+import re
 
 import pytest
 
@@ -79,8 +80,9 @@ def test_a_flag_and_its_keyword_are_refused_by_the_same_rule_each_spelled_as_its
         launcher.script_environment(_launched(tmp_path, *flags))
     spelled = {o.name: o.flag for o in options_core.OPTIONS if o.flag}
     words = str(keyword.value)
-    for name in sorted(spelled, key=len, reverse=True):  # durable_every= before every=
-        words = words.replace(f"{name}=", spelled[name])
+    for name, spelling in spelled.items():  # every='auto' is --checkpoint-every auto; \b: not durable_every=
+        words = re.sub(rf"\b{name}=(?:'([^']*)')?",
+                       lambda m, s=spelling: s + (f" {m.group(1)}" if m.group(1) else ""), words)
     assert str(flag.value) == words.removeprefix("Checkpointer: ")
 
 

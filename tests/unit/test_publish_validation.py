@@ -74,7 +74,7 @@ def _save_head(rank, world, store):
         for p in model.parameters():
             p.add_(1.5)  # not the seed's values: a restore has to bring them
     ckpt = Checkpointer(store, run="r")
-    root = ckpt.save({"model": get_model_state_dict(model)}, update=1)
+    root = ckpt.save({"model": get_model_state_dict(model)}, update=1).root
     ckpt.close()
     alpha_ckpt.verify(store, root)
     return {"root": root, "full": _full(model)}
@@ -105,7 +105,7 @@ def _empty_share(rank, world, store, restore, publisher):
     lo, hi = (0, 1) if rank == 0 else (1, 1)
     ckpt = Checkpointer(store, run="r", publisher=publisher, fanout=1)
     if not restore:
-        root = ckpt.save({"w": Partitioned(whole[lo:hi].clone(), lo, hi, (1,))}, update=1)
+        root = ckpt.save({"w": Partitioned(whole[lo:hi].clone(), lo, hi, (1,))}, update=1).root
         ckpt.close()
         return root
     into = torch.zeros(1)
@@ -137,7 +137,7 @@ def _tiling(rank, world, store, case):
     lo, hi = ranges[rank]
     ckpt = Checkpointer(store, run="r")
     try:
-        return ckpt.save({"w": Partitioned(torch.arange(float(lo), float(hi)), lo, hi, shapes[rank])}, update=1)
+        return ckpt.save({"w": Partitioned(torch.arange(float(lo), float(hi)), lo, hi, shapes[rank])}, update=1).root
     finally:
         ckpt.close()
 
@@ -156,7 +156,7 @@ def _colliding(rank, world, store):
     # Rank 0 names "a.1.0" for the entry at "a.1"; rank 1 names "a.1.0" for the one at "a" (its key "0").
     ckpt = Checkpointer(store, run="r")
     try:
-        return ckpt.save({"a": PerRank({"0": torch.ones(2)}), "a.1": PerRank(torch.zeros(3))}, update=1)
+        return ckpt.save({"a": PerRank({"0": torch.ones(2)}), "a.1": PerRank(torch.zeros(3))}, update=1).root
     finally:
         ckpt.close()
 
@@ -184,7 +184,7 @@ def _bad_counters(rank, world, store):
             out.append("saved")
         except StoreUsageError as exc:
             out.append(name if name in str(exc) else str(exc))
-    root = ckpt.save({"w": torch.ones(2)}, update=1)  # the run is not locked: the next good save publishes
+    root = ckpt.save({"w": torch.ones(2)}, update=1).root  # the run is not locked: the next good save publishes
     ckpt.close()
     return {"out": out, "root": root}
 
@@ -236,7 +236,7 @@ def _identity(rank, world, store, identity, restore):
     try:
         if restore:
             return ckpt.restore({"w": torch.zeros(2)}, root="latest").update
-        return ckpt.save({"w": torch.ones(2)}, update=1)
+        return ckpt.save({"w": torch.ones(2)}, update=1).root
     finally:
         ckpt.close()
 
@@ -253,7 +253,7 @@ def _save_or_restore(rank, world, store, run, root, branch):
     ckpt = Checkpointer(store, run=run)
     try:
         if root is None:
-            return ckpt.save({"w": torch.full((2,), float(len(run)))}, update=1)
+            return ckpt.save({"w": torch.full((2,), float(len(run)))}, update=1).root
         return ckpt.restore({"w": torch.zeros(2)}, root=root, branch=branch).update
     finally:
         ckpt.close()
@@ -283,7 +283,7 @@ def _nan_weight(rank, world, store):
     ckpt = Checkpointer(store, run="r", allow_nonfinite="*.mask")
     try:
         return ckpt.save({"model": {"weight": torch.tensor([1.0, math.nan]),
-                                    "causal.mask": torch.tensor([-math.inf, 0.0])}}, update=1)
+                                    "causal.mask": torch.tensor([-math.inf, 0.0])}}, update=1).root
     finally:
         ckpt.close()
 

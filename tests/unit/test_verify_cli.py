@@ -128,10 +128,10 @@ def test_list_and_inspect_json_describe_the_generation(saved):
     assert words == {r["name"]: r["words"] for r in info["regions"]}
 
 
-def test_json_outputs_name_the_generation_root_and_keep_the_old_digest_key_for_one_release(saved, tmp_path):
+def test_json_outputs_name_the_generation_root_and_nothing_else(saved, tmp_path):
     store_dir, root, _ = saved
     rc, text = _verify(store_dir, root, "--json")
-    assert rc == 0 and json.loads(text) == {"root": root, "digest": root, "valid": True}
+    assert rc == 0 and json.loads(text) == {"root": root, "valid": True}
     out = io.StringIO()
     assert cli.main(["list", "--store", str(store_dir), "--json"], out=out) == 0
     (gen,) = json.loads(out.getvalue())["generations"]
@@ -183,7 +183,7 @@ def test_latest_skips_a_damaged_newer_generation_and_names_it(store_dir):
     assert cli.main(["latest", "--store", str(store_dir), "--run", "r", "--step", "fit", "--json"], out=out) == 0
     result = json.loads(out.getvalue())
     assert result["latest"]["root"] == good and result["latest"]["update"] == 1
-    assert result["skipped"] == [{"root": bad, "digest": bad, "code": "corrupt-shard",
+    assert result["skipped"] == [{"root": bad, "code": "corrupt-shard",
                                   "message": result["skipped"][0]["message"]}]
     assert cli.main(["latest", "--store", str(store_dir), "--run", "none", "--step", "fit"], out=io.StringIO()) == 3
 
