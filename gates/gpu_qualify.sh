@@ -31,9 +31,13 @@ START=$SECONDS
 verdict() {  # verdict NAME OK DETAIL
     if [[ $2 == 1 ]]; then echo "PASS $1: $3"; else echo "FAIL $1: $3"; FAILED=1; fi
 }
+job_argv() {  # alpha-run's and the job's flags in any order -> alpha-run's command line, NUL-separated
+    $PY -c 'import sys; from alpha_ckpt.testing.launch import job_argv; sys.stdout.write("\0".join(job_argv(sys.argv[1:])))' \
+        --nproc 1 --store "$STORE" --backend "$BACKEND" "$@" "$CONFIG"
+}
 job() {  # job ARGS... -> the final JSON line on stdout; owners' stderr to $STORE/last.err
-    $PY -m alpha_ckpt.launch.launcher --nproc 1 --backend "$BACKEND" --store "$STORE" "$@" "$CONFIG" \
-        2>"$STORE/last.err" | tail -n 1
+    mapfile -d '' -t argv < <(job_argv "$@")
+    $PY -m alpha_ckpt.launch.launcher "${argv[@]}" 2>"$STORE/last.err" | tail -n 1
 }
 field() { $PY -c 'import json, sys; print(json.loads(sys.stdin.read() or "{}").get(sys.argv[1], ""))' "$1"; }
 store_hash() { (cd "$STORE" && find objects refs outputs -type f 2>/dev/null | sort | xargs -r sha256sum | sha256sum); }
@@ -72,8 +76,8 @@ fi
 
 forged=$($PY -m alpha_ckpt.testing.forge --store "$STORE" "${root:-none}" --edit 'devices.0.product="Altered GPU Product"')
 before=$(store_hash)
-$PY -m alpha_ckpt.launch.launcher --nproc 1 --backend "$BACKEND" --store "$STORE" --run nvml --updates 3 \
-    --resume-from "${forged:-none}" "$CONFIG" >/dev/null 2>"$STORE/refused.err"
+mapfile -d '' -t argv < <(job_argv --run nvml --updates 3 --resume-from "${forged:-none}")
+$PY -m alpha_ckpt.launch.launcher "${argv[@]}" >/dev/null 2>"$STORE/refused.err"
 code=$?
 after=$(store_hash)
 ok=0; [[ $code == 3 && $before == "$after" ]] && grep -q "device-mismatch" "$STORE/refused.err" && ok=1

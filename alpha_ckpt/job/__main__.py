@@ -1,4 +1,5 @@
-"""``python -m alpha_ckpt.job CONFIG --updates N ...``: one owner of the forecasting job."""
+"""``python -m alpha_ckpt.job CONFIG --updates N ...``: one owner of the forecasting job (under torchrun, or
+alpha-run's ``-m alpha_ckpt.job``, which runs it as any module)."""
 import os
 import sys
 

@@ -43,7 +43,7 @@ from alpha_ckpt.upkeep.gc import discard_completed_step
 from alpha_ckpt.generation.reader import open_generation
 from alpha_ckpt.store import Store
 from alpha_ckpt.launch.usage import OneLineArgumentParser, UsageError, check_store_writable
-from alpha_ckpt.job.usage import JOB_OPTIONS, check_job_args
+from alpha_ckpt.job.usage import JOB_OPTIONS, MEMORY_OPTIONS, check_job_args
 from alpha_ckpt.runtime import hooks, launch_env
 from alpha_ckpt.runtime import options as options_core
 
@@ -74,20 +74,47 @@ def compute_device(backend: str) -> torch.device:
 
 
 def parse_args(argv):
+    """The job's arguments. Launched by alpha-run (``alpha-run ... -m alpha_ckpt.job CONFIG --updates N``), the
+    store, the resume choice, the Checkpointer options and the process groups' timeout come from alpha-run's
+    hand-off, as any script's do (alpha_ckpt/runtime/launch_env.py); a flag given here wins. Under plain
+    torchrun the flags alone say them."""
     p = OneLineArgumentParser(prog="alpha_ckpt.job", description=__doc__.splitlines()[0])
     p.add_argument("config")
-    p.add_argument("--store", default="./alpha-store")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--store", help="store directory (default: alpha-run's --store, else ./alpha-store)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key (run=NAME names the run)")
     p.add_argument("--updates", type=int, required=True, help="committed update count to reach (absolute)")
     p.add_argument("--discard-checkpoints", action="store_true",
                    help="once the declared output is published, remove this step's checkpoints (pins excepted)")
-    p.add_argument("--resume-from", metavar="ROOT_DIGEST")
-    p.add_argument("--resume", choices=["latest"])
-    p.add_argument("--branch-from", metavar="ROOT_DIGEST", help="start this run from another run's generation")
+    resume = p.add_mutually_exclusive_group()
+    resume.add_argument("--resume-from", metavar="ROOT_DIGEST", help="continue exactly this generation or refuse")
+    resume.add_argument("--resume", choices=["latest"], help="continue the newest complete generation")
+    resume.add_argument("--branch-from", metavar="ROOT_DIGEST",
+                        help="start a new run (--set run=NEW_RUN, no generations yet) from another run's generation")
     options_core.add_flags(p, JOB_OPTIONS)  # the Checkpointer's options the job takes, as alpha-run spells them
     p.add_argument("--backend", choices=["gloo", "nccl"])
-    p.add_argument("--timeout", type=float, default=120.0, help="process-group timeout, seconds")
+    p.add_argument("--timeout", type=float, help="process-group timeout, seconds (default: alpha-run's, else 120)")
     return p.parse_args(argv)
+
+
+def settle(args):
+    """Fill what the job's flags left out from alpha-run's hand-off (a script of alpha-run's), else defaults."""
+    launched = launch_env.launcher_settings() if os.environ.get(launch_env.OPTIONS) else {}
+    if any(launched.get(name) not in (None, options_core.by_name()[name].default) for name in MEMORY_OPTIONS):
+        raise UsageError("--memory, --replicas, --durable-every and --mtbf-durable are for training scripts (the "
+                         "job publishes every generation to the store)")
+    args.store = args.store or launched.get("store") or "./alpha-store"
+    if not (args.resume_from or args.resume or args.branch_from) and launched.get("resume") not in (None, "latest"):
+        args.resume_from = launched["resume"]  # alpha-run --resume-from (a restart's choice: attempt_resume)
+    elif not (args.resume_from or args.resume or args.branch_from) and "resume" in launched:
+        args.resume = "latest"
+    for name in JOB_OPTIONS:
+        if getattr(args, name, None) is None and launched.get(name) is not None:
+            value = launched[name]
+            setattr(args, name, value if isinstance(value, str) else str(value))
+    if args.timeout is None:
+        args.timeout = launch_env.process_group_timeout() or 120.0
+    return args
 
 
 class Owner:
@@ -386,16 +413,26 @@ class Resume:
     branch: bool = False
 
 
+def branched(args) -> bool:
+    """Whether the run a --branch-from started has a generation yet (a restart then continues it)."""
+    config = check_job_args(args, args.set)
+    with Store(args.store, create=False) as store:
+        return bool(store.history(config.run, config.step).entries)
+
+
 def attempt_resume(args) -> Resume | None:
     """What this attempt of the job resumes (None: a fresh start).
 
     The first attempt: its flags. A restart (alpha-run --max-restarts): what the launcher chose once
     the previous attempt stopped (alpha_ckpt/runtime/launch_env.py's RestartContext.resume: the newest
-    generation, ROOT again after --resume-from ROOT while nothing continued it, or, None, the
-    branch again). Restarted by plain torchrun, which chooses nothing: the newest generation,
+    generation, or ROOT again after alpha-run --resume-from ROOT while nothing continued it); after
+    --branch-from, the new run's newest generation once it has one (:func:`branched`), else the branch again. Restarted by plain torchrun, which chooses nothing: the newest generation,
     unless the flags name a generation (--resume-from, --branch-from), which are kept.
     """
     restart = launch_env.restart_context()
+    if restart is not None and args.branch_from:  # the new run's newest generation, or the branch again
+        return Resume(latest=True) if restart.resume is not None and branched(args) else \
+            Resume(root=args.branch_from, branch=True)
     if restart is not None and restart.resume is not None:
         return Resume(latest=True) if restart.resume == "latest" else Resume(root=restart.resume)
     if restart is None and launch_env.restart_attempt() > 0 and not (args.resume_from or args.branch_from):
@@ -408,11 +445,13 @@ def attempt_resume(args) -> Resume | None:
 
 def run_owner(args) -> int:
     try:
-        # The checks alpha-run made before starting us; under plain torchrun they are new.
+        settle(args)
         config = check_job_args(args, args.set)
         check_store_writable(args.store)
     except UsageError as exc:
-        if os.environ.get("LOCAL_RANK", "0") == "0":  # one line per node, not one per owner
+        # Under alpha-run the launcher says it once, naming the owners (a rank that ends first may see its
+        # peers stopped before they print); under plain torchrun one line per node, not one per owner.
+        if not launch_env.record_verdict("usage", str(exc)) and os.environ.get("LOCAL_RANK", "0") == "0":
             say(f"alpha-run: {exc}")
         return EXIT_USAGE
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")

@@ -13,6 +13,7 @@ from alpha_ckpt.launch.usage import UsageError, check_checkpoint_flags
 # The Checkpointer options the job takes (alpha_ckpt/runtime/options.py): it publishes every generation to
 # the store (no memory tier), and names its own run, step and identity.
 JOB_OPTIONS = ("publisher", "fanout", "commit_timeout", "save", "in_flight", "every", "mtbf", "checkpoint_cost")
+MEMORY_OPTIONS = ("memory", "replicas", "durable_every", "mtbf_durable")  # the memory tier's: scripts only
 
 
 def check_job_args(args, overrides: list[str]) -> JobConfig:
@@ -24,6 +25,8 @@ def check_job_args(args, overrides: list[str]) -> JobConfig:
     if args.updates < 1:
         raise UsageError(f"--updates must be at least 1 (the committed update count to reach), not {args.updates}")
     check_checkpoint_flags(args)
+    if args.branch_from is not None and not any(o.startswith("run=") for o in overrides):
+        raise UsageError("--branch-from needs --set run=NEW_RUN (the new run it starts)")
     if not args.config:
         raise UsageError("the job config path is empty")
     try:

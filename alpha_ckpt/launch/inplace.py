@@ -64,7 +64,7 @@ def check_in_place_args(args) -> None:
     """--in-place: a training script, one node, --max-restarts >= 1, the agent's own rendezvous."""
     if not args.in_place:
         return
-    if args.config.endswith(".toml") and not args.module:
+    if args.module and args.config == "alpha_ckpt.job":
         raise UsageError("--in-place runs a training script that calls alpha_ckpt.run_resilient, not the built-in job")
     if args.max_restarts < 1:
         raise UsageError("--in-place needs --max-restarts N (N >= 1): it says what to do when a rank fails")

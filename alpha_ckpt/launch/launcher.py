@@ -1,9 +1,9 @@
-"""alpha-run: start the owners of a job like torchrun does, on torch's own elastic launcher.
+"""alpha-run: start a training script's ranks like torchrun does, on torch's own elastic launcher.
 
-    alpha-run --nproc 4 --store S --updates 5 configs/forecast.toml
-    alpha-run --nproc 4 --store S --updates 5 --resume-from ROOT_DIGEST configs/forecast.toml
-    alpha-run --nnodes 2 --node-rank 0 --nproc 2 --rdzv-endpoint HOST:PORT ... configs/forecast.toml
     alpha-run --nproc 2 --store S [--run R] [--resume latest | --resume-from D] train.py --its --own --args
+    alpha-run --nproc 4 --store S -m alpha_ckpt.job configs/forecast.toml --updates 5
+    alpha-run --nproc 4 --store S --resume-from ROOT_DIGEST -m alpha_ckpt.job configs/forecast.toml --updates 5
+    alpha-run --nnodes 2 --node-rank 0 --nproc 2 --rdzv-endpoint HOST:PORT ... -m alpha_ckpt.job ...
 
 A training script runs on every rank as ``python train.py ARGS`` would under
 torchrun; its Checkpointer finds the store, the run (default: the script's
@@ -13,12 +13,13 @@ escaping the script exits 3.
 
 torchrun's launcher flags are accepted and handed to torch.distributed.run,
 which sets the same worker environment (RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR, MASTER_PORT, ...) and does the rendezvous. Each owner runs
-`python -m alpha_ckpt.job`, which also runs under plain torchrun.
+MASTER_ADDR, MASTER_PORT, ...) and does the rendezvous. Each rank runs the
+script (or module: the built-in job is ``-m alpha_ckpt.job``) under
+:mod:`alpha_ckpt.launch.script_runner`.
 
-Every flag, config key and value, run name and the store's writability are
-checked here, in one process, before any owner starts: a usage error is one
-line on stderr and exit 2. The owners die with this process, however it dies
+Every flag, the run name and the store's writability are checked here, in
+one process, before any rank starts: a usage error is one line on stderr and
+exit 2 (a script's own arguments are the script's to check). The owners die with this process, however it dies
 (see alpha_ckpt/runtime/lifeline.py).
 
 Exit codes: 0 done, 1 a script's own error before any checkpoint call (not
@@ -54,14 +55,12 @@ from alpha_ckpt.runtime import heartbeat, launch_env
 from alpha_ckpt.runtime import options as options_core
 from alpha_ckpt.runtime.heartbeat import check_heartbeat_args
 from alpha_ckpt.launch.inplace import check_in_place_args, run_in_place
-from alpha_ckpt.job.usage import JOB_OPTIONS, check_job_args
 from alpha_ckpt.launch.usage import OneLineArgumentParser, UsageError, check_checkpoint_flags, check_store_writable
 
 from alpha_ckpt.runtime.launch_env import (EXIT_INTERRUPTED, EXIT_OK, EXIT_REFUSED, EXIT_RETRY, EXIT_SCRIPT_ERROR,  # noqa: F401
                          EXIT_USAGE, describe_exit)
 
 # torchrun flags we pass through unchanged: (flag, argparse kwargs)
-MEMORY_OPTIONS = ("memory", "replicas", "durable_every", "mtbf_durable")  # the memory tier's: scripts only
 
 _TORCHRUN_FLAGS = (
     ("--nnodes", {"default": "1"}),
@@ -78,29 +77,21 @@ _TORCHRUN_FLAGS = (
 def parser() -> OneLineArgumentParser:
     # No abbreviations: argparse reads them anywhere, even among the script's own arguments after
     # its path, and a script's option that prefixes one of ours (--st of --store) would be refused.
-    p = OneLineArgumentParser(prog="alpha-run", description="Launch the owners of an alpha_ckpt job (torchrun-compatible).",
+    p = OneLineArgumentParser(prog="alpha-run", description="Launch a training script's ranks (torchrun-compatible).",
                               allow_abbrev=False)
-    p.add_argument("config", metavar="TARGET", help="a training script (train.py; its own arguments follow it), "
-                   "-m MODULE, or the built-in job's config (TOML), e.g. configs/forecast.toml")
+    p.add_argument("config", metavar="TARGET", help="a training script (train.py; its own arguments follow it) or "
+                   "-m MODULE (python -m), e.g. -m alpha_ckpt.job configs/forecast.toml --updates 5")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     p.add_argument("-m", dest="module", action="store_true", help="TARGET is a module (python -m), as torchrun -m")
     p.add_argument("--nproc-per-node", "--nproc_per_node", "--nproc", dest="nproc", type=int, default=1)
     for flag, kwargs in _TORCHRUN_FLAGS:
         p.add_argument(flag, flag.replace("-", "_").replace("__", "--", 1), **kwargs)
     p.add_argument("--standalone", action="store_true")
-    p.add_argument("--backend", choices=["gloo", "nccl"], help="gloo or nccl (default: nccl when CUDA is present)")
     p.add_argument("--store", default="./alpha-store", help="store directory (default ./alpha-store)")
-    p.add_argument("--run", help="run name (overrides the config)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-    p.add_argument("--updates", type=int, help="the job: committed update count to reach (absolute; required)")
-    p.add_argument("--discard-checkpoints", action="store_true",
-                   help="once the fitted model (the declared output) is published, remove this run/step's "
-                        "checkpoints; pinned generations stay")
+    p.add_argument("--run", help="the script's run name (default: its file or module name)")
     resume = p.add_mutually_exclusive_group()
     resume.add_argument("--resume-from", metavar="ROOT_DIGEST", help="continue exactly this generation or refuse")
-    resume.add_argument("--resume", choices=["latest"], help="continue the newest complete generation")
-    resume.add_argument("--branch-from", metavar="ROOT_DIGEST",
-                        help="start a new run (--run, no generations yet) from another run's generation")
+    resume.add_argument("--resume", choices=["latest"], help="continue the newest complete generation (the default)")
     # The Checkpointer's options, each spelled once (alpha_ckpt/runtime/options.py): --publisher, --save,
     # --checkpoint-every, --memory, ...
     options_core.add_flags(p)
@@ -117,6 +108,7 @@ def parser() -> OneLineArgumentParser:
 
 
 def torchrun_argv(args) -> list[str]:
+    """torchrun's launcher flags for ``args``."""
     out = ["--nproc-per-node", str(args.nproc), "--nnodes", args.nnodes, "--node-rank", str(args.node_rank),
            "--max-restarts", str(args.max_restarts)]
     for flag in ("--master-addr", "--master-port", "--rdzv-endpoint", "--rdzv-backend", "--rdzv-id"):
@@ -125,19 +117,7 @@ def torchrun_argv(args) -> list[str]:
             out += [flag, str(value)]
     if args.standalone or restarts_on_one_node(args):
         out.append("--standalone")
-    worker = [args.config, "--store", args.store, "--updates", str(args.updates), "--timeout", str(args.timeout),
-              *options_core.to_argv(options_core.from_flags(args, JOB_OPTIONS))]
-    # The run name travels as a config override: a worker flag named --run would be
-    # an ambiguous prefix of torchrun's --run-path when torchrun parses the command.
-    if args.discard_checkpoints:
-        worker.append("--discard-checkpoints")
-    for item in config_overrides(args):
-        worker += ["--set", item]
-    for flag in ("resume_from", "resume", "branch_from", "backend"):
-        value = getattr(args, flag)
-        if value is not None:
-            worker += ["--" + flag.replace("_", "-"), value]
-    return out + ["-m", "alpha_ckpt.job"] + worker
+    return out
 
 
 def torchrun_args(argv: list[str]):
@@ -152,11 +132,6 @@ def torchrun_args(argv: list[str]):
     namespace = get_args_parser().parse_args(argv[:at])
     namespace.training_script_args = argv[at:]
     return namespace
-
-
-def config_overrides(args) -> list[str]:
-    # The run name travels as a config override (see torchrun_argv).
-    return args.set + ([f"run={args.run}"] if args.run else [])
 
 
 def check_launch_args(args) -> None:
@@ -195,8 +170,6 @@ def check_launch_args(args) -> None:
     known = getattr(registry.handler_registry, "_registry", None)  # torch's and plugins' backends
     if args.rdzv_backend is not None and known is not None and args.rdzv_backend not in known:
         raise UsageError(f"--rdzv-backend must be one of {', '.join(sorted(known))}, not {args.rdzv_backend!r}")
-    if args.branch_from is not None and args.run is None:
-        raise UsageError("--branch-from needs --run NEW_RUN")
 
 
 def static_rendezvous(args) -> bool:
@@ -224,24 +197,19 @@ def port_taken(port: int) -> bool:
     return False
 
 
-def is_job(args) -> bool:
-    """The built-in forecasting job (a TOML config), or a training script of the user's own."""
-    return not args.module and args.config.endswith(".toml")
-
-
 def script_argv(args) -> list[str]:
     """torchrun's arguments that start ``python -m alpha_ckpt.launch.script_runner`` per rank."""
     target = ["-m", args.config] if args.module else [os.path.abspath(args.config)]
-    launcher = torchrun_argv(args)
-    return launcher[:launcher.index("-m")] + ["-m", "alpha_ckpt.launch.script_runner", *target, *args.script_args]
+    return torchrun_argv(args) + ["-m", "alpha_ckpt.launch.script_runner", *target, *args.script_args]
 
 
 def script_options(args) -> dict[str, Any]:
-    """The Checkpointer options a script's ranks get: the store, the run, the resume choice (neither --resume
-    nor --resume-from: "latest", as under torchrun) and every option a flag gave (with --memory, the tier's
-    directory this launch made)."""
-    options = {"store": os.path.abspath(args.store), "run": script_run(args),
-               "resume": args.resume_from or args.resume or "latest", **options_core.from_flags(args)}
+    """The Checkpointer options a script's ranks get: the store, the run, the resume choice when a flag gave one
+    (none: "latest", the option's default, as under torchrun) and every option a flag gave (with --memory,
+    the tier's directory this launch made)."""
+    options = {"store": os.path.abspath(args.store), "run": script_run(args), **options_core.from_flags(args)}
+    if args.resume_from or args.resume:
+        options["resume"] = args.resume_from or args.resume
     if options.get("memory"):
         options["memory"] = args.memory_dir
     return options
@@ -275,39 +243,19 @@ def check_script_args(args) -> None:
         return
     if not os.path.isfile(args.config):
         raise UsageError(f"script {args.config}: no such file")
-    if args.updates is not None or args.set or args.branch_from or args.discard_checkpoints:
-        raise UsageError("--updates, --set, --branch-from and --discard-checkpoints belong to the built-in job; a "
-                         "script takes its own arguments after its path")
 
 
 def parse(argv: list[str]):
-    """alpha-run's arguments. A script's own arguments follow its path; the job's config may
-    come anywhere among alpha-run's flags, as before scripts were launched."""
-    args = parser().parse_args(argv)
-    if is_job(args) and args.script_args:
-        position = len(argv) - len(args.script_args) - 1
-        args = parser().parse_args(argv[:position] + argv[position + 1:] + [args.config])
-    return args
+    """alpha-run's arguments; a script's own arguments follow its path (or module)."""
+    return parser().parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse(list(sys.argv[1:] if argv is None else argv))
-    branch_into = None
     try:
-        # The job's (or script's) own checks first: they need no torch, so a typo there answers at
-        # once; torchrun's flags are checked by torch's parsers (seconds to import) next.
-        if is_job(args):
-            if args.script_args:
-                raise UsageError(f"unrecognized arguments after the job config: {' '.join(args.script_args)}")
-            if args.updates is None:
-                raise UsageError("the job needs --updates (the committed update count to reach)")
-            if any(getattr(args, name) is not None for name in MEMORY_OPTIONS):
-                raise UsageError("--memory, --replicas and --durable-every are for training scripts (the job "
-                                 "publishes every generation to the store)")
-            config = check_job_args(args, config_overrides(args))
-            branch_into = (config.run, config.step) if args.branch_from else None
-        else:
-            check_script_args(args)
+        # The script's checks first: they need no torch, so a typo there answers at once; torchrun's
+        # flags are checked by torch's parsers (seconds to import) next.
+        check_script_args(args)
         check_in_place_args(args)
         check_heartbeat_args(args)
         check_launch_args(args)
@@ -334,7 +282,7 @@ def main(argv=None) -> int:
 
     def ends_restarts(attempt: int, failures: dict) -> bool:
         in_order = sorted(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
-        found = None if is_job(args) else launch_env.own_error(
+        found = launch_env.own_error(
             args.launch_dir, attempt, [(rank, failure.exitcode) for rank, failure in in_order])
         if found is not None:
             own_errors.append(Failure(time.time(), *found))
@@ -346,12 +294,12 @@ def main(argv=None) -> int:
         # The store this node's ranks beat to, for as long as the launch lives (alpha_ckpt/runtime/heartbeat.py).
         beats, endpoint = heartbeat.serve(BEAT_HOST)
         watcher = heartbeat.Watcher(beats, args.heartbeat_limit, startup=args.timeout)
-        ranks = {} if is_job(args) else script_environment(args)
+        ranks = script_environment(args)
         with launch_env.exported(os.getpid(), {**ranks, **notes, **launch_env.heartbeat_environment(
                     endpoint, args.heartbeat_period)}), \
-                restarting_agent(lambda attempt, failure: on_restart(args, branch_into, attempt, failure),
+                restarting_agent(lambda attempt, failure: on_restart(args, attempt, failure),
                                  watcher, outcome, ends_restarts):
-            run(torchrun_args(torchrun_argv(args) if is_job(args) else script_argv(args)))
+            run(torchrun_args(script_argv(args)))
     except ChildFailedError as exc:
         codes = {failure.exitcode for failure in exc.failures.values()}
         # A refusal is a collective verdict: every owner exits 3, and the agent may
@@ -563,15 +511,14 @@ def restarting_agent(on_restart: Callable[[int, Failure], None], watcher: heartb
         launcher_api.LocalElasticAgent = base
 
 
-def on_restart(args, branch_into: tuple[str, str] | None, attempt: int, failure: Failure) -> None:
+def on_restart(args, attempt: int, failure: Failure) -> None:
     """Tell the workers of restart ``attempt`` what failed and what they resume, and say it on stderr."""
-    resume = restart_resume(args.store, resume_from=args.resume_from, branch_from=args.branch_from,
-                            branch_into=branch_into)
+    resume = restart_resume(args.store, resume_from=args.resume_from)
     launch_env.export_restart(attempt=attempt, detected_at=failure.detected_at, failed_rank=failure.rank,
                               failed_exit=failure.exitcode, resume=resume)
     cause = ("another node joined or left" if failure.rank is None and failure.exitcode is None else
              f"rank {failure.rank if failure.rank is not None else '?'} {failure.describe()}")
-    what = {None: f"branches from {str(args.branch_from)[:16]}... again", "latest": "resumes the newest generation"}
+    what = {"latest": "resumes the newest generation"}
     # The restarts that run out end with the one line that starts "alpha-run: rank R failed".
     print(f"alpha-run: restart {attempt} of {args.max_restarts} after {cause}: it "
           f"{what.get(resume, f'resumes {str(resume)[:16]}...')}", file=sys.stderr, flush=True)
@@ -590,24 +537,21 @@ def resume_after_restart(resume_from: str | None, *, root_epoch: int | None, new
     return "latest"
 
 
-def restart_resume(store_root: str, *, resume_from: str | None, branch_from: str | None,
-                   branch_into: tuple[str, str] | None) -> str | None:
+def restart_resume(store_root: str, *, resume_from: str | None) -> str:
     """What the workers of a restart resume, read from the store once the previous attempt stopped:
-    "latest", a root digest, or None (a branch whose new run has no generation yet: branch again)."""
-    if resume_from is None and branch_from is None:
+    "latest", or the root digest of --resume-from while nothing continued it (:func:`resume_after_restart`)."""
+    if resume_from is None:
         return "latest"
     from alpha_ckpt.errors import Refusal
     from alpha_ckpt.store import Store
     try:
         with Store(store_root) as store:
-            if branch_from is not None:
-                return "latest" if branch_into is not None and store.history(*branch_into).entries else None
             record = store.find_ref(resume_from)
             newest = None if record is None else max(
                 (r.prefix.epoch for r in store.history(record.run, record.step).records), default=None)
     except (OSError, Refusal, ValueError):
         # The store cannot be read now: the first attempt's choice, which its restore checks again.
-        return resume_from if branch_from is None else None
+        return resume_from
     return resume_after_restart(resume_from, root_epoch=None if record is None else record.prefix.epoch,
                                 newest_epoch=newest)
 

@@ -38,8 +38,8 @@ def check_checkpoint_flags(args) -> None:
     alpha_ckpt/runtime/options.py), the process groups' timeout, digests."""
     options_core.from_flags(args)
     _check_seconds("--timeout", args.timeout)
-    for flag in ("resume_from", "branch_from"):
-        value = getattr(args, flag)
+    for flag in ("resume_from", "branch_from"):  # the job also takes --branch-from
+        value = getattr(args, flag, None)
         if value is not None and not is_digest(value):
             raise UsageError(f"--{flag.replace('_', '-')} needs a full 64-hex root digest, got {value!r}")
 

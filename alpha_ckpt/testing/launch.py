@@ -94,6 +94,51 @@ def no_owner_may_start():
         torch.distributed.run.run, torch.distributed.init_process_group = saved
 
 
+# The built-in job's own arguments (alpha_ckpt.job): after its config, where a script's arguments go.
+_JOB_VALUED = ("--updates", "--set", "--branch-from", "--backend")
+_JOB_SWITCHES = ("--discard-checkpoints",)
+
+
+def job_argv(args) -> list[str]:
+    """The job's command as alpha-run takes it, from its arguments in any order: alpha-run's flags, then
+    ``-m alpha_ckpt.job CONFIG``, then the job's own (``--updates``, ``--set``, ``--branch-from``,
+    ``--backend``, ``--discard-checkpoints``; ``--run NAME`` becomes ``--set run=NAME``, the job's run being
+    its config's). Arguments with no ``.toml`` config among them are returned as they are (a script's)."""
+    args = [str(a) for a in args]
+    configs = [i for i, a in enumerate(args) if a.endswith(".toml") and (i == 0 or args[i - 1] not in _JOB_VALUED)]
+    if not configs or "-m" in args or any(a.endswith(".py") for a in args):
+        return args
+    launcher, job, i = [], [], 0
+    while i < len(args):
+        a = args[i]
+        if i == configs[0]:
+            i += 1
+            continue
+        if a in _JOB_VALUED and i + 1 < len(args):
+            job += [a, args[i + 1]]
+            i += 2
+        elif a == "--run" and i + 1 < len(args):
+            job += ["--set", f"run={args[i + 1]}"]
+            i += 2
+        elif a in _JOB_SWITCHES:
+            job.append(a)
+            i += 1
+        else:
+            launcher.append(a)
+            i += 1
+    return [*launcher, "-m", "alpha_ckpt.job", args[configs[0]], *job]
+
+
+def ordered(cmd: list[str]) -> list[str]:
+    """An alpha-run command line (``alpha-run ...`` or ``python -m alpha_ckpt.launch.launcher ...``) with the
+    job's arguments put where alpha-run takes them (:func:`job_argv`); any other command as it is."""
+    cmd = [str(a) for a in cmd]
+    for head in (["alpha-run"], [sys.executable, "-m", "alpha_ckpt.launch.launcher"]):
+        if cmd[:len(head)] == head:
+            return head + job_argv(cmd[len(head):])
+    return cmd
+
+
 def alpha_run_checks(*args, cwd=None) -> subprocess.CompletedProcess:
     """alpha-run's answer to ``ARGS`` when it stops before starting any owner (a usage error): its exit code and
     what it printed, from ``launcher.main`` in this process. Raises :class:`OwnerStarted` if it would launch."""
@@ -105,7 +150,7 @@ def alpha_run_checks(*args, cwd=None) -> subprocess.CompletedProcess:
             os.chdir(cwd)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), no_owner_may_start():
             try:
-                code = launcher.main([str(a) for a in args])
+                code = launcher.main(job_argv(args))
             except SystemExit as exc:  # argparse's own errors
                 code = exc.code
     finally:
@@ -358,7 +403,8 @@ class ForkedRun:
 def python_m_start(module: str, *args, cwd=None, env: dict | None = None, new_session: bool = False) -> ForkedRun:
     """``python -m MODULE ARGS...`` started and not waited for, forked from the server (see :func:`python_m`).
     ``new_session``: a session of its own, so ``os.killpg(run.pid, ...)`` signals it as a terminal would."""
-    return ForkedRun("-m", module, [str(a) for a in args], cwd, env, new_session)
+    args = job_argv(args) if module == "alpha_ckpt.launch.launcher" else [str(a) for a in args]
+    return ForkedRun("-m", module, args, cwd, env, new_session)
 
 
 def python_m(module: str, *args, cwd=None, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -406,7 +452,7 @@ def alpha_run(*args, cwd=None, env: dict | None = None, timeout: float = 240, ne
 
 def alpha_run_command(*args, console: bool = False) -> list[str]:
     head = ["alpha-run"] if console else [sys.executable, "-m", "alpha_ckpt.launch.launcher"]
-    return [*head, *map(str, args)]
+    return [*head, *job_argv(args)]
 
 
 def alpha_ckpt_command(*args, console: bool = False) -> list[str]:

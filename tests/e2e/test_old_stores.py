@@ -25,6 +25,7 @@ from alpha_ckpt.dcp import StorageReader
 STORES = Path(__file__).resolve().parents[1] / "stores"
 sys.path.insert(0, str(STORES))
 import old_state  # noqa: E402
+from alpha_ckpt.testing.launch import job_argv
 
 FORMAT1 = STORES / "format1"
 EXPECTED = json.loads((FORMAT1 / "expected.json").read_text())
@@ -38,7 +39,8 @@ def _copy(name: str, tmp_path) -> Path:
 
 
 def _job(store, *args):
-    cmd = [sys.executable, "-m", "alpha_ckpt.launch.launcher", "--nproc", "2", "--store", str(store), *SMALL, *args, CONFIG]
+    cmd = [sys.executable, "-m", "alpha_ckpt.launch.launcher",
+           *job_argv(["--nproc", "2", "--store", str(store), *SMALL, *args, CONFIG])]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

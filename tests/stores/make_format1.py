@@ -16,13 +16,15 @@ import old_state  # noqa: E402
 
 import alpha_ckpt  # noqa: E402
 from alpha_ckpt.dcp import StorageWriter  # noqa: E402
+from alpha_ckpt.testing.launch import job_argv
 
 CONFIG = str(HERE.parents[1] / "configs" / "forecast.toml")
 SMALL = ["--set", "batch=24", "--set", "hidden=16"]
 
 
 def job(store: Path, *args: str) -> dict:
-    cmd = [sys.executable, "-m", "alpha_ckpt.launch.launcher", "--nproc", "2", "--store", str(store), *SMALL, *args, CONFIG]
+    cmd = [sys.executable, "-m", "alpha_ckpt.launch.launcher",
+           *job_argv(["--nproc", "2", "--store", str(store), *SMALL, *args, CONFIG])]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

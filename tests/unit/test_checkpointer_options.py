@@ -45,8 +45,9 @@ def test_what_alpha_run_writes_is_what_from_launcher_env_reads(tmp_path, monkeyp
     for name, value in script_environment(args).items():
         monkeypatch.setenv(name, value)
     settings = launch_env.launcher_settings()
-    assert settings == {"store": str(tmp_path / "s"), "run": "r", "resume": "latest", "publisher": "tree",
+    assert settings == {"store": str(tmp_path / "s"), "run": "r", "publisher": "tree",
                         "fanout": 3, "save": "async", "every": "auto", "mtbf": "6h"}  # only what a flag gave
+    assert CheckpointerOptions(**settings).resume == "latest"  # no --resume flag: the option's default
     options = CheckpointerOptions(**settings)  # every value alpha-run passes is a valid option
     assert (options.commit_timeout, options.in_flight, options.fanout) == (60.0, "wait", 3)
 

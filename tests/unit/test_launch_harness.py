@@ -72,7 +72,7 @@ def test_a_started_process_can_be_signalled_as_a_session_and_reports_what_it_wro
 
 
 def test_alpha_run_checks_answer_a_usage_error_and_refuse_to_launch(tmp_path):
-    bad = launch.alpha_run_checks("--nproc", 2, "--store", tmp_path / "s", "--updates", 0, CONFIG)
+    bad = launch.alpha_run_checks("--nproc", 2, "--store", tmp_path / "s", "--fanout", 0, "--updates", 1, CONFIG)
     assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1 and bad.stdout == ""
     with pytest.raises(launch.OwnerStarted):
         launch.alpha_run_checks("--nproc", 2, "--store", tmp_path / "s", "--updates", 1, CONFIG)

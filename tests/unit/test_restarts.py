@@ -5,6 +5,7 @@ import dataclasses
 import json
 import signal
 import time
+from pathlib import Path
 
 import pytest
 from hypothesis import given, strategies as st
@@ -13,8 +14,10 @@ import alpha_ckpt
 from alpha_ckpt.runtime import launch_env
 from alpha_ckpt.launch import launcher
 from alpha_ckpt.job.owner import Resume, attempt_resume
+from alpha_ckpt.job.usage import JOB_OPTIONS
 
 ROOT = "ab" * 32
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "forecast.toml"
 
 
 @pytest.fixture
@@ -117,7 +120,7 @@ def test_the_jobs_first_attempt_keeps_its_flags(clean_restart_env, flags, first)
     assert attempt_resume(job_args(**flags)) == first
 
 
-@pytest.mark.parametrize("flags", [{}, {"resume": "latest"}, {"resume_from": ROOT}, {"branch_from": ROOT}])
+@pytest.mark.parametrize("flags", [{}, {"resume": "latest"}, {"resume_from": ROOT}])
 def test_a_restarted_job_resumes_the_newest_generation_when_the_launcher_says_so(clean_restart_env, flags):
     restarted(clean_restart_env, 1, resume="latest")
     assert attempt_resume(job_args(**flags)) == Resume(latest=True)
@@ -170,19 +173,21 @@ def test_a_restart_reads_the_store_for_whether_roots_continuation_published(tmp_
     store = str(tmp_path / "s")
     old = _save(store, 1, 0)
     root = _save(store, 2, 0)
-    assert launcher.restart_resume(store, resume_from=old, branch_from=None, branch_into=None) == old
+    assert launcher.restart_resume(store, resume_from=old) == old
     _save(store, 3, 1)  # the first attempt's continuation (epoch 1) published
-    assert launcher.restart_resume(store, resume_from=root, branch_from=None, branch_into=None) == "latest"
-    assert launcher.restart_resume(store, resume_from=None, branch_from=None, branch_into=None) == "latest"
+    assert launcher.restart_resume(store, resume_from=root) == "latest"
+    assert launcher.restart_resume(store, resume_from=None) == "latest"
 
 
-def test_a_restarted_branch_resumes_its_new_run_once_it_has_a_generation(tmp_path):
+def test_a_restarted_branch_resumes_its_new_run_once_it_has_a_generation(clean_restart_env, tmp_path):
     store = str(tmp_path / "s")
     root = _save(store, 2, 0)
-    into = ("what-if", "fit")
-    assert launcher.restart_resume(store, resume_from=None, branch_from=root, branch_into=into) is None
-    _save(store, 3, 0, run="what-if")
-    assert launcher.restart_resume(store, resume_from=None, branch_from=root, branch_into=into) == "latest"
+    args = job_args(branch_from=root, store=store, set=["run=what-if"], config=str(CONFIG), updates=3,
+                    **{name: None for name in JOB_OPTIONS}, timeout=60.0)
+    restarted(clean_restart_env, 1, resume="latest")
+    assert attempt_resume(args) == Resume(root=root, branch=True)  # the new run has no generation: again
+    _save(store, 3, 0, run="what-if", step="fit")
+    assert attempt_resume(args) == Resume(latest=True)
 
 
 # ------------------------------------------------------------------ which failure caused the restart

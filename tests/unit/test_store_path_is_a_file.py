@@ -113,7 +113,7 @@ def test_alpha_run_and_an_owner_given_a_store_that_is_a_file_exit_2_with_one_lin
     monkeypatch.setenv("LOCAL_RANK", "0")
     config = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "forecast.toml")
     store = not_a_directory(tmp_path, kind)
-    for main, argv in ((launcher.main, ["--nproc", "2", "--store", store, "--updates", "3", config]),
+    for main, argv in ((launcher.main, ["--nproc", "2", "--store", store, "-m", "alpha_ckpt.job", config, "--updates", "3"]),
                        (owner.main, [config, "--store", store, "--updates", "3"])):
         code = main(argv)
         err = capfd.readouterr().err

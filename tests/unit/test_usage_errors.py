@@ -1,8 +1,9 @@
-"""Every usage error of a job is found before any owner starts: exit 2, one line on stderr, no traceback.
+"""Every usage error is found before anything runs: exit 2, one line on stderr, no traceback.
 
-alpha-run's checks run in its one process, so most cases call ``launcher.main``
-in-process with torch's launcher stubbed out: an owner started is a failure.
-The worker runs the same checks (under plain torchrun there is no alpha-run).
+alpha-run's own flags are checked in its one process, before any rank starts: those cases call
+``launcher.main`` in-process with torch's launcher stubbed out (an owner started is a failure). The
+built-in job is launched as any script is, so its own flags and config are checked by the job, before
+its process group starts: those cases call the job's ``main`` in-process, as every owner runs it.
 """
 import errno
 import os
@@ -24,9 +25,8 @@ BAD_CONFIG_VALUES = [
     "beta1=1", "beta2=1.5", "eps=0", "eps=nan", "seed=-1", "optimizer=rmsprop", "parameters=sharded",
     "bind_placement=maybe", "run=a/b", "run=..", "step=a/b", "step=", "to_json=1", "samples=4", "noequals",
 ]
-CASES = [pytest.param(["--set", item], None, id=f"set-{item}") for item in BAD_CONFIG_VALUES] + [
-    pytest.param(["--run", "a/b"], None, id="run-name-with-slash"),
-    pytest.param(["--run", ".hidden"], None, id="run-name-with-leading-dot"),
+# alpha-run's flags: refused by alpha-run before any rank starts, and by the job under plain torchrun.
+FLAG_CASES = [
     pytest.param(["--timeout", "-5"], None, id="timeout-negative"),
     pytest.param(["--timeout", "0"], None, id="timeout-zero"),
     pytest.param(["--timeout", "inf"], None, id="timeout-inf"),
@@ -36,16 +36,22 @@ CASES = [pytest.param(["--set", item], None, id=f"set-{item}") for item in BAD_C
     pytest.param(["--commit-timeout", "inf"], None, id="commit-timeout-inf"),
     pytest.param(["--commit-timeout", "0"], None, id="commit-timeout-zero"),
     pytest.param(["--commit-timeout", "-1"], None, id="commit-timeout-negative"),
-    pytest.param(["--updates", "0"], None, id="updates-zero"),
-    pytest.param(["--updates", "-2"], None, id="updates-negative"),
     pytest.param(["--fanout", "0"], None, id="fanout-zero"),
     pytest.param(["--checkpoint-every", "-1"], None, id="checkpoint-every-negative"),
     pytest.param(["--checkpoint-every", "\u00b2"], None, id="checkpoint-every-superscript-digit"),
     pytest.param(["--checkpoint-every", "auto"], None, id="checkpoint-every-auto-without-mtbf"),
     pytest.param(["--checkpoint-every", "auto", "--mtbf", "0"], None, id="mtbf-zero"),
     pytest.param(["--resume-from", "abc"], None, id="resume-from-not-a-digest"),
-    pytest.param(["--backend", "mpi"], None, id="backend-unknown"),
     pytest.param(["--publisher", "ring"], None, id="publisher-unknown"),
+]
+# The job's own flags and config: refused by the job before its process group starts.
+JOB_CASES = [pytest.param(["--set", item], None, id=f"set-{item}") for item in BAD_CONFIG_VALUES] + [
+    pytest.param(["--set", "run=a/b"], None, id="run-name-with-slash"),
+    pytest.param(["--set", "run=.hidden"], None, id="run-name-with-leading-dot"),
+    pytest.param(["--updates", "0"], None, id="updates-zero"),
+    pytest.param(["--updates", "-2"], None, id="updates-negative"),
+    pytest.param(["--backend", "mpi"], None, id="backend-unknown"),
+    pytest.param(["--branch-from", "a" * 64], None, id="branch-from-without-run"),
     pytest.param([], "missing.toml", id="config-missing"),
     pytest.param([], "not-toml", id="config-not-toml"),
     pytest.param([], "binary", id="config-binary"),
@@ -53,6 +59,7 @@ CASES = [pytest.param(["--set", item], None, id=f"set-{item}") for item in BAD_C
     pytest.param([], "wrong-type", id="config-value-of-the-wrong-type"),
     pytest.param([], "table", id="config-unknown-table"),
 ]
+CASES = FLAG_CASES + JOB_CASES
 LAUNCHER_ONLY_CASES = [
     pytest.param(["--nproc", "0"], id="nproc-zero"),
     pytest.param(["--nproc", "-1"], id="nproc-negative"),
@@ -68,7 +75,8 @@ LAUNCHER_ONLY_CASES = [
     pytest.param(["--master-port", "70000"], id="master-port-out-of-range"),
     pytest.param(["--rdzv-endpoint", "host:port"], id="rdzv-endpoint-bad-port"),
     pytest.param(["--rdzv-backend", "carrier-pigeon"], id="rdzv-backend-unknown"),
-    pytest.param(["--branch-from", "a" * 64], id="branch-from-without-run"),
+    pytest.param(["--run", "a/b"], id="run-name-with-slash"),
+    pytest.param(["--run", ".hidden"], id="run-name-with-leading-dot"),
     pytest.param(["--heartbeat-limit", "120"], id="heartbeat-limit-not-below-timeout"),
     pytest.param(["--heartbeat-limit", "nan"], id="heartbeat-limit-nan"),
     pytest.param(["--heartbeat-period", "0"], id="heartbeat-period-zero"),
@@ -123,20 +131,22 @@ def assert_one_line_usage_error(code, err: str) -> None:
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("flags, config", CASES)
+@pytest.mark.parametrize("flags, config", FLAG_CASES)
 def test_alpha_run_refuses_a_usage_error_before_any_owner_starts(flags, config, tmp_path, capsys,
                                                                   no_owner_may_start):
     from alpha_ckpt.launch import launcher
     store = tmp_path / "store"
-    argv = ["--nproc", "2", "--store", str(store), "--updates", "3", *flags, config_path(tmp_path, config)]
+    argv = ["--nproc", "2", "--store", str(store), *flags, "-m", "alpha_ckpt.job", config_path(tmp_path, config),
+            "--updates", "3"]
     code = exit_code_of(launcher.main, argv)
     assert_one_line_usage_error(code, capsys.readouterr().err)
+    assert not store.exists()
 
 
 @pytest.mark.parametrize("flags", LAUNCHER_ONLY_CASES)
 def test_alpha_run_refuses_a_bad_torchrun_flag_before_any_owner_starts(flags, tmp_path, capsys, no_owner_may_start):
     from alpha_ckpt.launch import launcher
-    argv = ["--store", str(tmp_path / "store"), "--updates", "3", *flags, CONFIG]
+    argv = ["--store", str(tmp_path / "store"), *flags, "-m", "alpha_ckpt.job", CONFIG, "--updates", "3"]
     code = exit_code_of(launcher.main, argv)
     assert_one_line_usage_error(code, capsys.readouterr().err)
 
@@ -145,7 +155,7 @@ def test_alpha_run_refuses_a_bad_torchrun_flag_before_any_owner_starts(flags, tm
 def test_an_owner_under_plain_torchrun_refuses_the_same_usage_errors_with_exit_2(flags, config, tmp_path, capfd,
                                                                                  monkeypatch, no_owner_may_start):
     from alpha_ckpt.job import owner as worker
-    flags = ["--set", f"run={flags[1]}"] if flags[:1] == ["--run"] else flags  # alpha-run passes --run so
+    monkeypatch.delenv("ALPHA_CKPT_OPTIONS", raising=False)
     monkeypatch.setenv("LOCAL_RANK", "0")
     argv = [config_path(tmp_path, config), "--store", str(tmp_path / "store"), "--updates", "3", *flags]
     code = exit_code_of(worker.main, argv)  # owners write their lines to fd 2 directly
@@ -154,20 +164,31 @@ def test_an_owner_under_plain_torchrun_refuses_the_same_usage_errors_with_exit_2
 
 @pytest.mark.timeout(120)
 def test_the_alpha_run_process_prints_one_line_and_exits_2_without_starting_owners(tmp_path):
-    for flags in (["--set", "bogus=1"], ["--nproc", "0"], ["--run", "a/b"], ["--updates", "0"]):
-        proc = launch.python_m("alpha_ckpt.launch.launcher", "--nproc", "2", "--store", tmp_path / "store", "--updates", "3",
-                               *flags, CONFIG, timeout=60)
+    for flags in (["--fanout", "0"], ["--nproc", "0"], ["--run", "a/b"], ["--checkpoint-every", "x"]):
+        proc = launch.python_m("alpha_ckpt.launch.launcher", "--nproc", "2", "--store", tmp_path / "store", *flags,
+                               "-m", "alpha_ckpt.job", CONFIG, "--updates", "3", timeout=60)
         assert_one_line_usage_error(proc.returncode, proc.stderr)
         assert proc.stdout == ""
 
 
+@pytest.mark.timeout(180)
+def test_a_job_usage_error_under_alpha_run_exits_2_with_one_line_and_no_restart(tmp_path):
+    for flags in (["--set", "bogus=1"], ["--updates", "0"]):
+        proc = launch.alpha_run("--nproc", "2", "--max-restarts", "2", "--store", tmp_path / "store", "-m",
+                                "alpha_ckpt.job", CONFIG, "--updates", "3", *flags, timeout=150)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        lines = [line for line in proc.stderr.splitlines() if line.startswith("alpha-run:")]
+        assert len(lines) == 1 and "restart" not in lines[0], proc.stderr[-2000:]
+
+
 @pytest.mark.timeout(60)
-def test_alpha_run_checks_its_flags_config_and_store_without_importing_torch(tmp_path):
+def test_alpha_run_checks_its_flags_and_store_without_importing_torch(tmp_path):
     # A typo answers at once: torch (seconds to import) is loaded only to launch the owners.
     probe = ("import sys; from alpha_ckpt.launch import launcher; code = launcher.main(sys.argv[1:]); "
              "print(code, 'torch' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", probe, "--nproc", "2", "--store", str(tmp_path / "store"),
-                           "--updates", "3", "--set", "lr=abc", CONFIG], capture_output=True, text=True, timeout=60)
+                           "--fanout", "0", "-m", "alpha_ckpt.job", CONFIG, "--updates", "3"],
+                          capture_output=True, text=True, timeout=60)
     assert proc.stdout.split() == ["2", "False"], proc.stderr[-2000:]
 
 
@@ -196,7 +217,8 @@ def test_alpha_run_refuses_a_read_only_store_before_any_owner_starts(tmp_path, c
 
     monkeypatch.setattr(os, "open", read_only_open)
     for resume in (["--resume", "latest"], ["--resume-from", "a" * 64], []):
-        code = exit_code_of(launcher.main, ["--store", str(store), "--updates", "3", *resume, CONFIG])
+        code = exit_code_of(launcher.main, ["--store", str(store), *resume, "-m", "alpha_ckpt.job", CONFIG,
+                                            "--updates", "3"])
         err = capsys.readouterr().err
         assert_one_line_usage_error(code, err)
         assert str(store) in err
