@@ -10,12 +10,10 @@ worker under plain torchrun answers the same way.
 from __future__ import annotations
 
 import argparse
-import math
 
 from alpha_ckpt.errors import DurableWriteError, Refusal, StoreUsageError, UsageError  # noqa: F401 (UsageError: its home was here)
 from alpha_ckpt.format.records import is_digest
 from alpha_ckpt.runtime import options as options_core
-from alpha_ckpt.runtime.options import MAX_SECONDS as MAX_TIMEOUT_S
 from alpha_ckpt.store import Store
 
 EXIT_USAGE = 2
@@ -29,8 +27,11 @@ class OneLineArgumentParser(argparse.ArgumentParser):
 
 
 def _check_seconds(flag: str, value: float) -> None:
-    if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
-        raise UsageError(f"{flag} must be a positive number of seconds, at most {MAX_TIMEOUT_S:.0f}, not {value}")
+    """The options' one rule for seconds (alpha_ckpt/runtime/options.py), for a launcher flag that is no option."""
+    try:
+        options_core.positive_seconds(value)
+    except ValueError as exc:
+        raise UsageError(f"{flag} {exc}") from None
 
 
 def check_checkpoint_flags(args) -> None:
