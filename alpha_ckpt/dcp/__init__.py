@@ -35,8 +35,10 @@ range between the first and last word it needs (exactly its part for row-wise sh
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import time
 import weakref
 from typing import Any
 
@@ -118,6 +120,11 @@ class StorageWriter(_DcpStorageWriter):
     the newest. A publish that would fork the history (another job published in between, or a
     continuation of a newer epoch owns the run) is refused (``fenced``, ``stale-epoch``).
 
+    ``slice_bytes``: the largest piece of a tensor hashed as one slice; ``shard_bytes``: the largest
+    object one rank writes (slices are grouped into shards of up to this many bytes). After a save,
+    ``phases`` holds this rank's seconds in each of the writer's steps: ``set_up``, ``plan`` (the
+    coordinator's), ``write`` and ``finish`` (the coordinator's); the rest of ``dcp.save`` is DCP's own.
+
     The writer runs no collective of its own: what the ranks must agree on (the shards each wrote,
     the digests of replicated entries) travels in DCP's own plans and write results, over the
     ``process_group`` DCP was given, on whatever thread DCP runs the save. ``group`` is accepted
@@ -125,15 +132,18 @@ class StorageWriter(_DcpStorageWriter):
     """
 
     def __init__(self, store: str | os.PathLike | Store, *, run: str, step: str = "train", update: int,
-                 cursor: int = 0, allow_nonfinite=(), group: Any = None, slice_bytes: int = SLICE_BYTES):
+                 cursor: int = 0, allow_nonfinite=(), group: Any = None, slice_bytes: int = SLICE_BYTES,
+                 shard_bytes: int = SHARD_BYTES):
         note_checkpoint_call()  # under alpha-run: a failure from here on is retryable (launch_env)
         self.run, self.step = check_name(run, "run"), check_name(step, "step")
         counters(self.run, self.step, update, cursor, 0)  # alpha_ckpt.save's check: a usage error (ValueError)
         self.update, self.cursor = update, cursor
         self.allow_nonfinite = pattern_list(allow_nonfinite, "allow_nonfinite")
-        if slice_bytes < 1:
-            raise ValueError(f"slice_bytes is positive, not {slice_bytes!r}")
-        self.slice_bytes = slice_bytes
+        for value, name in ((slice_bytes, "slice_bytes"), (shard_bytes, "shard_bytes")):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} is a positive int, not {value!r}")
+        self.slice_bytes, self.shard_bytes = slice_bytes, shard_bytes
+        self.phases: dict[str, float] = {}  # this rank's seconds per step of the last save (the class doc)
         self._store_arg, self._store = store, store if isinstance(store, Store) else None
         self.group = group
         self.root: str | None = None
@@ -148,6 +158,7 @@ class StorageWriter(_DcpStorageWriter):
     def reset(self, checkpoint_id=None) -> None:
         self._release()
         self.root = None
+        self.phases = {}
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
@@ -162,6 +173,18 @@ class StorageWriter(_DcpStorageWriter):
         return self._store
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        with self._timed("set_up"):
+            self._set_up(is_coordinator)
+
+    @contextlib.contextmanager
+    def _timed(self, phase: str):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - started
+
+    def _set_up(self, is_coordinator: bool) -> None:
         self.is_coordinator = is_coordinator
         store = self._open_store()
         if is_coordinator:  # gc spares every object this save writes until the ref is out
@@ -180,7 +203,8 @@ class StorageWriter(_DcpStorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator: refuse a save no load could restore, fix the history it continues, number every chunk."""
         try:
-            return self._plan(plans)
+            with self._timed("plan"):
+                return self._plan(plans)
         except BaseException:
             self._release()  # nothing was written: DCP raises this on every rank before any write
             raise
@@ -227,7 +251,8 @@ class StorageWriter(_DcpStorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         try:
-            results = self._write(plan, planner)
+            with self._timed("write"):
+                results = self._write(plan, planner)
         except BaseException:
             self._release()  # the coordinator's own failure; DCP calls no hook for another rank's
             close_own_store(self)
@@ -268,9 +293,9 @@ class StorageWriter(_DcpStorageWriter):
                 continue
             flat = flats[key] if key in flats else word_bytes(planner.resolve_data(item))
             replicas[key] = digest_bytes(flat.numpy()) if flat.numel() else digest_bytes(b"")
-        # Shards of up to SHARD_BYTES (their slices keep their own digests): large enough for the
+        # Shards of up to shard_bytes (their slices keep their own digests): large enough for the
         # O_DIRECT path, one durable commit per shard instead of one per slice.
-        shards = write_shards(self._open_store(), prefix, regions, group_parts(parts, SHARD_BYTES),
+        shards = write_shards(self._open_store(), prefix, regions, group_parts(parts, self.shard_bytes),
                               writers=data["writers"], agreed_mode=data["write_mode"])
         # finish() names every rank's shards in the manifest and compares the replicas' digests.
         results.append(WriteResult(MetadataIndex(_RANK_REPORT), 0,
@@ -280,6 +305,10 @@ class StorageWriter(_DcpStorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: check what every rank wrote, write the root manifest naming every rank's shards,
         then publish the ref."""
+        with self._timed("finish"):
+            self._finish(metadata, results)
+
+    def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         try:
             store = self._open_store()
             shards: dict[str, ShardRef] = {}

@@ -1,10 +1,10 @@
-"""A short bounded run of scripts/fuzz_readers.py's targets (the long run is the script itself)."""
+"""A short bounded run of tests/fuzz_readers.py's targets (the long run is that file run as a script)."""
 import importlib.util
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "fuzz_readers.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "fuzz_readers.py"
 
 
 @pytest.mark.timeout(240)

@@ -1,4 +1,4 @@
-"""Every name the gates, scripts, examples and tests import from alpha_ckpt exists: a module moved
+"""Every name the gates, the bench tool, examples and tests import from alpha_ckpt exists: a module moved
 inside the package breaks a gate at once here, not after the test suite in CI."""
 import ast
 import importlib
@@ -19,7 +19,7 @@ def _is_python(path: pathlib.Path) -> bool:
 
 
 def _sources():
-    for folder in ("gates", "scripts", "examples", "tests", "alpha_ckpt"):
+    for folder in ("gates", "bench", "examples", "tests", "alpha_ckpt"):
         yield from (p for p in sorted((REPO / folder).rglob("*")) if p.is_file() and _is_python(p))
 
 
@@ -48,9 +48,9 @@ def _unresolved(path: pathlib.Path) -> list[str]:
     return missing
 
 
-def test_every_alpha_ckpt_import_of_the_gates_scripts_examples_and_tests_resolves():
+def test_every_alpha_ckpt_import_of_the_gates_bench_examples_and_tests_resolves():
     sources = list(_sources())
-    assert any(p.parent.name == "gates" for p in sources) and any(p.parent.name == "scripts" for p in sources)
+    assert any(p.parent.name == "gates" for p in sources) and any(p.parent.name == "bench" for p in sources)
     missing = {str(p.relative_to(REPO)): m for p in sources if (m := _unresolved(p))}
     assert missing == {}
 

@@ -10,9 +10,8 @@ import subprocess
 import sys
 
 import alpha_ckpt
+from .record import REPO_ROOT
 
-# The ranks are started by re-running the command line's entry point.
-ENTRY_POINT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench_store.py")
 
 
 def free_port() -> int:
@@ -25,11 +24,11 @@ def launch_ranks(args: argparse.Namespace, config: dict, section: str, result_na
     """Run ``config['world']`` rank processes of ``section`` (owners or checkpointer); return rank 0's result file."""
     env = dict(os.environ)
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(alpha_ckpt.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT, package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     # One fresh interpreter imports torch once and forks the other ranks (starting each with
     # spawn would import torch once per rank: seconds each on this machine).
     config = {**config, "section": section}
-    proc = subprocess.Popen([sys.executable, ENTRY_POINT, "--owner-process", json.dumps(config)], env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "bench.save_restore", "--owner-process", json.dumps(config)], env=env)
     try:
         code = proc.wait(timeout=args.owners_timeout)
     except subprocess.TimeoutExpired:

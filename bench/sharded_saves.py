@@ -1,12 +1,11 @@
-#!/usr/bin/env python3
 """Paired probe: sharded saves only, several ways, in the benchmark's balanced method orders.
 
-``scripts/bench_store.py --section sharded`` runs every method's save and restore
+The sharded suite (``python -m bench sharded``) runs every method's save and restore
 in a fixed balanced design and reports against DCP. This probe answers narrower
 questions, such as "does a slice size, a shard size or the benchmark's surroundings
 change the DCP backend's saves?", by timing saves of the same state in the same
 processes, one method after another. Each round takes the next of the benchmark's
-balanced orders (``bench_store.balanced_orders``: every method directly follows every
+balanced orders (``bench.common.balanced_orders``: every method directly follows every
 other equally often over a full cycle, so what one method leaves behind does not
 always land on the same other). Each round's times are paired, so what slowed a
 whole round moves both sides of a ratio together.
@@ -29,16 +28,16 @@ method saving into a fresh directory that is removed after the round. Methods:
 Optional, as the benchmark does: ``--restore`` (load each save back into poisoned
 DTensors, untimed, and check it with ``torch.equal``), ``--sync`` (``os.sync()``
 after each ``mkdir`` and ``rmtree``), ``--phases`` (where each save's time goes: see
-:class:`PhaseClock`), ``--prefault X`` (touch and free X times each
+:func:`save_phases`), ``--prefault X`` (touch and free X times each
 rank's bytes before every save and restore; default 2, as the benchmark). As the
 benchmark, it freezes the garbage collector's view of the state once and collects
 before every timed save.
 
-    python scripts/probe_sharded_saves.py --ranks 4 --rounds 30 --methods dcp-alpha dcp-alpha-s16 ckpt dcp-t2
+    python -m bench sharded-saves --ranks 4 --rounds 30 --methods dcp-alpha dcp-alpha-s16 ckpt dcp-t2
 
 Prints each method's median save (the slowest rank's seconds), then every pair's
 ratio of medians with a 90 % paired-bootstrap interval and the rounds each side
-won, then one JSON line with every round's times.
+won; the run's record holds every round's times.
 """
 from __future__ import annotations
 
@@ -50,9 +49,7 @@ import os
 import re
 import shutil
 import statistics
-import sys
 import tempfile
-import threading
 import time
 
 import torch
@@ -61,12 +58,12 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint import FileSystemWriter
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_store import MiB, balanced_orders, free_port, paired_ratio_interval, prefault, process_cpu_s  # noqa: E402
+import alpha_ckpt
+import alpha_ckpt.dcp as alpha_dcp
+from alpha_ckpt.store import Store
 
-import alpha_ckpt  # noqa: E402
-import alpha_ckpt.dcp as alpha_dcp  # noqa: E402
-from alpha_ckpt.store import Store  # noqa: E402
+from .common import MiB, balanced_orders, paired_ratio_interval, prefault, process_cpu_s
+from .ranks import free_port
 
 COLS = 1024
 TENSORS = 16
@@ -94,70 +91,28 @@ def pair_stats(first: list[float], second: list[float]) -> dict:
             "first_faster": sum(a < b for a, b in zip(first, second)), "rounds": len(first)}
 
 
-class PhaseClock:
-    """Wall-clock seconds a save spends in each named step, in this process (``--phases``).
+CKPT_PHASES = ("capture", "agree", "durable.write", "durable.commit")
+BACKEND_PHASES = ("backend set_up", "backend plan", "backend write", "backend finish", "dcp own")
 
-    Wraps, for the probe's lifetime, the steps where the methods differ: the DCP backend's
-    hooks, DCP's collectives (pickled objects over the process group), the ``Checkpointer``'s
-    layout agreement, shard writes and root publish, and the store's batched durable commit
-    (``put_objects``: writes, BLAKE3, fsyncs and renames), which the backend and the
-    ``Checkpointer`` share. ``fsync`` is every ``os.fsync`` of the save, DCP's writer's included,
-    summed over the threads that ran them (so it can exceed the save). ``write_threads`` is not a
-    time: the most files one durable commit of the save wrote at once. Steps nest (``put_objects``
-    runs inside the backend's ``write_data``); what a method never calls is 0.
-    """
 
-    def __init__(self) -> None:
-        import alpha_ckpt.collective.agreement as agreement
-        import alpha_ckpt.tiers.durable.star as star
-        import alpha_ckpt.store.durable as durable
-        import alpha_ckpt.store as store
-        from torch.distributed.checkpoint import utils as dcp_utils
-        self.steps = [
-            ("backend set_up", alpha_dcp.StorageWriter, "set_up_storage_writer"),
-            ("backend prepare_global_plan", alpha_dcp.StorageWriter, "prepare_global_plan"),
-            ("backend write_data", alpha_dcp.StorageWriter, "write_data"),
-            ("backend finish", alpha_dcp.StorageWriter, "finish"),
-            ("dcp gather_object", dcp_utils._DistWrapper, "gather_object"),
-            ("dcp scatter_object", dcp_utils._DistWrapper, "scatter_object"),
-            ("dcp broadcast_object", dcp_utils._DistWrapper, "broadcast_object"),
-            ("ckpt agree_layout", agreement, "agree_layout"),
-            ("ckpt write_or_fail", star, "write_or_fail"),
-            ("ckpt publish_root", star.StarPublisher, "_publish_root"),
-            ("store put_objects", store.Store, "put_objects"),
-            ("fsync", os, "fsync"),  # every caller's, DCP's writer's included
-        ]
-        self.labels = [label for label, _, _ in self.steps] + ["write_threads"]
-        self._seconds: dict[str, float] = {}
-        self._lock = threading.Lock()  # fsyncs and writes run on several threads at once
-        for label, owner, name in self.steps:
-            setattr(owner, name, self._timed(label, getattr(owner, name)))
-        commit_all = durable.durable_commit_all
+def phase_labels(method: str) -> tuple[str, ...]:
+    """The phases ``--phases`` reports for ``method`` (the same on every rank: a rank that skips one reports 0)."""
+    return CKPT_PHASES if method == "ckpt" else BACKEND_PHASES if BACKEND.match(method) else ()
 
-        def counted(tmp_dir, commits, write_threads=1):
-            with self._lock:
-                self._seconds["write_threads"] = max(self._seconds.get("write_threads", 0),
-                                                     min(write_threads, len(commits)))
-            return commit_all(tmp_dir, commits, write_threads)
-        durable.durable_commit_all = counted
 
-    def _timed(self, label: str, fn):
-        def timed(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                elapsed = time.perf_counter() - started
-                with self._lock:
-                    self._seconds[label] = self._seconds.get(label, 0.0) + elapsed
-        return timed
-
-    def start(self) -> None:
-        self._seconds = {}
-
-    def take(self) -> list[float]:
-        """This save's seconds per label (and its write_threads), in :attr:`labels` order."""
-        return [float(self._seconds.get(label, 0.0)) for label in self.labels]
+def save_phases(method: str, seconds: float, ckpt_result, writer) -> dict[str, float]:
+    """Where this rank's save of ``method`` spent ``seconds``, as the product reports it: the Checkpointer's
+    ``SaveResult.phases`` (capture, agree, durable.write, durable.commit), or the DCP backend's
+    ``StorageWriter.phases`` (set_up, plan, write, finish) with what is left of ``dcp.save`` as
+    ``dcp own`` (DCP's planning and collectives). DCP's own writer and the raw control report none."""
+    if ckpt_result is not None:
+        phases = dict(ckpt_result.phases)
+    elif writer is not None:
+        phases = {f"backend {k}": v for k, v in writer.phases.items()}
+        phases["dcp own"] = max(0.0, seconds - sum(phases.values()))
+    else:
+        return {}
+    return phases
 
 
 def raw_save(state: dict, directory: str) -> None:
@@ -186,32 +141,32 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (at - lo)
 
 
-def save(method: str, state: dict, directory: str, rnd: int, ckpt) -> str | None:
+def save(method: str, state: dict, directory: str, rnd: int, ckpt) -> tuple[str | None, object, object]:
+    """Save with ``method``; (what restores it, the Checkpointer's SaveResult, the DCP backend's writer)."""
     if method == "raw":
         raw_save(state, directory)
-        return None
+        return None, None, None
     if method == "ckpt":
-        return ckpt.save({"model": state}, update=rnd + 1, cursor=rnd + 1).root
+        result = ckpt.save({"model": state}, update=rnd + 1, cursor=rnd + 1)
+        return result.root, result, None
     if method == "dcp":
         dcp.save(state, checkpoint_id=directory)
-        return None
+        return None, None, None
     if method == "dcp-t2":
         dcp.save(state, storage_writer=FileSystemWriter(directory, thread_count=2))
-        return None
+        return None, None, None
     m = BACKEND.match(method)
     slice_bytes = int(m["slice"]) * MiB if m["slice"] else alpha_dcp.SLICE_BYTES
-    default_shard_bytes = alpha_dcp.SHARD_BYTES
-    alpha_dcp.SHARD_BYTES = int(m["shard"]) * MiB if m["shard"] else default_shard_bytes  # read by write_data
+    shard_bytes = int(m["shard"]) * MiB if m["shard"] else alpha_dcp.SHARD_BYTES
     # -wK: a store opened with that many files written at once, handed to the writer
     store = Store(directory, write_threads=int(m["threads"])) if m["threads"] else None
     try:
         writer = alpha_dcp.StorageWriter(directory if store is None else store, run="probe", step="fit",
-                                         update=rnd + 1, slice_bytes=slice_bytes)
-        return dcp.save(state, storage_writer=writer).storage_meta.checkpoint_id
+                                         update=rnd + 1, slice_bytes=slice_bytes, shard_bytes=shard_bytes)
+        return dcp.save(state, storage_writer=writer).storage_meta.checkpoint_id, None, writer
     finally:
         if store is not None:
             store.close()
-        alpha_dcp.SHARD_BYTES = default_shard_bytes
 
 
 def restore(method: str, dest: dict, directory: str, handle, ckpt) -> None:
@@ -237,10 +192,10 @@ def rank_main(rank: int, config: dict) -> None:
     dest = {k: distribute_tensor(torch.zeros(config["rows"], COLS), mesh, [Shard(0)]) for k in state}
     own_bytes = sum(t.to_local().nbytes for t in state.values())
     times: dict[str, list[float]] = {m: [] for m in methods}
-    objects: dict[str, list[int]] = {m: [] for m in methods if m.startswith("dcp-alpha")}  # files each save stored
-    clock = PhaseClock() if config["phases"] else None
+    # files each save stored: the backend's objects, the raw control's files
+    objects: dict[str, list[int]] = {m: [] for m in methods if m.startswith("dcp-alpha") or m == "raw"}
     # per label, per timed save: the slowest rank's
-    phases = {m: {label: [] for label in clock.labels} for m in methods} if clock is not None else None
+    phases = {m: {label: [] for label in phase_labels(m)} for m in methods} if config["phases"] else None
     cpu: dict[str, list[float]] = {m: [] for m in methods}  # per timed save: the busiest rank's process CPU seconds
     verified = 0
     gc.freeze()  # the collections before each save then scan only what the methods left
@@ -259,21 +214,22 @@ def rank_main(rank: int, config: dict) -> None:
             gc.collect()
             prefault(int(config["prefault"] * own_bytes))
             dist.barrier()
-            if clock is not None:
-                clock.start()
             started, cpu_started = time.perf_counter(), sum(process_cpu_s())
-            handle = save(method, state, directory, rnd, ckpt)
+            handle, ckpt_result, writer = save(method, state, directory, rnd, ckpt)
             measured = [time.perf_counter() - started, sum(process_cpu_s()) - cpu_started]
-            slowest = torch.tensor(measured + (clock.take() if clock is not None else []), dtype=torch.float64)
+            steps = save_phases(method, measured[0], ckpt_result, writer)
+            labels = phase_labels(method) if phases is not None else ()
+            slowest = torch.tensor(measured + [steps.get(label, 0.0) for label in labels], dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             if rnd >= config["warmup"]:
                 times[method].append(float(slowest[0].item()))
                 cpu[method].append(float(slowest[1].item()))
-                if clock is not None:
-                    for label, seconds in zip(clock.labels, slowest[2:].tolist()):
+                if phases is not None:
+                    for label, seconds in zip(labels, slowest[2:].tolist()):
                         phases[method][label].append(seconds)
                 if rank == 0 and method in objects:
-                    objects[method].append(sum(len(files) for _, _, files in os.walk(os.path.join(directory, "objects"))))
+                    stored = directory if method == "raw" else os.path.join(directory, "objects")
+                    objects[method].append(sum(len(files) for _, _, files in os.walk(stored)))
             if config["restore"]:
                 for t in dest.values():
                     t.to_local().fill_(float("nan"))
@@ -302,7 +258,7 @@ def rank_main(rank: int, config: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench sharded-saves", description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=30, help="timed rounds (default 30)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
@@ -310,7 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--methods", nargs="+", default=["dcp-alpha", "ckpt", "dcp-t2"])
     parser.add_argument("--restore", action="store_true", help="restore and check every save (untimed)")
     parser.add_argument("--sync", action="store_true", help="os.sync() after each mkdir and rmtree")
-    parser.add_argument("--phases", action="store_true", help="time each save's steps (see PhaseClock)")
+    parser.add_argument("--phases", action="store_true", help="where each save's time went, as the product reports it (see save_phases)")
     parser.add_argument("--prefault", type=float, default=2.0)
     parser.add_argument("--dir", default=None, help="where the saves go (default: a new directory under /tmp)")
     args = parser.parse_args(argv)
@@ -320,7 +276,7 @@ def main(argv: list[str] | None = None) -> dict:
                      f"(not {bad or args.methods})")
     if args.ranks < 1 or args.rounds < 1 or args.warmup < 0 or args.prefault < 0 or args.rows % args.ranks:
         parser.error("--ranks and --rounds at least 1, --warmup and --prefault at least 0, --rows a multiple of --ranks")
-    top = tempfile.mkdtemp(prefix="probe_sharded_saves.", dir=args.dir)
+    top = tempfile.mkdtemp(prefix="bench-sharded-saves.", dir=args.dir)
     config = {"ranks": args.ranks, "rounds": args.rounds, "warmup": args.warmup, "rows": args.rows,
               "methods": args.methods, "restore": args.restore, "sync": args.sync, "prefault": args.prefault,
               "phases": args.phases,
@@ -344,18 +300,16 @@ def main(argv: list[str] | None = None) -> dict:
         print("  where each save's time went (median over saves of the slowest rank's seconds; steps nest):")
         for m, steps in result["phases"].items():
             median_save = statistics.median(times[m])
-            shown = sorted(((statistics.median(v), label) for label, v in steps.items() if label != "write_threads"),
-                           reverse=True)
-            print(f"    {m}: " + ", ".join(f"{label} {s:.3f} s ({100 * s / median_save:.0f}%)"
-                                           for s, label in shown if s >= 0.0005)
-                  + (f"; files written at once {max(steps['write_threads']):g}" if max(steps["write_threads"]) else ""))
+            shown = sorted(((statistics.median(v), label) for label, v in steps.items()), reverse=True)
+            print(f"    {m}: " + (", ".join(f"{label} {s:.3f} s ({100 * s / median_save:.0f}%)"
+                                            for s, label in shown if s >= 0.0005) or "(reports none)"))
     if result["phases"] is not None:
         print("  per round (seconds; for each method its three largest steps):")
         for rnd in range(args.rounds):
             cells = []
             for m in args.methods:
-                steps = sorted(((v[rnd], label) for label, v in result["phases"][m].items()
-                                if label != "write_threads" and v[rnd] >= 0.0005), reverse=True)[:3]
+                steps = sorted(((v[rnd], label) for label, v in result["phases"][m].items() if v[rnd] >= 0.0005),
+                               reverse=True)[:3]
                 inner = ", ".join(f"{label} {s:.2f}" for s, label in steps)
                 cells.append(f"{m} {times[m][rnd]:.3f}" + (f" [{inner}]" if inner else ""))
             print(f"    {rnd:>3}: " + "; ".join(cells))
@@ -380,9 +334,4 @@ def main(argv: list[str] | None = None) -> dict:
            "cpu": result["cpu"], "phases": result["phases"], "pairs": pairs,
            "objects": result["objects"], "verified_restores": result["verified_restores"],
            "left_behind": result["left_behind"]}
-    print(json.dumps(out), flush=True)
     return out
-
-
-if __name__ == "__main__":
-    main()

@@ -1,8 +1,8 @@
-"""scripts/bench_recovery.py: its timing from the training script's logs, and (full set) a quick run end to end.
+"""``python -m bench recovery``: its timing from the training script's logs, and (full set) a quick run end to end.
 
 No timing is asserted: only that the recovery time and its parts follow from the logged
 timestamps, that a run missing a milestone is reported as failed, and that the quick run
-recovers every method and reports its medians and ratios in its JSON line.
+recovers every method and reports its medians and ratios in the run's record.
 """
 import json
 import math
@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from scripts.bench.recovery_parse import MILESTONES, PARTS, RECOVERY_METHODS, read_logs, recovery_of  # noqa: E402
+from bench.recovery_parse import MILESTONES, PARTS, RECOVERY_METHODS, read_logs, recovery_of  # noqa: E402
 
 KILL_AFTER = 3
 
@@ -78,10 +78,12 @@ def test_logs_are_read_per_rank_and_a_line_cut_short_by_the_kill_is_dropped(tmp_
 @pytest.mark.timeout(600)
 def test_the_quick_run_recovers_every_method_from_its_checkpoint_and_reports_medians_and_ratios(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_recovery.py"), "--quick", "--dir",
-                          str(tmp_path)], capture_output=True, text=True, env=env, timeout=540)
+    run = subprocess.run([sys.executable, "-m", "bench", "recovery", "--quick", "--dir", str(tmp_path)],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=540)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    record = json.loads(run.stdout.strip().splitlines()[-1])
+    assert record["bench"] == ["recovery"] and record["code"]["source_sha256"] and record["machine"]["cpus"] >= 1
+    result = record["result"]
     block = result["recovery"]["2"]
     assert set(block["methods"]) == set(RECOVERY_METHODS)
     for method, row in block["methods"].items():

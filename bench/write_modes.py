@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Benchmark: buffered vs O_DIRECT writes of large objects, per file system, and what "auto" picks.
 
 For each directory given (each on the file system to measure), one float32
@@ -11,12 +10,11 @@ reports the throughputs it measured and the mode it settled on. A file
 system that refuses O_DIRECT (EINVAL) shows ``direct_refused: true`` and is
 written buffered.
 
-    python scripts/bench_write_modes.py --dirs /var/tmp /dev/shm --reps 5
+    python -m bench write-modes --dirs /var/tmp /dev/shm --reps 5
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -75,13 +73,13 @@ def fmt(gbps: dict) -> str:
     return ", ".join(f"{m} [{' '.join(f'{x:.2f}' for x in v)}] GB/s" for m, v in gbps.items())
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m bench write-modes", description=__doc__.split("\n\n")[0])
     p.add_argument("--dirs", nargs="+", default=[tempfile.gettempdir()])
     p.add_argument("--size-mib", type=int, default=1024)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--auto-saves", type=int, default=6)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     results = []
     for base in args.dirs:
         r = measure(base, args.size_mib, args.reps, args.auto_saves)
@@ -90,8 +88,6 @@ def main() -> None:
               f"(median of {args.reps}; direct/buffered throughput {r['direct_over_buffered_throughput']:.2f}); "
               f"auto measured {fmt(r['auto']['gbps'])} and settled on {r['auto']['next']}"
               + (" (O_DIRECT refused)" if r["auto"]["direct_refused"] else ""), flush=True)
-    print(json.dumps(results))
+    return {"file_systems": results}
 
 
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Fuzz the object and ref readers for a while: only refusals, never a crash, never a damaged object accepted.
 
-    python scripts/fuzz_readers.py --minutes 5
+    python tests/fuzz_readers.py --minutes 5
 
 Targets (hypothesis, with a time budget per target):
 - random bytes read as an object under some name;

@@ -1,8 +1,8 @@
-"""scripts/bench_store.py runs every section end to end on a small state and says what it verified.
+"""The save-and-restore suites of ``python -m bench`` run end to end on a small state and says what it verified.
 
 No timing is asserted: only that each section measured every method, checked
 every restore (or, for the stall section, every saved snapshot) against the
-values it should hold, and reported the medians and ratios in its JSON line.
+values it should hold, and reported the medians and ratios in the run's record, beside the code and the machine.
 """
 import json
 import math
@@ -17,7 +17,8 @@ from hypothesis import given, settings, strategies as st
 from alpha_ckpt.testing import launch
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "bench_store.py"
+if str(ROOT) not in sys.path:  # the bench package lives at the repository's root
+    sys.path.insert(0, str(ROOT))
 
 STORE_METHODS = {"ours", "torch", "dcp", "dcp-t2", "raw"}
 STALL_METHODS = {"ours-sync", "ours-async", "ours-async-deferred", "dcp-sync", "dcp-async", "dcp-async-staged"}
@@ -27,11 +28,11 @@ CKPT_METHODS = {"ckpt-star", "ckpt-tree", "dcp", "dcp-t2", "raw"}
 
 @pytest.mark.slow  # a long-haul run: CI runs it (python -m pytest -n 2 -m slow)
 def test_every_section_runs_verifies_and_reports_its_medians_and_ratios(tmp_path):
-    run = launch.python_script(SCRIPT, "--section", "all", "--size-mib", "16", "--tensors", "4", "--reps", "1",
+    run = run_bench("store", "stall", "owners", "checkpointer", "sharded", "--size-mib", "16", "--tensors", "4", "--reps", "1",
                                "--warmup", "0", "--prefault", "0", "--compute-s", "0.02", "--owners", "1", "2", "4",
                                "--dir", tmp_path, env=env_with_repo(), timeout=240)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = bench_result(run)
     assert result["sections"] == ["store", "stall", "owners", "checkpointer", "sharded"]
     # the machine's price of fresh memory, measured in this run beside the results
     assert all(len(result["machine"][k]) == 3 and min(result["machine"][k]) > 0
@@ -78,6 +79,19 @@ def env_with_repo():
     return env
 
 
+def run_bench(*args, env=None, timeout=120):
+    """``python -m bench ARGS...`` from the repository's root, to its end."""
+    return launch.python_m("bench", *args, cwd=ROOT, env=env or env_with_repo(), timeout=timeout)
+
+
+def bench_result(run) -> dict:
+    """The figures of a run's record (its last line), after checking the record names the code and the machine."""
+    record = json.loads(run.stdout.strip().splitlines()[-1])
+    assert record["code"]["source_sha256"] and record["machine"]["cpus"] >= 1 and record["machine"]["torch"]
+    assert record["seconds"] > 0 and record["bench"]
+    return record["result"]
+
+
 def check_checkpointer_section(ckpt: dict) -> None:
     """The checkpointer section (both publishers against DCP) measured and verified every method."""
     assert ckpt["counts"] == [2, 4] and ckpt["reps"] == 1
@@ -110,12 +124,12 @@ def check_checkpointer_section(ckpt: dict) -> None:
             assert all(b >= (8 << 20) + (8 << 20) // int(n) for b in ckpt["bytes_read"][n][m])
 
 
-def test_the_store_section_alone_is_still_the_default(tmp_path):
+def test_the_store_suite_alone_measures_and_verifies_only_the_store(tmp_path):
     env = env_with_repo()
-    run = launch.python_script(SCRIPT, "--size-mib", "8", "--tensors", "2", "--reps", "1", "--warmup", "0",
+    run = run_bench("store", "--size-mib", "8", "--tensors", "2", "--reps", "1", "--warmup", "0",
                                "--prefault", "0", "--dir", tmp_path, env=env, timeout=120)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = bench_result(run)
     assert result["sections"] == ["store"] and "stall" not in result and "owners" not in result
     assert set(result["median_s"]) == STORE_METHODS and result["verified_restores"] == 4
 
@@ -140,11 +154,7 @@ def check_sharded_section(sharded: dict) -> None:
 
 
 def test_cold_restores_need_no_root_and_read_a_checkpoint_the_page_cache_no_longer_holds(tmp_path):
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        from bench_store import cached_bytes, evict_page_cache
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    from bench.common import cached_bytes, evict_page_cache
     (tmp_path / "ckpt" / "objects").mkdir(parents=True)
     for i in range(3):
         (tmp_path / "ckpt" / "objects" / f"o{i}").write_bytes(os.urandom(1 << 20))
@@ -158,19 +168,24 @@ def test_cold_restores_need_no_root_and_read_a_checkpoint_the_page_cache_no_long
         os.close(fd)
 
     env = env_with_repo()
-    run = launch.python_script(SCRIPT, "--size-mib", "8", "--tensors", "2", "--reps", "1", "--warmup", "0",
+    run = run_bench("store", "--size-mib", "8", "--tensors", "2", "--reps", "1", "--warmup", "0",
                                "--prefault", "0", "--cold", "--dir", tmp_path, env=env, timeout=120)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = bench_result(run)
     assert result["cache"] == "cold" and result["verified_restores"] == 4
 
 
 def bench_module():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("bench_store_module", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    """The benchmark's helpers the tests below check, from the modules that hold them."""
+    import types
+
+    from bench import checkpointer, checkpointer_rank, common, stall
+    return types.SimpleNamespace(
+        **{name: getattr(module, name) for module, names in (
+            (common, ("balanced_orders", "noise_verdict", "paired_ratio_interval", "MiB")),
+            (checkpointer, ("CKPT_METHODS", "SHARDED_METHODS", "chosen_methods", "fastest_round_ratios",
+                            "merge_round_halves")),
+            (checkpointer_rank, ("row_sharded_matrices",)), (stall, ("completion_clock",))) for name in names})
 
 
 @pytest.mark.parametrize("count", [2, 3, 5, 6, 7])
@@ -239,11 +254,11 @@ def test_fastest_round_ratios_compare_each_methods_own_fastest_round_whatever_th
 
 @pytest.mark.slow  # a long-haul run: CI runs it (python -m pytest -n 2 -m slow)
 def test_a_subset_of_the_sharded_methods_is_measured_and_compared_alone(tmp_path):
-    run = launch.python_script(SCRIPT, "--section", "sharded", "--ckpt-methods", "dcp", "ckpt-star-bf", "ckpt-star",
+    run = run_bench("sharded", "--ckpt-methods", "dcp", "ckpt-star-bf", "ckpt-star",
                                "--ckpt-ranks", "2", "--size-mib", "16", "--tensors", "4", "--reps", "1", "--warmup",
                                "0", "--prefault", "0", "--dir", tmp_path, env=env_with_repo(), timeout=180)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    sharded = json.loads(run.stdout.strip().splitlines()[-1])["sharded"]
+    sharded = bench_result(run)["sharded"]
     assert sharded["methods"] == ["ckpt-star", "ckpt-star-bf", "dcp"] and sharded["counts"] == [2]
     assert set(sharded["median_s"]["2"]) == {"ckpt-star", "ckpt-star-bf", "dcp"}
     assert sharded["verified_restores"] == 3 and sharded["raw_GBps"] is None
@@ -278,10 +293,10 @@ def test_a_method_subset_needs_dcp_and_one_of_ours_and_known_names():
 
 @pytest.mark.slow  # a long-haul run: CI runs it (python -m pytest -n 2 -m slow)
 def test_the_sharded_restore_ab_saves_restores_and_verifies_every_method(tmp_path):
-    run = launch.python_script(SCRIPT.parent / "ab_sharded_restore.py", "--ranks", "2", "--rounds", "2", "--size-mib",
+    run = run_bench("sharded-restore", "--ranks", "2", "--rounds", "2", "--size-mib",
                                "16", "--prefault", "0", "--dir", tmp_path, env=env_with_repo(), timeout=180)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = bench_result(run)
     # every method saved and restored twice (each restore compared with torch.equal, or the script fails)
     assert set(result["times"]) == {"ckpt", "ckpt-bf", "dcp"}
     assert all(len(t["save"]) == len(t["load"]) == 2 for t in result["times"].values())
@@ -290,11 +305,11 @@ def test_the_sharded_restore_ab_saves_restores_and_verifies_every_method(tmp_pat
 
 @pytest.mark.slow  # a long-haul run: CI runs it (python -m pytest -n 2 -m slow)
 def test_the_sharded_restore_ab_resumes_every_method_in_new_processes(tmp_path):
-    run = launch.python_script(SCRIPT.parent / "ab_sharded_restore.py", "--ranks", "2", "--rounds", "1", "--size-mib",
+    run = run_bench("sharded-restore", "--ranks", "2", "--rounds", "1", "--size-mib",
                                "16", "--prefault", "0", "--dir", tmp_path, "--resume-in-new-processes", "--methods",
                                "ckpt", "dcp", env=env_with_repo(), timeout=180)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = bench_result(run)
     # each method saved by one set of processes and restored (compared with torch.equal) by new ones
     assert result["resume_in_new_processes"] is True and set(result["times"]) == {"ckpt", "dcp"}
     assert all(len(t["save"]) == len(t["load"]) == 1 and min(t["save"] + t["load"]) > 0
@@ -304,12 +319,12 @@ def test_the_sharded_restore_ab_resumes_every_method_in_new_processes(tmp_path):
 
 @pytest.mark.slow  # a long-haul run: CI runs it (python -m pytest -n 2 -m slow)
 def test_the_sharded_section_can_restore_every_round_in_new_processes(tmp_path):
-    run = launch.python_script(SCRIPT, "--section", "sharded", "--ckpt-methods", "ckpt-star", "dcp", "--ckpt-ranks",
+    run = run_bench("sharded", "--ckpt-methods", "ckpt-star", "dcp", "--ckpt-ranks",
                                "2", "--size-mib", "16", "--tensors", "4", "--reps", "1", "--warmup", "0", "--prefault",
                                "0", "--cold", "--resume-in-new-processes", "--dir", tmp_path, env=env_with_repo(),
                                timeout=240)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    sharded = json.loads(run.stdout.strip().splitlines()[-1])["sharded"]
+    sharded = bench_result(run)["sharded"]
     assert sharded["resumed_in_new_processes"] is True
     # the round saved by one launch and restored (and compared with torch.equal) by the next
     assert sharded["verified_restores"] == 2
@@ -358,10 +373,10 @@ def test_the_completion_clock_waits_for_its_callback_when_the_result_is_read_bef
 
 
 def test_the_many_tensors_section_measures_ours_against_torch_and_dcp_and_checks_every_restore(tmp_path):
-    run = launch.python_script(SCRIPT, "--section", "many-tensors", "--many-counts", "24", "80", "--reps", "1",
+    run = run_bench("many-tensors", "--many-counts", "24", "80", "--reps", "1",
                                "--warmup", "0", "--prefault", "0", "--dir", tmp_path, env=env_with_repo(), timeout=120)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = bench_result(run)
     many = result["many-tensors"]
     assert result["sections"] == ["many-tensors"] and many["counts"] == [24, 80]
     assert many["verified_restores"] == 4 * 2  # every method at both counts, compared with torch.equal

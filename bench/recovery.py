@@ -1,12 +1,11 @@
-#!/usr/bin/env python3
 """Benchmark: recovery from a SIGKILLed rank, alpha-run with the memory tier against torchrun + DCP.
 
 Two sections, chosen with ``--section`` (default ``all``):
 
-  recovery  a GPT-style DDP job (scripts/bench/recovery_train.py) on 2 and 4 gloo ranks
+  recovery  a GPT-style DDP job (bench/recovery_train.py) on 2 and 4 gloo ranks
             (``--ranks``) loses one rank and is restarted by its launcher; the seconds from
             the SIGKILL to the first completed step after it, per method
-  stall     the same model on ``--stall-ranks`` ranks (scripts/bench/recovery_stall.py): the
+  stall     the same model on ``--stall-ranks`` ranks (bench/recovery_stall.py): the
             training stall of one save, the memory tier's against our asynchronous save and
             DCP's ``async_save``, and the host memory the tier holds
 
@@ -28,7 +27,7 @@ to the restarted script's first line: the launcher's detection, teardown and new
 alpha-run this includes importing alpha_ckpt and torch, which its runner does before the script),
 ``import``, ``rendezvous`` (init_process_group), ``build`` (model, optimizer, data), ``restore`` and
 ``first_step``. Methods, alternating within each repetition (a balanced order, see
-scripts/bench/common.py: every method follows every other equally often):
+bench/common.py: every method follows every other equally often):
 
   torchrun-dcp      ``torchrun --standalone --nproc-per-node N --max-restarts 1 script --ckpt dcp``:
                     dcp.save / dcp.load of a Stateful over get_state_dict / set_state_dict, one
@@ -71,7 +70,7 @@ and the host memory the tier holds: ``last_save["memory_held_bytes"]`` over all 
 bytes of the /dev/shm holders, against the state's size.
 
 Beside both, the raw disk rate: one file of the state's size written with one reused 16 MiB
-buffer and one fsync (scripts/bench/methods.py's RawDisk), GB/s.
+buffer and one fsync (bench/methods.py's RawDisk), GB/s.
 
 Output: one table per section, then one JSON line. ``--quick``: a small model (2e6 parameters),
 2 ranks, one repetition: a smoke test in about a minute.
@@ -89,20 +88,19 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from scripts.bench.recovery_parse import (  # noqa: E402
+from .record import REPO_ROOT
+from .recovery_parse import (
     PARTS, RECOVERY_METHODS, BASELINE, read_logs, recovery_of)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAIN = os.path.join(REPO, "scripts", "bench", "recovery_train.py")
-STALL = os.path.join(REPO, "scripts", "bench", "recovery_stall.py")
+HERE = os.path.dirname(os.path.abspath(__file__))
+TRAIN = os.path.join(HERE, "recovery_train.py")
+STALL = os.path.join(HERE, "recovery_stall.py")
 TARGET = 0.3  # alpha-run-memory's recovery against torchrun-dcp's, at most
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     doc = (__doc__ or "").split("\n\n")[0]
-    p = argparse.ArgumentParser(description=doc)
+    p = argparse.ArgumentParser(prog="python -m bench recovery", description=doc)
     p.add_argument("--section", choices=["recovery", "stall", "all"], default="all")
     p.add_argument("--params", type=float, default=100e6, help="model size (default 100e6)")
     p.add_argument("--ranks", default="2,4", help="rank counts of the recovery section (default 2,4)")
@@ -130,7 +128,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def run_env() -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
 
@@ -199,7 +197,7 @@ def tree_bytes(path: str) -> int:
 def raw_disk_GBps(top: str, nbytes: int) -> float:
     """A file of ``nbytes`` written from one reused 16 MiB buffer, one fsync (dd conv=fsync)."""
     import torch
-    from scripts.bench.methods import RawDisk
+    from .methods import RawDisk
     raw = RawDisk({"x": torch.randn(4 << 20)}, nbytes)
     t0 = time.perf_counter()
     path = raw.save(None, top, 0, name="raw.bin")
@@ -210,7 +208,7 @@ def raw_disk_GBps(top: str, nbytes: int) -> float:
 
 def state_bytes(params: float) -> int:
     """Model and AdamW's two moments, float32: what one rank's checkpoint holds (about)."""
-    from scripts.bench.recovery_train import model_parameters, width_for
+    from .recovery_train import model_parameters, width_for
     return 3 * 4 * model_parameters(width_for(params))
 
 
@@ -221,7 +219,7 @@ def median(xs):
 
 
 def run_recovery(args: argparse.Namespace, top: str) -> dict:
-    from scripts.bench.common import balanced_orders
+    from .common import balanced_orders
     orders = balanced_orders(args.method_list)
     runs: dict = {}
     for n in args.rank_counts:
@@ -333,14 +331,14 @@ def print_stall(result: dict) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from scripts.bench.common import code_under_test, default_base_dir
-    from scripts.bench.recovery_train import model_parameters, width_for
+    from .common import default_base_dir
+    from .recovery_train import model_parameters, width_for
     base = args.dir or default_base_dir()
     top = tempfile.mkdtemp(prefix="bench-recovery-", dir=base)
     shm_parent = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     shm_top = tempfile.mkdtemp(prefix="bench-recovery-", dir=shm_parent)
     params = model_parameters(width_for(args.params))
-    result: dict = {"benchmark": "recovery", "params": params, "code": code_under_test(),
+    result: dict = {"benchmark": "recovery", "params": params,
                     "config": {k: v for k, v in vars(args).items() if k not in ("rank_counts", "method_list")}}
     try:
         result["raw_disk_GBps"] = raw_disk_GBps(top, state_bytes(args.params))
@@ -358,7 +356,6 @@ def main(argv=None) -> dict:
         print_stall(result["stall"])
     print(f"\nraw disk (write + fsync of {fmt_bytes(state_bytes(args.params))}): "
           f"{result['raw_disk_GBps']:.2f} GB/s before, {result['raw_disk_GBps_after']:.2f} GB/s after")
-    print(json.dumps(result, sort_keys=True), flush=True)
     return result
 
 

@@ -1,7 +1,7 @@
 """The recovery benchmark's timing, from the training script's logs (pure: no processes, no clocks).
 
 Each rank of each attempt appends JSON lines ``{"event", "attempt", "t", ...}`` to ``rank<R>.jsonl``
-(scripts/bench/recovery_train.py); the rank that kills itself writes ``kill.json`` (``{"t", "rank",
+(bench/recovery_train.py); the rank that kills itself writes ``kill.json`` (``{"t", "rank",
 "step"}``) first. :func:`recovery_of` turns them into the recovery time and its parts.
 """
 from __future__ import annotations

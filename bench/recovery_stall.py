@@ -1,6 +1,6 @@
-"""The stall section of the recovery benchmark (scripts/bench_recovery.py): one rank of a torchrun job.
+"""The stall section of the recovery benchmark (``python -m bench recovery``): one rank of a torchrun job.
 
-The model of scripts/bench/recovery_train.py under DDP, trained step by step; after each step one
+The model of bench/recovery_train.py under DDP, trained step by step; after each step one
 checkpoint method saves the state, the methods taking turns in a balanced order. The stall is the
 time the training loop is blocked: inside the save call (an asynchronous save returns once its
 snapshot is taken). Then, untimed, the save is drained so that saves never pile up. Rank 0 writes
@@ -22,11 +22,11 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # torchrun runs this file by path
 
 import alpha_ckpt  # noqa: E402
-from scripts.bench.common import balanced_orders  # noqa: E402
-from scripts.bench.recovery_train import BATCH, CONTEXT, GPT, VOCAB, width_for  # noqa: E402
+from bench.common import balanced_orders  # noqa: E402
+from bench.recovery_train import BATCH, CONTEXT, GPT, VOCAB, width_for  # noqa: E402
 
 STALL_METHODS = ("memory", "memory-async", "ours-async", "dcp-async")
 

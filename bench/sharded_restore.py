@@ -1,5 +1,4 @@
-#!/usr/bin/env python3
-"""A/B of sharded restores outside scripts/bench_store.py: one save and one restore per method and round.
+"""A/B of sharded restores outside the sharded suite: one save and one restore per method and round.
 
 Each round, every method in turn (the order rotates and reverses every other
 round) saves the same ``Shard(0)`` DTensors (``--size-mib`` MiB in 16 float32
@@ -27,20 +26,18 @@ in the same processes, so no method inherits memory its save touched.
 
 Usage::
 
-    python scripts/ab_sharded_restore.py --ranks 2 --rounds 8            # 1 GiB, about 3 minutes here
-    python scripts/ab_sharded_restore.py --ranks 2 --rounds 1 --size-mib 16   # smoke run
-    python scripts/ab_sharded_restore.py --ranks 2 --rounds 8 --resume-in-new-processes
+    python -m bench sharded-restore --ranks 2 --rounds 8            # 1 GiB, about 3 minutes here
+    python -m bench sharded-restore --ranks 2 --rounds 1 --size-mib 16   # smoke run
+    python -m bench sharded-restore --ranks 2 --rounds 8 --resume-in-new-processes
 """
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import multiprocessing
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
@@ -48,11 +45,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_store import evicted, free_port, prefault, row_sharded_matrices  # noqa: E402 - the benchmark's own
+import alpha_ckpt
+from alpha_ckpt.store import Store
 
-import alpha_ckpt  # noqa: E402
-from alpha_ckpt.store import Store  # noqa: E402
+from .checkpointer_rank import row_sharded_matrices
+from .common import evicted, prefault
+from .ranks import free_port
 
 METHODS = ("ckpt", "ckpt-bf", "dcp")
 COLS, MATRICES = 1024, 16
@@ -195,8 +193,8 @@ def resume_rounds(ctx, args: argparse.Namespace, top: str) -> dict:
     return times
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m bench sharded-restore", description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--size-mib", type=int, default=1024, help="the whole state (default 1024)")
@@ -210,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.size_mib * (1 << 20) % (4 * MATRICES * COLS * args.ranks):
         p.error(f"--size-mib {args.size_mib} does not give whole rows to {args.ranks} ranks")
     base = args.dir or ("/work" if os.access("/work", os.W_OK) else None)
-    top = tempfile.mkdtemp(prefix="ab_sharded.", dir=base)
+    top = tempfile.mkdtemp(prefix="bench-sharded-restore.", dir=base)
     try:
         ctx = multiprocessing.get_context("fork")  # before any torch thread: the ranks share the imports
         times = resume_rounds(ctx, args, top) if args.resume_in_new_processes else launch(ctx, args, rank_main, top)
@@ -219,15 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     return report(args, times)
 
 
-def report(args: argparse.Namespace, times: dict) -> int:
+def report(args: argparse.Namespace, times: dict) -> dict:
     medians = {m: {k: statistics.median(v) for k, v in t.items()} for m, t in times.items()}
     for m, med in medians.items():
         print(f"{m:<8} save median {med['save']:.3f} s   restore median {med['load']:.3f} s")
-    print(json.dumps({"ranks": args.ranks, "rounds": args.rounds, "size_mib": args.size_mib, "prefault": args.prefault,
+    return {"ranks": args.ranks, "rounds": args.rounds, "size_mib": args.size_mib, "prefault": args.prefault,
                       "torch_threads": args.torch_threads, "resume_in_new_processes": args.resume_in_new_processes,
-                      "median_s": medians, "times": times}))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+            "median_s": medians, "times": times}

@@ -1,4 +1,4 @@
-"""The training script of the recovery benchmark (scripts/bench_recovery.py): a GPT-style model under DDP.
+"""The training script of the recovery benchmark (``python -m bench recovery``): a GPT-style model under DDP.
 
     torchrun --standalone --nproc-per-node 2 --max-restarts 1 recovery_train.py --ckpt dcp --dir D --log-dir L
     alpha-run --nproc 2 --store D --max-restarts 1 recovery_train.py --ckpt alpha --dir D --log-dir L

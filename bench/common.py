@@ -3,13 +3,11 @@ ratio intervals and verdicts, balanced orders and per-process measurements."""
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import math
 import mmap
 import os
 import resource
 import statistics
-import subprocess
 import tempfile
 import time
 import warnings
@@ -18,12 +16,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
-import alpha_ckpt
+from .record import REPO_ROOT
 from alpha_ckpt.store import DEFAULT_WRITE_MODE, DEFAULT_WRITE_THREADS, Store, WriteModes
 
 MiB = 1 << 20
 RAW_BUFFER_BYTES = 16 * MiB
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # DCP without a process group says, once per call, that it assumes one process.
 warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process.*")
@@ -112,27 +109,6 @@ def cached_bytes(fd: int) -> int:
         return sum(b & 1 for b in vec.raw) * page
     finally:
         libc.munmap(ctypes.c_void_p(addr), size)
-
-
-def code_under_test() -> dict:
-    """Which alpha_ckpt was measured: git commit, uncommitted files under alpha_ckpt/, digest of its sources."""
-    pkg = os.path.dirname(os.path.abspath(alpha_ckpt.__file__))
-    h = hashlib.sha256()
-    for name in sorted(os.listdir(pkg)):
-        if name.endswith(".py"):
-            with open(os.path.join(pkg, name), "rb") as f:
-                h.update(name.encode() + b"\0" + f.read() + b"\0")
-    info = {"source_sha256": h.hexdigest()[:16], "commit": None, "dirty": None}
-    try:
-        git = ["git", "-C", os.path.dirname(pkg)]
-        info["commit"] = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                        check=True).stdout.strip()
-        dirty = subprocess.run(git + ["status", "--porcelain", "--", pkg], capture_output=True, text=True,
-                               check=True).stdout.split("\n")
-        info["dirty"] = sorted(line[3:] for line in dirty if line.strip())
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return info
 
 
 def default_base_dir() -> str:
