@@ -129,7 +129,7 @@ def memory_touch_rates(nbytes: int = 256 * MiB, rounds: int = 3) -> dict[str, li
     """GB/s of writing one byte per page of ``nbytes``, each round in new anonymous memory (the kernel
     and, on a VM, the host supply every page: what any first touch, of page cache or of a fresh buffer,
     pays) and then again in the same, now resident, pages. The gap between the two is this machine's
-    price of fresh memory, which decides cold restores on some VMs (docs/BENCHMARKS.md); it varies
+    price of fresh memory, which decides cold restores on some VMs (docs/bench-log/2026-12.md); it varies
     from round to round there, so every round is kept."""
     fresh, resident = [], []
     for _ in range(rounds):

@@ -223,7 +223,7 @@ overturn. For information, the same ratios of each method's fastest round
 fast in some rounds and slowly in others, whichever method saves, they show
 each method's speed without the slow rounds. The bootstrap takes a run's
 rounds as exchangeable; a host slow for a stretch of the run breaks that
-(docs/BENCHMARKS.md, "what decides a save on this VM").
+(docs/bench-log/2026-12.md, "what decides a save on this VM").
 
 Suite "sharded"
 ---------------
@@ -250,7 +250,7 @@ method and exits, and a new launch (its states built afresh, as a restarted
 script builds its model) restores each checkpoint by the root its save
 returned. By default a restore follows its save in the same processes, where
 memory a buffered save touched is handed to the restore after it (see
-docs/BENCHMARKS.md, "The first touch of page-cache memory").
+docs/bench-log/2026-12.md, "The first touch of page-cache memory").
 
 ``--ckpt-methods`` runs only some of the checkpointer and sharded sections'
 methods (dcp and one of ours at least), in the same balanced order: what the

@@ -14,7 +14,7 @@ each phase).
   dcp      ``dcp.save`` / ``dcp.load`` with DCP's default FileSystemWriter/Reader
 
 It exists because the benchmark's sharded loads and these differ (see
-docs/BENCHMARKS.md, "Intervals on the ratios"); it prints per-method medians and
+docs/bench-log/2026-12.md, "Intervals on the ratios"); it prints per-method medians and
 every round's seconds, and a JSON line.
 
 With ``--resume-in-new-processes`` each round is a save and a resume, as a job

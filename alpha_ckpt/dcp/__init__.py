@@ -68,10 +68,10 @@ __all__ = ["StorageWriter", "StorageReader", "encode_metadata", "decode_metadata
 
 # Each chunk is stored as slices of at most this many bytes, each with its own BLAKE3 and block
 # digests. A resharded load reads only the 64 KiB blocks that hold its words whatever the slice size,
-# and larger slices made saves slower (docs/BENCHMARKS.md, "slice size").
+# and larger slices made saves slower (docs/bench-log/2026-12.md, "slice size").
 SLICE_BYTES = 4 << 20
 # A rank's slices go into shards of at most this many bytes: one shard per rank loaded slower cold,
-# and smaller shards cost a durable commit each (docs/BENCHMARKS.md).
+# and smaller shards cost a durable commit each (docs/bench-log/2026-12.md).
 SHARD_BYTES = 32 << 20
 
 

@@ -13,12 +13,12 @@ from alpha_ckpt.errors import StoreUsageError
 WRITE_MODES = ("auto", "buffered", "direct")
 # Buffered unless told otherwise: a buffered save leaves its shards in the page cache, so the restore
 # users make most (a restart on the same node) reads memory, not the device; "auto", wherever it
-# measured O_DIRECT faster and took it, lost those hot restores (docs/BENCHMARKS.md). "auto" stays for
+# measured O_DIRECT faster and took it, lost those hot restores (docs/bench-log/2026-12.md). "auto" stays for
 # disks shared with other jobs, where O_DIRECT can write faster.
 DEFAULT_WRITE_MODE = "buffered"
 # Files of one batched commit (a save's shards) written at once, as DCP's thread_count. A buffered
 # write spends its time in the kernel filling page cache, and writes side by side overlap those waits
-# (the measurements: docs/BENCHMARKS.md). Each thread holds at most one compressed shard.
+# (the measurements: docs/bench-log/2026-12.md). Each thread holds at most one compressed shard.
 DEFAULT_WRITE_THREADS = 4
 EXPLORE_EVERY = 8  # under "auto", after this many large writes in one mode, one in the other
 # Under "auto", O_DIRECT is chosen only when it writes at least this much faster than buffered: an
