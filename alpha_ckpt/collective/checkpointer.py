@@ -52,7 +52,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import weakref
 from types import MappingProxyType
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping
@@ -60,8 +59,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from alpha_ckpt.generation.async_save import AsyncSaver
-from alpha_ckpt.state.device import check_devices, current_device
+from alpha_ckpt.state.device import check_devices
 from alpha_ckpt.errors import Refusal, RefusalCode, StoreUsageError, UsageError
 from alpha_ckpt.format.records import CapturePrefix, block_digests
 from alpha_ckpt.upkeep.gc import retain_newest
@@ -69,29 +67,22 @@ from alpha_ckpt.runtime.heap import cyclic_gc_paused
 from alpha_ckpt.runtime import launch_env
 from alpha_ckpt.runtime.launch_env import launcher_settings
 from alpha_ckpt.state.manifest import encode_identity
-from alpha_ckpt.generation.planner import Hierarchy
-from alpha_ckpt.tiers.memory.tier import MemoryTier, memory_directory, replica_stride
 from alpha_ckpt.tiers.durable.choice import DAMAGE, Choice
+from alpha_ckpt.tiers.durable.publisher import Contribution
 from alpha_ckpt.tiers.durable.messages import Candidate, Descriptor, Interval, Outcome
-from alpha_ckpt.tiers.durable.publisher import Contribution, Publisher
-from alpha_ckpt.tiers.durable.tier import DurableTier
-from alpha_ckpt.tiers.seam import DURABLE, MEMORY, Tier, walk_order
-from alpha_ckpt.tiers.durable.star import StarPublisher
-from alpha_ckpt.tiers.durable.tree import TreePublisher
+from alpha_ckpt.tiers.seam import DURABLE, MEMORY, walk_order
 from alpha_ckpt.tiers.durable.wire import any_rank, broadcast_json, global_rank
 from alpha_ckpt.generation.reader import Counters
 from alpha_ckpt.state.capture import capture_state
 from alpha_ckpt.store import Store
-from alpha_ckpt.runtime.teardown import on_exit
-from alpha_ckpt.generation.writer import ShardCarry, word_view
-from alpha_ckpt.collective import agreement  # agreement.agree_layout, looked up at each call (a probe may time it)
-from alpha_ckpt.collective.agreement import agreed_regions, describe, own_parts, replica_digests, shared_digests, split_shared
-from alpha_ckpt.collective.arrival import Arrivals, group_timeout
+from alpha_ckpt.generation.writer import word_view
+from alpha_ckpt.collective.agreement import agree_layout, agreed_regions, describe, own_parts, replica_digests, shared_digests, split_shared
 from alpha_ckpt.collective.options import CheckpointerOptions
 from alpha_ckpt.collective.recovery import RecoveryClock
 from alpha_ckpt.collective.result import SaveResult, completed
+from alpha_ckpt.collective.runtime import build_runtime
 from alpha_ckpt.collective.resume import announce, announce_save, prepare, shards_read
-from alpha_ckpt.collective.verdict import agree, agree_usage
+from alpha_ckpt.collective.verdict import agree
 
 logger = logging.getLogger("alpha_ckpt")
 
@@ -132,67 +123,22 @@ class Checkpointer:
         self._due_asked = False  # due() said yes: the save that follows re-plans (every="auto")
         self.identity, self.keep = options.identity, options.keep
         self.allow_nonfinite = options.allow_nonfinite
-        store, fanout, save, in_flight = options.store, options.fanout, options.save, options.in_flight
         self.publisher, self.commit_timeout = options.publisher, options.commit_timeout
-        self.group = group
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.hierarchy = Hierarchy(self.world, fanout)
-        self._arrivals = Arrivals(group, self.rank, self.world)  # save and restore name the ranks that did not come
-        # A Store handle given is the caller's.
-        self._own_store = not isinstance(store, Store)
-        self.store = store if isinstance(store, Store) else _open_store(store, self.rank, group)
         self.epoch = 0
         self.follows: int | None = None  # rank 0: the generation this history continues (store.check_fence)
         self._last_restore: dict | None = None  # what this rank's last restore read (bytes, shards)
         self.skipped = 0  # async saves skipped because one was in flight (in_flight="skip")
         self._last_save: dict | None = None  # the last completed save: root, generation, bytes, bytes_written, seconds
-        # What this process wrote before: a region whose bytes did not change (a frozen embedding
-        # table) is named again as carried instead of written again (one save in flight at a time).
-        self._carry = ShardCarry()
-        # Tree messages and an asynchronous save's publish go over gloo groups of their own:
-        # NCCL moves only device memory and cannot time out a receive, and a background
-        # publish must never interleave with the training collectives of the main thread.
-        ranks = None if group is None else dist.get_process_group_ranks(group)
-        nccl = dist.get_backend(group) == "nccl"
-        # The groups made here wait as long as the script's group does (new_group's own default is 30 minutes).
-        timeout = group_timeout(group)
-        self._control = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout) if nccl else group
-        self._saver = AsyncSaver(in_flight=in_flight) if save == "async" else None
-        self._save_group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout) if save == "async" else None
-        # The memory tier, on a gloo group of its own: its copies between peers never interleave with
-        # the training's collectives or a background publish's messages.
-        self.memory: MemoryTier | None = None
         self.memory_skipped: list[str] = []  # the last restore: newer memory generations passed over, and why
         self._ancestor: tuple[int, str] | None = None  # rank 0: (generation, root) of self.follows
-        tier_group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout) if options.memory is not None else None
-        if options.memory is not None:
-            # A memory generation belongs to one store: it is taken only with this store's instance id.
-            instance = broadcast_json(self.store.instance if self.rank == 0 else None, global_rank(0, tier_group),
-                                      tier_group)
-            if instance is None:
-                if self.rank == 0:
-                    logger.warning("memory tier off: store %s has no instance id (it is read-only, or older and not "
-                                   "opened writable since)", self.store.root)
-            else:
-                self.memory = MemoryTier(memory_directory(options, self.store.root), store=self.store,
-                                         instance=instance, rank=self.rank, world=self.world,
-                                         copies=1 + options.replicas,
-                                         stride=replica_stride(self.world), group=tier_group,
-                                         identity=self.identity)
-        # Never closed: at exit, while the interpreter is still whole, the save thread is joined and the
-        # groups made here are destroyed, before the default group (alpha_ckpt.runtime.teardown).
-        self._release = weakref.finalize(self, _release, self._saver,
-                                         [g for g in (self._save_group, tier_group, self._control if nccl else None) if g])
-        on_exit(self._release)
-        self.device = current_device(torch.device("cuda", torch.cuda.current_device()) if nccl
-                                     else torch.device("cpu"))
-        publisher: Publisher = (
-            TreePublisher(self.store, self.hierarchy, self.rank, device=self.device, timeout=self.commit_timeout,
-                          carry=self._carry, identity=self.identity) if self.publisher == "tree" else
-            StarPublisher(self.store, self.rank, self.world, carry=self._carry, identity=self.identity))
-        self._durable = DurableTier(self.store, publisher, self.rank, self.group)
-        # Where generations live, fastest first: a save walks those its schedule names, a restore all.
-        self._tiers: list[Tier] = [t for t in (self.memory, self._durable) if t is not None]
+        # Everything it runs on, from the options alone (alpha_ckpt/collective/runtime.py); named here
+        # as the methods below use it.
+        runtime = build_runtime(options, group, self)  # not kept whole: close() drops the groups it holds
+        self.group, self.rank, self.world, self.hierarchy = group, runtime.rank, runtime.world, runtime.hierarchy
+        self._arrivals, self.store, self._own_store = runtime.arrivals, runtime.store, runtime.own_store
+        self._control, self._saver, self._save_group = runtime.control, runtime.saver, runtime.save_group
+        self.memory, self._carry, self.device = runtime.memory, runtime.carry, runtime.device
+        self._durable, self._tiers, self._release = runtime.durable, runtime.tiers, runtime.release
 
     @classmethod
     def from_launcher_env(cls, *, group: Any = None, bindings: Callable[[Any], None] | None = None,
@@ -308,7 +254,8 @@ class Checkpointer:
 
     @property
     def last_restore(self) -> Mapping[str, Any] | None:
-        """What this rank's last restore read, read-only (bytes, shards, tier, bytes from peers and store)."""
+        """What this rank's last restore read, read-only: bytes, shards, tier, bytes from peers and store, and
+        ``phases``, this rank's seconds choosing the generation, validating (every candidate tried) and copying."""
         return None if self._last_restore is None else MappingProxyType(self._last_restore)
 
     @property
@@ -365,13 +312,13 @@ class Checkpointer:
         except Exception as exc:  # noqa: BLE001 - told to every rank below, as a failed capture is
             refused = exc
         if refused is not None:
-            agreement.agree_layout(Descriptor(refused=Outcome.of(refused, self.rank)), group, self.rank, self.store,
+            agree_layout(Descriptor(refused=Outcome.of(refused, self.rank)), group, self.rank, self.store,
                                    self.world, refused)
             raise AssertionError("unreachable: the agreement refuses")  # pragma: no cover
         descriptor, own, hashed, wrote = describe(prefix, captured, regions, views, self.rank, self.world,
                                                   self.device)
         agreeing = time.monotonic()
-        layout = agreement.agree_layout(descriptor, group, self.rank, self.store, self.world)
+        layout = agree_layout(descriptor, group, self.rank, self.store, self.world)
         phases = {"capture": capture_s, "agree": time.monotonic() - agreeing}
         regions = agreed_regions(layout)
         own, shared_wrote, shared_hashed = split_shared(layout, self.rank, own)
@@ -480,7 +427,11 @@ class Checkpointer:
             raise ValueError(f"per_rank is 'keep' or 'drop', not {per_rank!r}")
         if branch and root in (None, "latest"):
             raise ValueError("branch=True needs the root digest of the generation to branch from")
+        # this rank's seconds: choosing the candidates, validating them (every one tried), copying the one taken
+        phases = {"choose": 0.0, "validate": 0.0, "copy": 0.0}
+        started = time.perf_counter()
         walk = walk_order([tier.newest(self.run, self.step, root, branch) for tier in self._tiers])
+        phases["choose"] = time.perf_counter() - started
         if self.rank == 0 and self._durable.follows is not None:
             self.follows = self._durable.follows
         self.memory_skipped = list(self.memory.skipped) if self.memory is not None else []
@@ -492,10 +443,13 @@ class Checkpointer:
         for i, candidate in enumerate(walk):
             if candidate.root is None:  # rank 0's refusal of the choice itself
                 raise Refusal(candidate.refusal.code, candidate.refusal.message)
+            started = time.perf_counter()
             with tiers[candidate.tier].reader(candidate, wanted) as reading:
                 if reading is None:
+                    phases["validate"] += time.perf_counter() - started
                     continue  # not within reach (the same on every rank): the next candidate
                 bound, refused, fill, counters = self._prepare_agreed(reading.store, candidate.root, state, per_rank)
+                phases["validate"] += time.perf_counter() - started
                 if refused is not None:
                     # Damaged: every rank tries the next candidate together (from memory, the store always is).
                     if (root == "latest" and not bound.binding and refused.code in DAMAGE
@@ -505,10 +459,12 @@ class Checkpointer:
                                            candidate.tier, candidate.update, refused)
                         continue
                     raise refused
+                started = time.perf_counter()
                 fill()
+                phases["copy"] = time.perf_counter() - started
             from_store = self._last_restore["bytes_read"] if candidate.tier == DURABLE else 0
             return self._restored(counters, 0 if branch else counters.epoch + 1, tier=candidate.tier,
-                                  bytes_from_peers=reading.bytes_from_peers, bytes_from_store=from_store,
+                                  bytes_from_peers=reading.bytes_from_peers, bytes_from_store=from_store, phases=phases,
                                   **({"assemble_seconds": reading.seconds} if candidate.tier == MEMORY else {}))
         self._announce(None)
         return None
@@ -578,48 +534,11 @@ class Checkpointer:
                 self.store.close()
 
 
-def _open_store(path: str | os.PathLike, rank: int, group: Any) -> Store:
-    """Collective: rank 0 creates the store, then the others open it. A path that cannot be a store (a
-    file) is the same UsageError on every rank, and no rank is left waiting in a collective the others
-    left, so the next Checkpointer of these processes starts in step."""
-    store = error = None
-    if rank == 0:
-        try:
-            store = Store(path, create=True)
-        except UsageError as exc:
-            error = exc
-    agree_usage(error, group)  # also the barrier: the store exists before the others open it
-    if rank != 0:
-        try:
-            store = Store(path, create=False)
-        except UsageError as exc:
-            error = exc
-    try:
-        agree_usage(error, group)
-    except UsageError:
-        if store is not None:
-            store.close()
-        raise
-    return store
-
-
 def _launcher_options(overrides: Mapping[str, Any]) -> CheckpointerOptions:
     """alpha-run's settings, each overridden by the argument of the same name."""
     settings = launcher_settings()
     if "every" in overrides:  # the script's own schedule: none of alpha-run's parts of it
         settings = {k: v for k, v in settings.items() if k not in ("every", "mtbf", "checkpoint_cost")}
     return CheckpointerOptions(**{**settings, "announce": True, **overrides})
-
-
-def _release(saver: AsyncSaver | None, groups: list) -> None:
-    """Join an asynchronous saver's thread and destroy the process groups a Checkpointer made."""
-    if saver is not None:
-        saver.close()
-    for group in groups:
-        try:
-            if dist.is_initialized():
-                dist.destroy_process_group(group)
-        except (RuntimeError, ValueError) as exc:  # already gone with the default group
-            logger.debug("process group not destroyed: %s", exc)
 
 
