@@ -426,12 +426,11 @@ def test_a_ranks_chunks_go_into_shards_of_at_most_the_limit_and_a_larger_one_alo
     assert group_parts([], 6) == []
 
 
-def test_a_ranks_slices_go_into_shards_of_at_most_shard_bytes_and_load_back_whole(tmp_path, monkeypatch):
-    import alpha_ckpt.dcp
-    monkeypatch.setattr(alpha_ckpt.dcp, "SHARD_BYTES", 48 << 10)  # stands in for 32 MiB
+def test_a_ranks_slices_go_into_shards_of_at_most_shard_bytes_and_load_back_whole(tmp_path):
     store = str(tmp_path / "store")
     state = {"w": torch.arange(40_000, dtype=torch.float32), "b": torch.ones(10)}
-    root = dcp.save(state, storage_writer=StorageWriter(store, run="r", update=1, slice_bytes=16 << 10),
+    root = dcp.save(state, storage_writer=StorageWriter(store, run="r", update=1, slice_bytes=16 << 10,
+                                                        shard_bytes=48 << 10),  # 48 KiB stands in for 32 MiB
                     no_dist=True).storage_meta.checkpoint_id
     with Store(store, create=False) as s, verify_generation(s, root) as generation:
         raw = [sum((hi - lo) * 4 for _, lo, hi in shard.slices) for shard in generation.manifest.shards]
@@ -445,17 +444,16 @@ def test_a_ranks_slices_go_into_shards_of_at_most_shard_bytes_and_load_back_whol
 def test_a_shard_of_small_slices_hands_all_its_payload_to_writeback_before_its_fsync(tmp_path, monkeypatch):
     # DCP's 4 MiB slices are each under the writeback threshold: unless runs of them start writeback,
     # a shard's whole size is left dirty for its fsync to write (measured: 0.4 s of a 0.6 s save).
-    import alpha_ckpt.dcp
     from alpha_ckpt.store import durable
     from alpha_ckpt.generation import writer
-    monkeypatch.setattr(alpha_ckpt.dcp, "SHARD_BYTES", 96 << 10)  # stands in for 32 MiB
     monkeypatch.setattr(writer, "_WRITEBACK_MIN_BYTES", 32 << 10)  # stands in for 8 MiB
     handed: dict[int, list[tuple[int, int]]] = {}
     monkeypatch.setattr(durable, "start_writeback",
                         lambda fd, offset, length: handed.setdefault(os.fstat(fd).st_ino, []).append((offset, length)))
     store = str(tmp_path / "store")
     state = {"w": torch.arange(60_000, dtype=torch.float32)}
-    root = dcp.save(state, storage_writer=StorageWriter(store, run="r", update=1, slice_bytes=16 << 10),
+    root = dcp.save(state, storage_writer=StorageWriter(store, run="r", update=1, slice_bytes=16 << 10,
+                                                        shard_bytes=96 << 10),  # 96 KiB stands in for 32 MiB
                     no_dist=True).storage_meta.checkpoint_id
     with Store(store, create=False) as s, verify_generation(s, root) as generation:
         digests = [shard.digest for shard in generation.manifest.shards]
