@@ -1,0 +1,130 @@
+"""Each test folder holds one kind of test (docs/TESTING.md): tests/unit runs in the test's own process (a
+single helper process at most, never a process group), tests/distributed starts ranks that form a
+torch.distributed process group, tests/e2e runs alpha-run. A file's kind is read from its source: the names
+and programs through which it starts such processes."""
+from __future__ import annotations
+
+import ast
+import textwrap
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parents[1]
+
+# Ranks of a process group: the harness's ranks, torch's launcher, multiprocessing's spawn.
+RANK_NAMES = {"run_ranks", "torchrun"}
+RANK_CALLS = {"init_process_group", "spawn", "start_processes"}
+RANK_MODULES = {"ranks"}  # tests/ranks.py: run_ranks for tests
+RANK_PROGRAMS = {"torch.distributed.run"}
+# alpha-run, forked from the harness's server, as a new interpreter or as the console script.
+ALPHA_RUN_NAMES = {"alpha_run", "alpha_run_start", "alpha_run_command"}
+ALPHA_RUN_PROGRAMS = {"alpha_ckpt.launch.launcher", "alpha-run"}
+
+# Benchmark and probe tests that a change of their own moves out of tests/unit.
+LEFT_FOR_THEIR_OWN_MOVE = {"test_bench_store.py", "test_bench_recovery.py", "test_probe_sharded_saves.py",
+                           "test_fuzz_readers.py"}
+
+
+def launches(source: str) -> dict[str, list[str]]:
+    """What ``source`` starts beyond its own process: {"process group": [...], "alpha-run": [...]}, each the
+    names and programs found (an empty dict for an in-process test)."""
+    found: dict[str, set[str]] = {"process group": set(), "alpha-run": set()}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Name):
+            names = {node.id}
+        elif isinstance(node, ast.Attribute):
+            names = {node.attr}
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names = {node.name}
+        elif isinstance(node, ast.alias):
+            names = {node.name, node.asname} - {None}
+        else:
+            names = set()
+        found["process group"] |= names & RANK_NAMES
+        found["alpha-run"] |= names & ALPHA_RUN_NAMES
+        modules = {node.module} if isinstance(node, ast.ImportFrom) else \
+            {a.name for a in node.names} if isinstance(node, ast.Import) else set()
+        found["process group"] |= modules & RANK_MODULES
+        if isinstance(node, ast.Call):
+            func = node.func
+            called = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+            if called in RANK_CALLS:
+                found["process group"].add(called)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if node.value in RANK_PROGRAMS or "init_process_group(" in node.value:  # a child's program
+                found["process group"].add(node.value if node.value in RANK_PROGRAMS else "init_process_group(")
+            if node.value in ALPHA_RUN_PROGRAMS:
+                found["alpha-run"].add(node.value)
+    return {kind: sorted(names) for kind, names in found.items() if names}
+
+
+def _files(folder: str) -> list[Path]:
+    return sorted((TESTS / folder).rglob("*.py"))
+
+
+def test_every_file_under_tests_unit_runs_in_process():
+    flagged = {str(path.relative_to(TESTS)): launches(path.read_text()) for path in _files("unit")
+               if path.name not in LEFT_FOR_THEIR_OWN_MOVE and path != Path(__file__).resolve()}  # not its samples
+    assert {path: kinds for path, kinds in flagged.items() if kinds} == {}, (
+        "a test that starts a process group belongs in tests/distributed, one that runs alpha-run in tests/e2e")
+
+
+def test_every_file_under_tests_distributed_starts_a_process_group_and_none_runs_alpha_run():
+    kinds = {str(path.relative_to(TESTS)): launches(path.read_text()) for path in _files("distributed")}
+    assert kinds, "tests/distributed holds no test"
+    assert [path for path, found in kinds.items() if "process group" not in found] == [], "in-process: tests/unit"
+    assert [path for path, found in kinds.items() if "alpha-run" in found] == [], "runs alpha-run: tests/e2e"
+
+
+@pytest.mark.parametrize("source, kind", [
+    ("from ranks import run_ranks\ndef test_x(tmp_path):\n    run_ranks(2, f, tmp=tmp_path)\n", "process group"),
+    ("from alpha_ckpt.testing.launch import run_ranks as on_ranks\n", "process group"),
+    ("import ranks\nranks.run_ranks(2, f, tmp=t)\n", "process group"),
+    ("import torch.multiprocessing as mp\ndef test_x():\n    mp.spawn(f, nprocs=2)\n", "process group"),
+    ("import subprocess, sys\nsubprocess.run([sys.executable, '-m', 'torch.distributed.run', 's.py'])\n",
+     "process group"),
+    ("from alpha_ckpt.testing import launch\nlaunch.torchrun('s.py', 2)\n", "process group"),
+    ("from alpha_ckpt.testing import launch\n"
+     "launch.python_c('import torch.distributed as dist; dist.init_process_group(\"gloo\")')\n", "process group"),
+    ("from alpha_ckpt.testing import launch\nlaunch.alpha_run('--nproc', 2, 's.py')\n", "alpha-run"),
+    ("from alpha_ckpt.testing.launch import alpha_run_start\n", "alpha-run"),
+    ("import subprocess\nsubprocess.run(['alpha-run', '--nproc', '2', 's.py'])\n", "alpha-run"),
+    ("from alpha_ckpt.testing import launch\nlaunch.python_m('alpha_ckpt.launch.launcher', '--nproc', 2)\n",
+     "alpha-run"),
+], ids=["run-ranks", "run-ranks-renamed", "ranks-module", "mp-spawn", "torchrun-module", "harness-torchrun",
+        "child-program-with-a-group", "alpha-run", "alpha-run-start", "alpha-run-console", "alpha-run-module"])
+def test_the_detector_finds_each_way_of_starting_ranks_or_alpha_run(source, kind):
+    assert kind in launches(source)
+
+
+@pytest.mark.parametrize("source", [
+    "from alpha_ckpt.testing import launch\nlaunch.alpha_run_checks('--nproc', 2, '--fanout', 0, 'c.toml')\n",
+    "from alpha_ckpt.testing import launch\nlaunch.python_c('import sys; sys.exit(3)')\n",
+    "import subprocess, sys\nsubprocess.run([sys.executable, '-m', 'alpha_ckpt.launch.cli', 'verify'])\n",
+    "import torch\ndef test_x(monkeypatch):\n"
+    "    monkeypatch.setattr(torch.distributed, 'init_process_group', lambda *a: None)\n",
+    "def test_x(capsys):\n    assert 'alpha-run: exit 2' in capsys.readouterr().err\n",
+    "from alpha_ckpt.testing import launch\nlaunch.in_fresh_process(f, 1)\n",
+    "ranks = [0, 1]\nassert len(ranks) == 2\n",
+], ids=["alpha-run-checks", "one-python-process", "alpha-ckpt-cli", "stubbed-init", "alpha-run-in-a-message",
+        "one-fresh-process", "a-variable-named-ranks"])
+def test_the_detector_passes_in_process_tests(source):
+    assert launches(source) == {}
+
+
+def test_files_that_were_moved_out_of_tests_unit_are_found_by_the_detector():
+    # The control on real files: were one of these back under tests/unit, the first test would fail.
+    assert "process group" in launches((TESTS / "distributed" / "test_star_race.py").read_text())
+    assert "alpha-run" in launches((TESTS / "e2e" / "test_dcp_under_alpha_run.py").read_text())
+    assert "alpha-run" in launches((TESTS / "e2e" / "test_readme.py").read_text())
+
+
+def test_a_source_with_a_program_string_is_read_as_what_it_starts():
+    child = textwrap.dedent('''
+        SCRIPT = """
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        """
+    ''')
+    assert launches(child) == {"process group": ["init_process_group("]}
