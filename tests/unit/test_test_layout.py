@@ -5,6 +5,7 @@ and programs through which it starts such processes."""
 from __future__ import annotations
 
 import ast
+import functools
 import textwrap
 from pathlib import Path
 
@@ -26,11 +27,9 @@ LEFT_FOR_THEIR_OWN_MOVE = {"test_bench_store.py", "test_bench_recovery.py", "tes
                            "test_fuzz_readers.py"}
 
 
-def launches(source: str) -> dict[str, list[str]]:
-    """What ``source`` starts beyond its own process: {"process group": [...], "alpha-run": [...]}, each the
-    names and programs found (an empty dict for an in-process test)."""
+def _found(tree: ast.AST, helpers: dict[str, dict[str, set[str]]]) -> dict[str, set[str]]:
     found: dict[str, set[str]] = {"process group": set(), "alpha-run": set()}
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Name):
             names = {node.id}
         elif isinstance(node, ast.Attribute):
@@ -56,6 +55,44 @@ def launches(source: str) -> dict[str, list[str]]:
                 found["process group"].add(node.value if node.value in RANK_PROGRAMS else "init_process_group(")
             if node.value in ALPHA_RUN_PROGRAMS:
                 found["alpha-run"].add(node.value)
+        # A function of a helper module (tests/*.py) that starts them, imported by name or called as module.name.
+        used = [(node.module, a.name) for a in node.names] if isinstance(node, ast.ImportFrom) else \
+            [(node.value.id, node.attr)] if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) else []
+        for module, name in used:
+            for kind in helpers.get(module, {}).get(name, ()):
+                found[kind].add(f"{module}.{name}")
+    return found
+
+
+def helper_launches(source: str) -> dict[str, set[str]]:
+    """The top-level functions of a helper module that start ranks or alpha-run, themselves or through another
+    of its functions: {function: kinds}."""
+    functions = {node.name: node for node in ast.parse(source).body
+                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    kinds = {name: {kind for kind, names in _found(node, {}).items() if names} for name, node in functions.items()}
+    grown = True
+    while grown:
+        grown = False
+        for name, node in functions.items():
+            calls = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in functions} - {name}
+            more = set().union(*(kinds[c] for c in calls)) - kinds[name]
+            if more:
+                kinds[name] |= more
+                grown = True
+    return {name: found for name, found in kinds.items() if found}
+
+
+@functools.cache
+def helper_modules() -> dict[str, dict[str, set[str]]]:
+    """Every helper module of tests/ by name: its functions that start ranks or alpha-run."""
+    return {path.stem: helper_launches(path.read_text()) for path in sorted(TESTS.glob("*.py"))
+            if path.name != "conftest.py"}
+
+
+def launches(source: str, helpers: dict[str, dict[str, set[str]]] | None = None) -> dict[str, list[str]]:
+    """What ``source`` starts beyond its own process: {"process group": [...], "alpha-run": [...]}, each the
+    names and programs found (an empty dict for an in-process test); ``helpers``: tests/'s by default."""
+    found = _found(ast.parse(source), helper_modules() if helpers is None else helpers)
     return {kind: sorted(names) for kind, names in found.items() if names}
 
 
@@ -116,6 +153,8 @@ def test_the_detector_passes_in_process_tests(source):
 def test_files_that_were_moved_out_of_tests_unit_are_found_by_the_detector():
     # The control on real files: were one of these back under tests/unit, the first test would fail.
     assert "process group" in launches((TESTS / "distributed" / "test_star_race.py").read_text())
+    assert "process group" in launches(  # through tests/state_recipes.py
+        (TESTS / "distributed" / "test_publish_implies_restore_examples.py").read_text())
     assert "alpha-run" in launches((TESTS / "e2e" / "test_dcp_under_alpha_run.py").read_text())
     assert "alpha-run" in launches((TESTS / "e2e" / "test_readme.py").read_text())
 
@@ -128,3 +167,22 @@ def test_a_source_with_a_program_string_is_read_as_what_it_starts():
         """
     ''')
     assert launches(child) == {"process group": ["init_process_group("]}
+
+
+def test_a_helper_function_that_starts_ranks_makes_a_test_that_uses_it_start_them():
+    helper = textwrap.dedent("""
+        def _save(world, tmp):
+            from ranks import run_ranks
+            return run_ranks(world, print, tmp=tmp)
+        def check(recipe, tmp):
+            return _save(2, tmp)
+        def encode(value):
+            return value
+    """)
+    helpers = {"recipes": helper_launches(helper)}
+    assert helpers == {"recipes": {"_save": {"process group"}, "check": {"process group"}}}
+    assert launches("from recipes import check\n", helpers) == {"process group": ["recipes.check"]}
+    assert launches("import recipes\nrecipes.check({}, '.')\n", helpers) == {"process group": ["recipes.check"]}
+    assert launches("from recipes import encode\n", helpers) == {}
+    # The real one: the recipes the publish-implies-restore examples check are saved on ranks.
+    assert helper_modules()["state_recipes"]["check_recipe"] == {"process group"}
