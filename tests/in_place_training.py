@@ -1,4 +1,5 @@
-"""A DDP GPT-style training script whose ranks recover in place (alpha_ckpt.run_resilient), and that can kill one.
+"""A DDP training script of the tests' GPT (tests/gpt_training.py) whose ranks recover in place
+(alpha_ckpt.run_resilient), and that can kill one.
 
     alpha-run --nproc 2 --max-restarts 1 --in-place --store S tests/in_place_training.py --steps 8 \
         --kill-rank 1 --kill-at 3 --events DIR
@@ -21,7 +22,6 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import random
 import signal
@@ -38,34 +38,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import alpha_ckpt
 from alpha_ckpt.runtime import launch_env
-
-VOCAB, CONTEXT, WIDTH = 32, 16, 32
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
-        self.attn = nn.MultiheadAttention(WIDTH, 4, dropout=0.1, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH), nn.Dropout(0.1))
-        self.register_buffer("mask", torch.triu(torch.full((CONTEXT, CONTEXT), -math.inf), diagonal=1))
-
-    def forward(self, x):
-        t = x.shape[1]
-        h = self.ln1(x)
-        x = x + self.attn(h, h, h, attn_mask=self.mask[:t, :t], need_weights=False)[0]
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(VOCAB, WIDTH), nn.Parameter(torch.zeros(CONTEXT, WIDTH))
-        self.blocks, self.ln = nn.Sequential(Block(), Block()), nn.LayerNorm(WIDTH)
-        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
-
-    def forward(self, idx):
-        return self.head(self.ln(self.blocks(self.tok(idx) + self.pos[: idx.shape[1]])))
+from gpt_training import CONTEXT, GPT, VOCAB  # the tests' one GPT (this script's folder is on the path)
 
 
 class Tokens(Dataset):
@@ -176,7 +149,8 @@ def main():
     data = DataPosition(Tokens(), rank, world, batch=4)
     torch.manual_seed(100 + rank), random.seed(100 + rank), np.random.seed(100 + rank)
     progress = {"step": 0}
-    ckpt = alpha_ckpt.Checkpointer.from_launcher_env(identity={"model": ARGS.model_name}, allow_nonfinite=["*.mask"])
+    ckpt = alpha_ckpt.Checkpointer.from_launcher_env(identity={"model": ARGS.model_name},
+                                                     allow_nonfinite=["*.causal_mask"])
     state = {"model": model, "optim": optim, "sched": sched, "data": alpha_ckpt.PerRank(data),
              "rng": alpha_ckpt.PerRank(alpha_ckpt.RNGState()), "progress": alpha_ckpt.PerRank(progress)}
     ckpt.restore(state)

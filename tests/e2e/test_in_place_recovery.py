@@ -1,5 +1,6 @@
 """alpha-run --in-place: a killed rank is replaced alone, the survivors recover in their own processes."""
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -80,6 +81,7 @@ def test_a_plain_script_under_in_place_is_restarted_whole_in_one_round(tmp_path,
     plain = tmp_path / "plain.py"
     plain.write_text(SCRIPT.read_text().replace("alpha_ckpt.run_resilient(main, backend=\"gloo\")",
                                                 "dist.init_process_group(\"gloo\")\n    main()"))
+    shutil.copy(SCRIPT.parent / "gpt_training.py", tmp_path)  # its model, beside it as beside the original
     (tmp_path / "ev").mkdir()
     proc = alpha_run("--nproc", 2, "--max-restarts", 1, "--in-place", "--store", tmp_path / "s", plain,
                      "--steps", STEPS, "--kill-rank", 1, "--kill-at", 3, "--events", tmp_path / "ev", cwd=tmp_path)

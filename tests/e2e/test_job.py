@@ -213,7 +213,7 @@ def test_ctrl_c_stops_every_owner_and_leaves_the_last_generation_whole(tmp_path)
 
 
 # CI: gates/checkpoint_chunk refuses a flipped shard byte of a 4-owner tree job (exit 3, store
-# unchanged), and tests/unit/test_checkpointer.py makes every rank act on damage only rank 1 reads.
+# unchanged), and tests/distributed/test_checkpointer.py makes every rank act on damage only rank 1 reads.
 @pytest.mark.full
 @pytest.mark.timeout(400)
 def test_a_tree_checkpoint_with_one_damaged_leaf_shard_is_refused_by_every_owner(tmp_path):
@@ -248,7 +248,7 @@ def _bytes_read(stderr: str) -> dict[int, int]:
             for m in re.finditer(r"owner (\d+) restored update \d+ from \w+: read (\d+) payload bytes", stderr)}
 
 
-# CI covers both halves elsewhere: tests/unit/test_checkpointer.py measures each of 4 ranks reading only
+# CI covers both halves elsewhere: tests/distributed/test_checkpointer.py measures each of 4 ranks reading only
 # its share (tree, fan-out 2), and gates/parameter_partitioning resumes the job saved on 4 owners on 3.
 @pytest.mark.full
 @pytest.mark.timeout(400)

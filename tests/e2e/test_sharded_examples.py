@@ -22,7 +22,7 @@ def test_the_fsdp2_dcp_example_resumed_from_its_newest_checkpoint_ends_as_an_uni
     resumed = _run(tmp_path / "b", 2, 8)
     assert resumed["state_sha256"] == whole["state_sha256"]
     assert first["losses"] + resumed["losses"] == whole["losses"]  # no step trained twice, none skipped
-    # Resharded resumes: tests/unit/test_dcp_backend.py (bit for bit) and the Checkpointer example below.
+    # Resharded resumes: tests/distributed/test_dcp_backend.py (bit for bit) and the Checkpointer example below.
 
 
 def test_the_fsdp2_checkpointer_example_resumed_from_latest_ends_as_an_uninterrupted_run(tmp_path):
@@ -32,6 +32,6 @@ def test_the_fsdp2_checkpointer_example_resumed_from_latest_ends_as_an_uninterru
     assert resumed["state_sha256"] == whole["state_sha256"]
     assert first["losses"] + resumed["losses"] == whole["losses"]
     # Resharded 2 -> 3 it goes on from step 8 (FSDP2 on 3 ranks sums in another order, so only the
-    # continuation is checked here; the bit-for-bit reshard is tests/unit/test_checkpointer_sharded.py).
+    # continuation is checked here; the bit-for-bit reshard is tests/distributed/test_checkpointer_sharded.py).
     more = _run(tmp_path / "b", 3, 10, "train_fsdp2.py", ("--resume", "latest"))
     assert more["step"] == 10 and len(more["losses"]) == 2

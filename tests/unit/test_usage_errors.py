@@ -4,6 +4,8 @@ alpha-run's own flags are checked in its one process, before any rank starts: th
 ``launcher.main`` in-process with torch's launcher stubbed out (an owner started is a failure). The
 built-in job is launched as any script is, so its own flags and config are checked by the job, before
 its process group starts: those cases call the job's ``main`` in-process, as every owner runs it.
+The same errors met by the alpha-run process and by the job it launches:
+tests/e2e/test_usage_errors_under_alpha_run.py.
 """
 import errno
 import os
@@ -160,25 +162,6 @@ def test_an_owner_under_plain_torchrun_refuses_the_same_usage_errors_with_exit_2
     argv = [config_path(tmp_path, config), "--store", str(tmp_path / "store"), "--updates", "3", *flags]
     code = exit_code_of(worker.main, argv)  # owners write their lines to fd 2 directly
     assert_one_line_usage_error(code, capfd.readouterr().err)
-
-
-@pytest.mark.timeout(120)
-def test_the_alpha_run_process_prints_one_line_and_exits_2_without_starting_owners(tmp_path):
-    for flags in (["--fanout", "0"], ["--nproc", "0"], ["--run", "a/b"], ["--checkpoint-every", "x"]):
-        proc = launch.python_m("alpha_ckpt.launch.launcher", "--nproc", "2", "--store", tmp_path / "store", *flags,
-                               "-m", "alpha_ckpt.job", CONFIG, "--updates", "3", timeout=60)
-        assert_one_line_usage_error(proc.returncode, proc.stderr)
-        assert proc.stdout == ""
-
-
-@pytest.mark.timeout(180)
-def test_a_job_usage_error_under_alpha_run_exits_2_with_one_line_and_no_restart(tmp_path):
-    for flags in (["--set", "bogus=1"], ["--updates", "0"]):
-        proc = launch.alpha_run("--nproc", "2", "--max-restarts", "2", "--store", tmp_path / "store", "-m",
-                                "alpha_ckpt.job", CONFIG, "--updates", "3", *flags, timeout=150)
-        assert proc.returncode == 2, proc.stderr[-2000:]
-        lines = [line for line in proc.stderr.splitlines() if line.startswith("alpha-run:")]
-        assert len(lines) == 1 and "restart" not in lines[0], proc.stderr[-2000:]
 
 
 @pytest.mark.timeout(60)

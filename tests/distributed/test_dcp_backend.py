@@ -672,32 +672,6 @@ def test_a_replicated_entry_that_differs_across_ranks_refuses_the_dcp_save_namin
         assert s.list_refs("r", "train") == []
 
 
-_REFUSED_UNDER_ALPHA_RUN = textwrap.dedent('''
-    import sys
-    import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
-    from alpha_ckpt.dcp import StorageReader, StorageWriter
-
-    store, what = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo")
-    if what == "save":  # a NaN no allow_nonfinite pattern declares
-        dcp.save({"w": torch.full((4,), float("nan"))}, storage_writer=StorageWriter(store, run="r", update=1))
-    else:  # "latest" of a run with no generation
-        dcp.load({"w": torch.zeros(4)}, storage_reader=StorageReader(store, run="r"))
-''')
-
-
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("what", ["save", "load"])
-def test_a_refusal_inside_dcp_under_alpha_run_exits_3(tmp_path, what):
-    script = tmp_path / "dcp_refused.py"
-    script.write_text(_REFUSED_UNDER_ALPHA_RUN)
-    store = tmp_path / "store"
-    Store(store).close()
-    # One rank: DCP wraps a refusal in its CheckpointException whatever the rank count.
-    done = launch.alpha_run("--nproc", "1", "--store", store, script, store, what, timeout=150)
-    assert done.returncode == 3, done.stderr[-3000:]
-
-
 def test_a_storage_writer_refuses_a_negative_cursor_at_construction():
     with pytest.raises(ValueError):
         StorageWriter("unused", run="r", update=1, cursor=-5)

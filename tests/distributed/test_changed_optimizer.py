@@ -1,22 +1,19 @@
 """A restore into another optimizer class is refused ``coverage``, naming both classes, before any byte of the
-state is written, at every door (alpha_ckpt.restore, the Checkpointer on every rank, a script under alpha-run);
+state is written, at every door (alpha_ckpt.restore, the Checkpointer on every rank; a script under alpha-run:
+tests/e2e/test_changed_optimizer_under_alpha_run.py);
 an explicitly allowed change between classes of the same hyperparameters restores and steps; a Stateful whose
 load_state_dict() raises after the copies says what was already written."""
 import copy
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 import alpha_ckpt
 from alpha_ckpt import Checkpointer, RefusalCode, RestoreIncomplete, UsageError
-from alpha_ckpt.testing import launch
 from gpt_training import CONTEXT, GPT, VOCAB, assert_identical, optimizer_step
 from ranks import run_ranks
 
 MASK = "*.causal_mask"  # the GPT's -inf attention mask
-TESTS = Path(__file__).resolve().parents[1]  # gpt_training.py, for the script alpha-run starts
 OPTIMIZERS = {
     "SGD": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
     "Adam": lambda params: torch.optim.Adam(params, lr=1e-3),
@@ -131,47 +128,6 @@ def test_the_checkpointer_refuses_another_optimizer_class_on_every_rank_before_a
     results = run_ranks(2, restore_sgd_into_adamw_on_every_rank, str(tmp_path / "s"), (), tmp=tmp_path, timeout=100)
     assert [r.get("refusal") for r in results] == ["coverage", "coverage"], results
     assert all("SGD" in r["message"] and "AdamW" in r["message"] and r["untouched"] for r in results), results
-
-
-SCRIPT = textwrap.dedent("""
-    import sys
-    import torch
-    import alpha_ckpt
-    from alpha_ckpt import Checkpointer
-    sys.path.insert(0, sys.argv[2])
-    from gpt_training import GPT, CONTEXT, VOCAB, optimizer_step
-
-
-    def main():
-        torch.manual_seed(0)
-        model = GPT()
-        optim = {"SGD": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
-                 "AdamW": lambda p: torch.optim.AdamW(p, lr=1e-3)}[sys.argv[1]](model.parameters())
-        ckpt = Checkpointer.from_launcher_env(allow_nonfinite="*.causal_mask")
-        state = {"model": model, "optim": optim}
-        counters = ckpt.restore(state)
-        update = counters.update if counters else 0
-        optimizer_step(model, optim, torch.randint(0, VOCAB, (4, CONTEXT + 1)))
-        ckpt.save(state, update=update + 1)
-        ckpt.close()
-
-
-    alpha_ckpt.run_resilient(main, backend="gloo")
-""")
-
-
-@pytest.mark.timeout(300)
-def test_a_script_resumed_with_another_optimizer_class_exits_3_under_alpha_run(tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
-
-    def alpha_run(optimizer, *flags):
-        return launch.alpha_run("--nproc", "2", "--store", tmp_path / "s", *flags, script, optimizer, TESTS,
-                                cwd=tmp_path, timeout=240)
-    first = alpha_run("SGD")
-    assert first.returncode == 0, first.stderr[-3000:]
-    resumed = alpha_run("AdamW", "--resume", "latest")
-    assert resumed.returncode == 3, resumed.stderr[-3000:]
 
 
 class Fails:
