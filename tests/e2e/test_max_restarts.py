@@ -87,7 +87,8 @@ def test_a_scripts_own_error_before_any_checkpoint_call_exits_1_after_one_attemp
     attempts = tmp_path / "attempts"
     run = alpha_run("--nproc", 2, "--store", tmp_path / "s", "--max-restarts", 3, script, attempts, when, cwd=tmp_path)
     assert run.returncode == 1, run.stderr[-2000:]
-    assert attempts.read_text().split() == ["0", "0"]  # no restart spent on it
+    # no restart spent on it (else alpha-run's lines say which rank's failure it took as the cause, and how)
+    assert attempts.read_text().split() == ["0", "0"], run.stderr[-4000:]
     assert "hidden size must be positive, not -3" in run.stderr  # the script's own error is shown
 
 
