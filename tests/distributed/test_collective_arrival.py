@@ -18,7 +18,9 @@ def _rank(case: str, rank: int, world: int, rendezvous: str, store: str, out: st
     import torch
     import torch.distributed as dist
     import alpha_ckpt
+    from alpha_ckpt.testing.launch import wait_until
     result: dict = {}
+    pid_file = Path(store).parent / "rank1.pid"  # the exiting case: rank 1 tells rank 0 which process to watch
     try:
         dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=TIMEOUT_S))
@@ -35,9 +37,11 @@ def _rank(case: str, rank: int, world: int, rendezvous: str, store: str, out: st
             elif case == "restore-on-rank-1" and rank == 1:
                 ckpt.restore(state)
             elif case == "save-on-rank-0-while-rank-1-exits" and rank == 0:
-                time.sleep(0.5)  # rank 1 has left
+                wait_until(lambda: exited(int(pid_file.read_text())) if pid_file.exists() else False,
+                           timeout=60, what="rank 1's exit")
                 ckpt.save(state, update=1)
             elif case == "save-on-rank-0-while-rank-1-exits":
+                pid_file.write_text(str(os.getpid()))
                 os._exit(0)
             else:  # busy elsewhere, alive, until the caller has its answer (or a minute)
                 deadline = time.monotonic() + 60
@@ -51,6 +55,15 @@ def _rank(case: str, rank: int, world: int, rendezvous: str, store: str, out: st
         result = {"crash": traceback.format_exc()}
     Path(out).write_text(json.dumps(result))
     os._exit(0)  # the group is broken now: no teardown of it
+
+
+def exited(pid: int) -> bool:
+    """Whether process ``pid`` has ended: gone, or a zombie its parent has not reaped yet."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
 
 
 def _run(case: str, tmp: Path) -> list[dict]:
