@@ -52,6 +52,7 @@ from typing import Any, Callable, Iterator
 
 from alpha_ckpt.format.records import NAME_RE
 from alpha_ckpt.runtime import heartbeat, launch_env
+from alpha_ckpt.store.location import canonical
 from alpha_ckpt.runtime import options as options_core
 from alpha_ckpt.runtime.heartbeat import check_heartbeat_args
 from alpha_ckpt.launch.inplace import check_in_place_args, run_in_place
@@ -207,7 +208,7 @@ def script_options(args) -> dict[str, Any]:
     """The Checkpointer options a script's ranks get: the store, the run, the resume choice when a flag gave one
     (none: "latest", the option's default, as under torchrun) and every option a flag gave (with --memory,
     the tier's directory this launch made)."""
-    options = {"store": os.path.abspath(args.store), "run": script_run(args), **options_core.from_flags(args)}
+    options = {"store": canonical(args.store), "run": script_run(args), **options_core.from_flags(args)}
     if args.resume_from or args.resume:
         options["resume"] = args.resume_from or args.resume
     if options.get("memory"):

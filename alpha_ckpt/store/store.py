@@ -19,6 +19,7 @@ from alpha_ckpt.store._posix import _log
 from alpha_ckpt.store import layout as L
 from alpha_ckpt.store.backend import RefDir, RefUnreadable, StorageBackend
 from alpha_ckpt.store.layout import StoreLayout, ref_name
+from alpha_ckpt.store.location import local_path
 from alpha_ckpt.store.objects import ObjectFile, Validate
 from alpha_ckpt.store.pending import PublishLease, _LeaseBook
 from alpha_ckpt.store.posix import PosixBackend
@@ -51,7 +52,7 @@ class Store:
         self.write_modes = write_mode if isinstance(write_mode, WriteModes) else WriteModes(write_mode)
         self.write_threads = check_write_threads(write_threads)
         if isinstance(root_or_backend, (str, os.PathLike)):
-            self.layout: StoreLayout | None = StoreLayout(root_or_backend)
+            self.layout: StoreLayout | None = StoreLayout(local_path(root_or_backend))
             self.backend: StorageBackend = PosixBackend(self.layout, create)
         else:
             self.backend = root_or_backend

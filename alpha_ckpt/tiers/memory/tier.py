@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from alpha_ckpt.store import durable
+from alpha_ckpt.store.location import canonical
 
 from alpha_ckpt.runtime import launch_env
 from alpha_ckpt.store._posix import write_all
@@ -102,7 +103,7 @@ def memory_directory(options: Any, store_root: str) -> str:
     launched = launch_env.memory_directory()
     if launched is not None:
         return launched
-    key = blake3.blake3(f"{os.path.abspath(store_root)}\0{options.run}\0{options.step}".encode()).hexdigest()[:16]
+    key = blake3.blake3(f"{canonical(store_root)}\0{options.run}\0{options.step}".encode()).hexdigest()[:16]
     return os.path.join(default_root(), key)
 
 
