@@ -124,8 +124,8 @@ class Store:
         committed anew. A reused object's modification time is renewed, so
         gc's grace period protects it until the publish reusing it has its ref.
         """
-        validate = self._counted(validate)
-        if digest_hint is not None and self.backend.reuse_object(self.check_digest(digest_hint), None, validate):
+        if digest_hint is not None and self.backend.reuse_object(self.check_digest(digest_hint), None,
+                                                                 self._counted(validate)):
             return digest_hint, False
         return self.put_objects([write], validate=validate)[0]
 
@@ -164,10 +164,7 @@ class Store:
         raise DurableWriteError("rename", errno.EEXIST, f"object {names[left[0]]} kept disappearing while being reused")
 
     def _counted(self, validate: Validate) -> Validate:
-        """``validate``, adding to :attr:`reuse_checks` and :attr:`reuse_check_seconds` (once per call, however nested)."""
-        if getattr(validate, "counted_by", None) is self:
-            return validate
-
+        """``validate``, adding to :attr:`reuse_checks` and :attr:`reuse_check_seconds`."""
         def counted(obj, what):
             started = time.perf_counter()
             try:
@@ -176,7 +173,6 @@ class Store:
                 with self._reuse_lock:
                     self.reuse_checks += 1
                     self.reuse_check_seconds += time.perf_counter() - started
-        counted.counted_by = self  # type: ignore[attr-defined]
         return counted
 
     def renew_object(self, digest: str) -> bool:
