@@ -51,6 +51,30 @@ def save_forged(state: dict, store_dir, *, update: int = 1, cursor: int = 0, epo
         return publish_forged(s, CapturePrefix(run, step, update, cursor, epoch), regions, shards).root
 
 
+S3_BUCKET = "alpha-ckpt-tests"
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """One real S3 server (SeaweedFS) per test process, with the tests' bucket."""
+    from alpha_ckpt.testing.s3_server import S3Server
+    server = S3Server(tmp_path_factory.mktemp("s3-server")).start()
+    try:
+        server.make_bucket(S3_BUCKET)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_store(s3_server, monkeypatch) -> str:
+    """A fresh store on the S3 server (a prefix of its own), with the AWS environment pointing at the server."""
+    import secrets
+    for name, value in s3_server.environment().items():
+        monkeypatch.setenv(name, value)
+    return f"s3://{S3_BUCKET}/{secrets.token_hex(6)}"
+
+
 @pytest.fixture
 def mount_tmpfs(tmp_path):
     """mount_tmpfs(size): a tmpfs of our own (root writes through permission bits, not through a read-only

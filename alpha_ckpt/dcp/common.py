@@ -19,11 +19,15 @@ class Chain:
     stale: str | None = None
 
 
-CHAINS: dict[tuple, Chain] = {}  # (store directory's device and inode, run, step): this process's history
+CHAINS: dict[tuple, Chain] = {}  # (the store's identity (chain_key), run, step): this process's history
 
 
 def chain_key(store: Store, run: str, step: str) -> tuple:
-    st = os.stat(store.root)  # a store's identity, however its path is spelled
+    """A store's identity, however its path is spelled: its directory's device and inode on a file system,
+    else the backend's normalised location (an object store's URL)."""
+    if store.layout is None:
+        return (store.root, run, step)
+    st = os.stat(store.root)
     return (st.st_dev, st.st_ino, run, step)
 
 

@@ -25,6 +25,30 @@ def read_head(obj: ObjectFile, what: str, size_is_known: bool) -> tuple[Any, int
     return header, head_len
 
 
+def _find_ref(store: Store, root: str, manifest: ManifestHead | None, what: str) -> tuple[RefRecord | None, ManifestHead | None]:
+    """The ref naming ``root`` (None if none does), and its manifest where read on the way. An intact
+    manifest names its run/step, whose history holds its ref: no listing of the store. A manifest that
+    does not read is left to be read again once the ref is found among every run's, and refused as it
+    then is (its record's size known)."""
+    store.check_digest(root)
+    if manifest is None or manifest.digest != root:
+        try:
+            with store.open_object(root, what) as obj:
+                header, head_len = read_head(obj, what, size_is_known=False)
+                size = obj.size
+            if header.get("kind") != "manifest":
+                raise Refusal(RefusalCode.FORMAT, f"{what} is a {header.get('kind')}, not a manifest")
+            manifest = parse_manifest_header(header, root, head_len, what)
+        except Refusal:
+            return store.find_ref(root), None
+    else:
+        size = manifest.size
+    ref = store.find_ref(root, near=(manifest.prefix.run, manifest.prefix.step)) or store.find_ref(root)
+    if ref is not None and ref.root_size != size:
+        return ref, None  # read again with the size its record gives, and refused as that read refuses
+    return ref, manifest
+
+
 def _check_size(obj: ObjectFile, expected: int | None, what: str) -> None:
     if expected is not None and obj.size != expected:
         raise Refusal(RefusalCode.FORMAT, f"{what} has {obj.size} bytes, its record says {expected} (truncated or extended)")
@@ -148,10 +172,9 @@ def open_generation(store: Store, root: str, ref: RefRecord | None = None, *,
     opened (star or tree); coverage is still checked on every record read.
     ``manifest``: the root manifest as the caller already read and validated it (it is not read again).
     """
-    if ref is None:
-        store.check_digest(root)
-        ref = store.find_ref(root)
     what = f"root manifest {root[:16]}..."
+    if ref is None:
+        ref, manifest = _find_ref(store, root, manifest, what)
     if manifest is None or manifest.digest != root:  # ``manifest``: this root's, read and validated by the caller
         manifest = _read_manifest(store, root, ref.root_size if ref else None, what)
     if ref is not None and ref.prefix != manifest.prefix:

@@ -42,6 +42,7 @@ from alpha_ckpt.generation.packing import (  # noqa: F401 (re-exported: imported
 )
 from alpha_ckpt.generation.reader import validate_object_file
 from alpha_ckpt.store import RefRecord, Store, check_fence
+from alpha_ckpt.store.backend import ObjectContent, ObjectWriter
 
 # The largest shard file a save writes. Buffered writes to one file are serialized by the kernel
 # (one writer at a time per inode), so a larger file is written by one thread however many the
@@ -283,7 +284,9 @@ def prepare_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regio
         end = head_len + max((r.offset + r.stored for r in records), default=0)
         return records, payloads, head_len, end
 
-    def write(fd: int) -> str:
+    def prepare() -> tuple[Callable[[], bytes], list[tuple[int, memoryview]], int, int]:
+        """Lay the shard out and start hashing it: (head(), the payload's (offset, bytes), head length, size);
+        head() waits for the digests (and refuses a non-finite word)."""
         records, payloads, head_len, end = layout()
         shard.size = end
         futures = []
@@ -325,6 +328,16 @@ def prepare_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regio
             return encoded
 
         segments = [(head_len + r.offset, stored) for r, stored in zip(records, payloads)]
+        return head, segments, head_len, end
+
+    def content() -> ObjectContent:
+        """The shard read where its bytes lie (tensor memory, compressed copies), for a backend that uploads it."""
+        head, segments, _, end = prepare()
+        encoded = head()
+        return ObjectContent(digest_bytes(encoded), end, ((0, memoryview(encoded)), *segments))
+
+    def write(fd: int) -> str:
+        head, segments, head_len, end = prepare()
         if end >= DIRECT_MIN_BYTES and shard.mode == "direct":
             if write_direct(fd, end, segments, head, _direct_writer(), head_len):
                 return digest_bytes(head())
@@ -338,7 +351,8 @@ def prepare_shard(store: Store, prefix: CapturePrefix, schema_digest: str, regio
         return digest_bytes(encoded)
 
     # Sized by its raw bytes until written (a compressed shard is smaller): what decides "large" for planning.
-    shard = ShardWrite(sum(len(raw) for _, raw, _ in parts), tuple((p.ordinal, p.lo, p.hi) for p, _, _ in parts), write)
+    shard = ShardWrite(sum(len(raw) for _, raw, _ in parts), tuple((p.ordinal, p.lo, p.hi) for p, _, _ in parts),
+                       ObjectWriter(write, content))
     return shard
 
 

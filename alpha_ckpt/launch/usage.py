@@ -15,7 +15,7 @@ from alpha_ckpt.errors import DurableWriteError, Refusal, StoreUsageError, Usage
 from alpha_ckpt.format.records import is_digest
 from alpha_ckpt.runtime import options as options_core
 from alpha_ckpt.store import Store
-from alpha_ckpt.store.location import local_path
+from alpha_ckpt.store.location import is_object_store
 
 EXIT_USAGE = 2
 
@@ -53,7 +53,7 @@ def check_store_writable(path: str) -> None:
     read-only mount refuses even root. The file is named like a live
     publisher's temporary file (``PID-RANDOM.tmp``), so a gc meanwhile leaves it.
     """
-    local_path(path)  # a URL no backend serves: its own one-line error, before anything is created
+    is_object_store(path)  # a URL no backend serves: its own one-line error, before anything is created
     try:
         with Store(path) as store:  # creates the store's directories, as the owners would
             store.probe_write()

@@ -40,21 +40,125 @@ Guarantees every backend gives:
 
 An object is written through a file descriptor its backend hands the writer
 (``write(fd)`` writes the bytes and returns the name): a file under tmp/ for
-the POSIX backend; an anonymous memory file (``os.memfd_create``) that a
-backend of another kind uploads or keeps, for an object store or a peer's
-memory. Two implementations: :class:`PosixBackend <alpha_ckpt.store.posix.PosixBackend>`
+the POSIX backend; an anonymous memory file (``os.memfd_create``) for a
+backend that keeps bytes in memory. A writer that can also describe its
+object as :class:`ObjectContent` (``write.content()``: the name, the size,
+and the bytes as memory segments, e.g. a shard's tensors) lets a backend read
+it where it lies: an object store uploads parts straight from tensor memory,
+with no copy of the whole object (:func:`content_of`). Implementations: :class:`PosixBackend <alpha_ckpt.store.posix.PosixBackend>`
 (the file system) and :class:`InMemoryBackend <alpha_ckpt.store.in_memory.InMemoryBackend>`
 (everything in this process's memory, no file touched);
+:class:`S3Backend <alpha_ckpt.store.s3.S3Backend>` (an S3-compatible object store, with conditional writes);
 :class:`ReadThroughBackend <alpha_ckpt.store.read_through.ReadThroughBackend>`
 reads what one backend lacks from others (the memory tier's view of a node).
 ``tests/unit/test_store_backend.py`` runs one contract against each.
 """
 from __future__ import annotations
 
+import io
+import mmap
+import os
 from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol, Sequence
 
 from alpha_ckpt.store.objects import ObjectFile, Validate
+
+
+@dataclass(frozen=True)
+class ObjectContent:
+    """An object described where its bytes lie: ``segments`` are (offset, bytes) in ascending, non-overlapping
+    order; what no segment covers up to ``size`` is zero (alignment padding)."""
+
+    name: str
+    size: int
+    segments: tuple[tuple[int, memoryview], ...]
+
+    def reader(self, start: int = 0, end: int | None = None) -> "ContentReader":
+        """A seekable binary stream of bytes [start, end) (an HTTP body), read from the segments, not copied."""
+        return ContentReader(self, start, self.size if end is None else end)
+
+
+class ContentReader(io.RawIOBase):
+    """Bytes [start, end) of an :class:`ObjectContent`, as a seekable stream: each read copies only what it
+    returns, from the segments (tensor memory), zeros between them."""
+
+    def __init__(self, content: ObjectContent, start: int, end: int):
+        super().__init__()
+        self._segments, self._start, self._end, self._pos = content.segments, start, end, start
+        self._at = 0  # index of the first segment that may hold _pos
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def __len__(self) -> int:
+        return self._end - self._start
+
+    def tell(self) -> int:
+        return self._pos - self._start
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: self._start, io.SEEK_CUR: self._pos, io.SEEK_END: self._end}[whence]
+        pos = min(max(self._start, base + offset), self._end)
+        if pos < self._pos:
+            self._at = 0
+        self._pos = pos
+        return pos - self._start
+
+    def readinto(self, buffer) -> int:
+        out = memoryview(buffer).cast("B")
+        want = min(len(out), self._end - self._pos)
+        done = 0
+        segments = self._segments
+        while done < want:
+            pos = self._pos + done
+            while self._at < len(segments) and segments[self._at][0] + len(segments[self._at][1]) <= pos:
+                self._at += 1
+            if self._at == len(segments) or segments[self._at][0] > pos:  # a gap: zeros up to the next segment
+                stop = segments[self._at][0] if self._at < len(segments) else self._end
+                n = min(want - done, stop - pos)
+                out[done:done + n] = bytes(n)
+            else:
+                offset, view = segments[self._at]
+                n = min(want - done, offset + len(view) - pos)
+                out[done:done + n] = view[pos - offset:pos - offset + n]
+            done += n
+        self._pos += done
+        return done
+
+
+def content_of(write: Callable[[int], str]) -> tuple[ObjectContent, Callable[[], None]]:
+    """The object ``write`` makes, as :class:`ObjectContent`, and what releases it once used: ``write.content()``
+    where the writer has it (no copy), else the bytes written into an anonymous memory file and mapped."""
+    describe = getattr(write, "content", None)
+    if describe is not None:
+        return describe(), lambda: None
+    fd = os.memfd_create("alpha-ckpt-object", os.MFD_CLOEXEC)
+    try:
+        name = write(fd)
+        size = os.fstat(fd).st_size
+        mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
+    finally:
+        os.close(fd)
+    view = memoryview(mapped) if mapped is not None else memoryview(b"")
+
+    def release() -> None:
+        view.release()
+        if mapped is not None:
+            mapped.close()
+    return ObjectContent(name, size, ((0, view),) if size else ()), release
+
+
+class ObjectWriter:
+    """A writer of one object that is both ``write(fd) -> name`` and ``content() -> ObjectContent``."""
+
+    def __init__(self, write: Callable[[int], str], content: Callable[[], ObjectContent]):
+        self._write, self.content = write, content
+
+    def __call__(self, fd: int) -> str:
+        return self._write(fd)
 
 
 @dataclass(frozen=True)
@@ -81,6 +185,13 @@ class RefDir(Protocol):
 
     def numbers(self) -> list[int]:
         """Every generation number taken, ascending."""
+
+    def newest_first(self, whole: bool = False) -> tuple[int, Iterator[int]]:
+        """The highest number taken, and the numbers to read for the history, newest first (every one taken,
+        though some may be gone by when they are read). From :meth:`numbers` here; an object store finds them
+        without a listing, and with ``whole`` may fetch the refs ahead of their reads."""
+        numbers = self.numbers()
+        return (numbers[-1] if numbers else 0), reversed(numbers)
 
     def read(self, generation: int) -> bytes | None:
         """The ref's bytes; None where the number is free (or was deleted); RefUnreadable where it cannot be read."""

@@ -13,7 +13,7 @@ from typing import Callable
 
 from alpha_ckpt.store import durable
 from alpha_ckpt.store.durable import file_kind
-from alpha_ckpt.errors import Refusal, RefusalCode
+from alpha_ckpt.errors import Refusal, RefusalCode, StoreUsageError
 from alpha_ckpt.format.records import is_digest
 from alpha_ckpt.store._posix import write_all
 from alpha_ckpt.store.layout import DIR_FLAGS, PINS, TMP
@@ -26,8 +26,14 @@ def _not_a_directory(exc: OSError) -> Exception:
     return exc
 
 
+def _refuse_object_store(store: Store) -> None:
+    if store.layout is None:
+        raise StoreUsageError(f"store {store.root}: pins of an object store are not in this version")
+
+
 def _open_pins_dir(store: Store) -> int | None:
     """The pins directory (never through a symlink), or None where there is none."""
+    _refuse_object_store(store)
     try:
         return store.layout.open_dir(PINS)
     except FileNotFoundError:
@@ -90,6 +96,7 @@ class PinFiles:
 
     def __init__(self, store: Store, commits: bool = False):
         self._fd = self._tmp_fd = -1
+        _refuse_object_store(store)
         self._root_fd = store.layout.open_root()
         try:
             try:

@@ -17,9 +17,9 @@ from alpha_ckpt.errors import DurableWriteError, PublishConflict, Refusal, Refus
 from alpha_ckpt.format.records import CapturePrefix, check_name, is_digest
 from alpha_ckpt.store._posix import _log
 from alpha_ckpt.store import layout as L
-from alpha_ckpt.store.backend import RefDir, RefUnreadable, StorageBackend
+from alpha_ckpt.store.backend import ObjectContent, ObjectWriter, RefDir, RefUnreadable, StorageBackend
 from alpha_ckpt.store.layout import StoreLayout, ref_name
-from alpha_ckpt.store.location import local_path
+from alpha_ckpt.store.location import is_object_store, local_path
 from alpha_ckpt.store.objects import ObjectFile, Validate
 from alpha_ckpt.store.pending import PublishLease, _LeaseBook
 from alpha_ckpt.store.posix import PosixBackend
@@ -51,9 +51,13 @@ class Store:
         self._reuse_lock = threading.Lock()  # an asynchronous save reuses on its own thread
         self.write_modes = write_mode if isinstance(write_mode, WriteModes) else WriteModes(write_mode)
         self.write_threads = check_write_threads(write_threads)
-        if isinstance(root_or_backend, (str, os.PathLike)):
-            self.layout: StoreLayout | None = StoreLayout(local_path(root_or_backend))
-            self.backend: StorageBackend = PosixBackend(self.layout, create)
+        if isinstance(root_or_backend, (str, os.PathLike)) and is_object_store(root_or_backend):
+            from alpha_ckpt.store.s3 import S3Backend
+            self.layout: StoreLayout | None = None
+            self.backend: StorageBackend = S3Backend(os.fspath(root_or_backend), create)
+        elif isinstance(root_or_backend, (str, os.PathLike)):
+            self.layout = StoreLayout(local_path(root_or_backend))
+            self.backend = PosixBackend(self.layout, create)
         else:
             self.backend = root_or_backend
             self.layout = getattr(root_or_backend, "layout", None)  # a file system's: gc and records read it
@@ -138,7 +142,15 @@ class Store:
         written at once. Returns (digest, written) per write, in order.
         """
         def checked(write: Callable[[int], str]) -> Callable[[int], str]:
-            return lambda fd: self.check_digest(write(fd))
+            describe = getattr(write, "content", None)
+            if describe is None:
+                return lambda fd: self.check_digest(write(fd))
+
+            def content() -> ObjectContent:
+                described = describe()
+                self.check_digest(described.name)
+                return described
+            return ObjectWriter(lambda fd: self.check_digest(write(fd)), content)
 
         validate = self._counted(validate)
 
@@ -316,16 +328,16 @@ class Store:
             return self._history(refs, run, step, whole)
 
     def _history(self, refs: RefDir, run: str, step: str, whole: bool) -> History:
-        numbers = refs.numbers()
+        top, newest_first = refs.newest_first(whole)  # no listing where the backend needs none
         entries = []
-        for generation in reversed(numbers):
+        for generation in newest_first:
             entry = self._read_ref_entry(refs, run, step, generation)
             if entry is None:
                 continue  # removed since the listing (gc): no generation, but its number was taken
             entries.append(entry)
             if not whole and isinstance(entry, RefRecord):
                 break
-        return History(run, step, tuple(reversed(entries)), numbers[-1] if numbers else 0)
+        return History(run, step, tuple(reversed(entries)), top)
 
     def list_refs(self, run: str, step: str) -> list[RefRecord | Refusal]:
         """Every generation of (run, step), oldest first; unreadable refs are returned as refusals."""
@@ -383,8 +395,11 @@ class Store:
              f"set aside as {QUARANTINE_DIR}/{aside}\n")
         return aside
 
-    def find_ref(self, root: str) -> RefRecord | None:
-        """The first ref (any run/step) that names ``root``, or None."""
+    def find_ref(self, root: str, near: tuple[str, str] | None = None) -> RefRecord | None:
+        """The first ref that names ``root``, or None: in the history of ``near`` (run, step) where given (no
+        listing of the store), else of any run/step."""
+        if near is not None:
+            return next((r for r in self.list_refs(*near) if isinstance(r, RefRecord) and r.root == root), None)
         for run, step in self.runs():
             for record in self.list_refs(run, step):
                 if isinstance(record, RefRecord) and record.root == root:

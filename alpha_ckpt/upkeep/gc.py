@@ -131,6 +131,9 @@ def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRA
     output file was written), or {(run, step): the time its output was published}. ``dropped_objects_only``: remove only objects that the dropped generations reached (a job
     discarding its own checkpoints), and leave temp files and leases alone. ``only``: ``keep`` drops
     generations of that one (run, step); every other is kept whole."""
+    if store.layout is None:
+        raise StoreUsageError(f"store {store.root}: gc of an object store is not in this version (its generations "
+                              "are kept whole)")
     if keep is not None and keep < 2:
         raise StoreUsageError(f"--keep {keep}: at least two generations are kept (the previous complete one "
                               "must survive a failed publish)")

@@ -8,6 +8,7 @@ matches wording or line breaks.
 import json
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -126,7 +127,7 @@ def _readme_runs() -> list[list[list[str]]]:
     runs = []
     for block in _blocks(README, "bash"):
         commands = [shlex.split(line.split("#", 1)[0]) for line in block.splitlines() if line.startswith("alpha-run ")]
-        if commands:
+        if commands and "s3://" not in block:  # the S3 block: test_the_readme_s3_commands_run_against_a_local_server
             runs.append(commands)
     return runs
 
@@ -225,3 +226,23 @@ def test_every_relative_link_of_the_readme_and_docs_points_to_an_existing_file_a
         if not path.exists() or (anchor and path.suffix == ".md" and anchor not in _anchors(path)):
             broken.append(link)
     assert not broken, f"{doc.name}: {broken}"
+
+
+@pytest.mark.timeout(300)
+def test_the_readme_s3_commands_run_against_a_local_server(tmp_path, s3_server, monkeypatch):
+    block = next(b for b in _blocks(README, "bash") if "s3://" in b)
+    lines = [line.split("#", 1)[0].strip() for line in block.splitlines()]
+    env_line = next(line for line in lines if line.startswith("export AWS_ENDPOINT_URL="))
+    assert {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"} == \
+        {word.split("=", 1)[0] for word in shlex.split(env_line)[1:]}
+    for name, value in s3_server.environment().items():  # the server's port, not 8333
+        monkeypatch.setenv(name, value)
+    make_bucket = next(line for line in lines if line.startswith("python -c"))
+    made = subprocess.run(shlex.split(make_bucket), capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0 or "BucketAlreadyOwnedByYou" in made.stderr, made.stderr
+    job = shlex.split(next(line for line in lines if line.startswith("alpha-run ")))
+    args = [a if a != "configs/forecast.toml" else str(ROOT / "configs" / "forecast.toml") for a in job[1:]]
+    proc = _alpha_run(args, tmp_path, 280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["update"] == 5 and result["output"].startswith("s3://ckpt/forecast/outputs/")

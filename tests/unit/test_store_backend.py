@@ -1,6 +1,6 @@
 """The storage interface: one short contract that the POSIX backend, the backend keeping everything in
-memory (no file system: objects are written through anonymous memory files) and a read-through view over
-either keep."""
+memory (no file system: objects are written through anonymous memory files), a read-through view over
+either and the S3 backend (against a real server, SeaweedFS) keep."""
 from __future__ import annotations
 
 import os
@@ -28,12 +28,15 @@ def _validate(obj: ObjectFile, what: str) -> None:
         raise Refusal(RefusalCode.CORRUPT_SHARD, f"{what}: its bytes are not its name")
 
 
-@pytest.fixture(params=["posix", "memory", "read-through"])
+@pytest.fixture(params=["posix", "memory", "read-through", "s3"])
 def backend(request, tmp_path) -> Iterator[StorageBackend]:
     if request.param == "posix":
         b = PosixBackend(StoreLayout(tmp_path / "store"), create=True)
     elif request.param == "memory":
         b = InMemoryBackend()
+    elif request.param == "s3":
+        from alpha_ckpt.store.s3 import S3Backend
+        b = S3Backend(request.getfixturevalue("s3_store"))
     else:
         b = ReadThroughBackend(InMemoryBackend(), [InMemoryBackend()])
     yield b

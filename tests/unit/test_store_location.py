@@ -1,6 +1,6 @@
-"""A store named by a URL is never taken as a path: a file:// URL is its path, and a URL no backend
-serves (an object store, an unknown scheme) is a usage error naming the store, before anything is
-created, in every door that takes a store."""
+"""A store named by a URL is never taken as a path: a file:// URL is its path, an s3:// URL an object store,
+and a URL no backend serves is a usage error naming the store, before anything is created, in every door
+that takes a store."""
 import os
 
 import pytest
@@ -37,8 +37,14 @@ def test_a_url_no_backend_serves_is_a_usage_error_naming_the_store(spec):
     assert spec in str(refused.value) and isinstance(refused.value, UsageError)
 
 
-@pytest.mark.parametrize("spec", ["s3://bucket/run", "gs://bucket/run"])
-def test_no_door_turns_an_object_store_url_into_a_local_directory(tmp_path, monkeypatch, spec):
+@pytest.mark.parametrize("spec, normal", [("s3://ckpt/run", "s3://ckpt/run"), ("S3://ckpt//a/b/", "s3://ckpt/a/b"),
+                                          ("s3://ckpt", "s3://ckpt")])
+def test_an_object_store_url_is_its_own_canonical_name(spec, normal):
+    assert canonical(spec) == normal
+
+
+@pytest.mark.parametrize("spec", ["gs://bucket/run", "hdfs://nn/run"])
+def test_no_door_turns_a_url_no_backend_serves_into_a_local_directory(tmp_path, monkeypatch, spec):
     monkeypatch.chdir(tmp_path)
     state = {"w": torch.ones(4)}
     with pytest.raises(StoreUsageError):

@@ -1,0 +1,76 @@
+"""The resume tests once more with the store on S3 (a real server, SeaweedFS): a DDP script killed and
+resumed under alpha-run, the FSDP2 examples resharded on resume (the Checkpointer, and DCP with our
+storage), and the built-in job against its oracle. Every one ends bit-identical to a run that never
+stopped. Slow: CI runs them with -m slow (docs/TESTING.md)."""
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from alpha_ckpt.store import Store
+from alpha_ckpt.testing import launch
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+CONFIG = str(ROOT / "configs" / "forecast.toml")
+SMALL = ["--set", "batch=24", "--set", "hidden=16"]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def _ok(proc) -> dict:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return launch.last_json(proc.stdout)
+
+
+def _generations(url: str, run: str, step: str) -> int:
+    try:
+        with Store(url, create=False) as store:
+            newest = store.newest_ref(run, step)
+    except Exception:
+        return 0
+    return 0 if newest is None else newest.generation
+
+
+def test_a_ddp_script_killed_and_resumed_on_s3_ends_as_one_that_never_stopped(tmp_path, s3_store):
+    example = EXAMPLES / "train_gpt_ddp.py"
+    straight = _ok(launch.alpha_run("--nproc", 2, "--store", tmp_path / "posix", example, "--steps", 12, cwd=tmp_path))
+    job = launch.alpha_run_start("--nproc", "2", "--store", s3_store, example, "--steps", "12", cwd=tmp_path,
+                                 new_session=True)
+    launch.wait_until(lambda: _generations(s3_store, "train-gpt-ddp", "train") >= 3, timeout=300,
+                      what="generation 3 on S3")
+    os.killpg(job.pid, signal.SIGKILL)  # the whole job, as a node agent does
+    assert job.wait(30) == -signal.SIGKILL
+    resumed = _ok(launch.alpha_run("--nproc", 2, "--store", s3_store, "--resume", "latest", example, "--steps", 12,
+                                   cwd=tmp_path))
+    assert resumed == straight
+    latest = launch.alpha_ckpt_cli("latest", "--store", s3_store, "--run", "train-gpt-ddp", "--step", "train")
+    assert latest.returncode == 0, latest.stderr
+    verify = launch.alpha_ckpt_cli("verify", "--store", s3_store, latest.stdout.strip())
+    assert verify.returncode == 0, verify.stderr
+
+
+@pytest.mark.parametrize("example", ["train_fsdp2.py", "train_fsdp2_dcp_backend.py"])
+def test_the_fsdp2_examples_resume_resharded_from_s3(tmp_path, s3_store, example):
+    def run(store, nproc, steps, resume=()):
+        return _ok(launch.alpha_run("--nproc", nproc, "--store", store, *resume, EXAMPLES / example, "--steps", steps,
+                                    timeout=300))
+    whole = run(tmp_path / "posix", 2, 8)
+    first = run(s3_store, 2, 4)
+    resume = ("--resume", "latest") if example == "train_fsdp2.py" else ()
+    resumed = run(s3_store, 2, 8, resume)
+    assert resumed["state_sha256"] == whole["state_sha256"]
+    assert first["losses"] + resumed["losses"] == whole["losses"]
+    more = run(s3_store, 3, 10, resume)  # resharded 2 -> 3
+    assert more["step"] == 10 and len(more["losses"]) == 2
+
+
+def test_the_built_in_job_on_s3_matches_its_oracle_and_publishes_its_output_there(tmp_path, s3_store):
+    def job(*args):
+        return _ok(launch.alpha_run("--nproc", 2, "--store", s3_store, *SMALL, *args, CONFIG, timeout=300))
+    first = job("--updates", "2", "--checkpoint-every", "2")
+    resumed = job("--updates", "3", "--resume", "latest")
+    assert resumed["state_digest"] == launch.oracle_digest(CONFIG, "--updates", "3", "--placements", "2", *SMALL)
+    assert resumed["update"] == 3 and first["update"] == 2
+    assert resumed["output"].startswith(s3_store + "/outputs/")
