@@ -21,6 +21,7 @@ is the user's path and may be a symlink, nothing below it may be one.
 from __future__ import annotations
 
 import os
+import re
 
 OBJECTS = "objects"
 REFS = "refs"
@@ -38,6 +39,28 @@ REF_DIGITS = 10  # a ref's name: its generation number, zero-padded to this widt
 FAN_DIGITS = 2   # an object's fan-out directory: the first hex digits of its digest
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+# What gc names what it sets aside, and what it sweeps.
+ASIDE_PREFIX = "aside-"  # tmp/aside-<digest>-<pid>-<random>: an object being removed, set aside first
+# refs/RUN/STEP/aside-<generation>-<pid>-<random>: a ref being removed, set aside in its own directory first
+REF_ASIDE_RE = re.compile(r"\Aaside-([0-9]{%d})-[0-9]+-[0-9a-f]{8}\Z" % REF_DIGITS)
+OUTPUT_SUFFIX = ".safetensors"
+# <digest>-<unix time>-<random> (an object's entry), ref-<generation>-<unix time>-<random> (a ref)
+QUARANTINED_RE = re.compile(r"\A(?:[0-9a-f]{64}|ref-[0-9]{%d})-([0-9]{1,12})-[0-9a-f]{8}\Z" % REF_DIGITS)
+
+
+def quarantined_names(names, before: float, skip) -> list[str]:
+    """Of the entries of quarantine/, those set aside before ``before`` (by the time in their names), in
+    order; ``skip(path, why)`` hears of a name no save gives."""
+    out = []
+    for name in sorted(names):
+        match = QUARANTINED_RE.match(name)
+        if match is None:
+            skip(f"{QUARANTINE}/{name}", "not a name a save gives to what it sets aside")
+        elif int(match.group(1)) < before:
+            out.append(name)
+    return out
 
 
 def ref_name(generation: int) -> str:

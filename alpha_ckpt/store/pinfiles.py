@@ -27,8 +27,8 @@ def _not_a_directory(exc: OSError) -> Exception:
 
 
 def _refuse_object_store(store: Store) -> None:
-    if store.layout is None:
-        raise StoreUsageError(f"store {store.root}: pins of an object store are not in this version")
+    if store.layout is None:  # an object store's pins: alpha_ckpt.store.s3_sweep
+        raise StoreUsageError(f"store {store.root}: its pins are not files")
 
 
 def _open_pins_dir(store: Store) -> int | None:

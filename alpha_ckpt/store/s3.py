@@ -8,6 +8,8 @@ A store named ``s3://BUCKET/PREFIX`` keeps its keys under ``PREFIX/`` (the layou
     PREFIX/refs/RUN/STEP/head           the highest generation number known published (a hint, only raised)
     PREFIX/pending/<name>               leases of publishes in flight; their time is the server's
     PREFIX/renewed/<digest>             when a publish last reused the object (the server's time)
+    PREFIX/doomed/<digest>              gc is deciding whether to delete the object (alpha_ckpt.store.s3_sweep)
+    PREFIX/pins/<root>                  pinned generations, put only if absent
     PREFIX/quarantine/<name>            what was set aside (a damaged object, an unreadable ref)
     PREFIX/outputs/RUN/STEP/<name>      a job's declared outputs
     PREFIX/instance                     the store's instance id, put only if absent
@@ -24,6 +26,7 @@ probe of the numbers above it. Only gc and ``alpha-ckpt`` list.
 """
 from __future__ import annotations
 
+import email.utils
 import errno
 import logging
 import math
@@ -55,6 +58,8 @@ PART_THREADS = 8               # parts of one object uploaded (or ranges downloa
 READ_PART_BYTES = 16 * MIB     # the range one GET of a restore reads
 CONFLICT_RETRIES = 5           # a 409 or a body refused by its checksum is sent again this many times
 RENEWED = "renewed"
+DOOMED = "doomed"
+DOOM_BOUND_S = 60.0            # gc deletes within this of marking an object doomed; a save waits at most this
 PROBE = "probe"
 HEAD_HINT = "head"
 INSTANCE_RE = re.compile(r"\A[0-9a-f]{32}\Z")
@@ -542,15 +547,29 @@ class S3Backend:
         return iter(sorted(names))
 
     def renew_object(self, name: str) -> bool:
-        """Mark the object used now, by the server's clock (its marker's time): gc's grace counts from here."""
-        if not self.has_object(name):
-            return False
+        """Mark the object used now, by the server's clock (its marker's time), so gc spares it; False if it
+        is gone (or going). The marker is written before gc's doomed marker is looked for, and gc writes
+        its marker before it reads this one (:mod:`alpha_ckpt.store.s3_sweep`): where the two meet, this
+        waits for gc to finish and answers whether the object stayed."""
         key = self.key(RENEWED, name)
-        try:
-            self.client.put_object(Bucket=self.bucket, Key=key, Body=b"")
-        except self._errors as exc:
-            raise self._fail("renew", key, exc) from exc
-        return True
+        deadline = time.monotonic() + 2 * DOOM_BOUND_S
+        while True:
+            if not self.has_object(name):
+                return False
+            try:
+                self.client.put_object(Bucket=self.bucket, Key=key, Body=b"")
+            except self._errors as exc:
+                raise self._fail("renew", key, exc) from exc
+            doomed = self._head(self.key(DOOMED, name))
+            if doomed is None or self._age(doomed) > DOOM_BOUND_S or time.monotonic() > deadline:
+                return self.has_object(name)
+            time.sleep(0.2)  # a gc is deciding about this object: its answer is the object there or gone
+
+    def _age(self, head: dict) -> float:
+        """Seconds since a key was put, by the server's clock (its reply's Date)."""
+        date = head["ResponseMetadata"]["HTTPHeaders"].get("date")
+        now = email.utils.parsedate_to_datetime(date).timestamp() if date else time.time()
+        return now - head["LastModified"].timestamp()
 
     def delete_object(self, name: str) -> bool:
         return self._delete_if_unchanged(self._object_key(name))
@@ -679,6 +698,15 @@ class S3RefDir(RefDir):
                     logger.debug("store %s: head hint of %s/%s not raised (%s)", self._b.location, self._run,
                                  self._step, _error(exc)[0])
                     return
+
+    def raise_floor(self) -> None:
+        """Raise the floor past every number at its bottom that is free now (after gc removed refs)."""
+        top, floor, _ = self._hint()
+        start = floor
+        while floor < top and self._b._head(self._key(ref_name(floor))) is None:
+            floor += 1
+        if floor > start:
+            self._raise_hint(floor=floor)
 
     def _gone(self, generation: int) -> None:
         """A ref was removed: where it was the lowest, the floor rises past it (and past every free number

@@ -12,29 +12,24 @@ from __future__ import annotations
 import errno
 import math
 import os
-import re
 import secrets
 import shutil
 import stat
+import time
 from typing import Callable
 
 from alpha_ckpt.store import durable
-from alpha_ckpt.errors import Refusal, RefusalCode
+from alpha_ckpt.errors import Refusal, RefusalCode, StoreUsageError
 from alpha_ckpt.format.records import is_digest
 from alpha_ckpt.store import layout as L
-from alpha_ckpt.store.layout import REF_DIGITS, fan_of, ref_name
-from alpha_ckpt.store.leases import writer_alive
+from alpha_ckpt.store.layout import (  # noqa: F401 (the names gc gives: re-exported from here)
+    ASIDE_PREFIX, OUTPUT_SUFFIX, QUARANTINED_RE, REF_ASIDE_RE, fan_of, quarantined_names, ref_name,
+)
+from alpha_ckpt.store.leases import read_leases, writer_alive
 from alpha_ckpt.store.refs import RefRecord
 from alpha_ckpt.store.store import Store
 
 Skip = Callable[[str, str], None]  # (path under the store, why it is left as it is)
-
-ASIDE_PREFIX = "aside-"  # tmp/aside-<digest>-<pid>-<random>: an object being removed, set aside first
-# refs/RUN/STEP/aside-<generation>-<pid>-<random>: a ref being removed, set aside in its own directory first
-REF_ASIDE_RE = re.compile(r"\Aaside-([0-9]{%d})-[0-9]+-[0-9a-f]{8}\Z" % REF_DIGITS)
-OUTPUT_SUFFIX = ".safetensors"
-# <digest>-<unix time>-<random> (an object's entry), ref-<generation>-<unix time>-<random> (a ref)
-QUARANTINED_RE = re.compile(r"\A(?:[0-9a-f]{64}|ref-[0-9]{%d})-([0-9]{1,12})-[0-9a-f]{8}\Z" % REF_DIGITS)
 
 
 def _mtime(path: str) -> float:
@@ -139,14 +134,7 @@ def quarantined_before(store: Store, before: float, skip: Skip) -> list[str]:
         names = sorted(os.listdir(fd))
     finally:
         os.close(fd)
-    out = []
-    for name in names:
-        match = QUARANTINED_RE.match(name)
-        if match is None:
-            skip(f"{L.QUARANTINE}/{name}", "not a name a save gives to what it sets aside")
-        elif int(match.group(1)) < before:
-            out.append(name)
-    return out
+    return quarantined_names(names, before, skip)
 
 
 def _open_dir(path: str) -> int:
@@ -405,3 +393,65 @@ def rescue_ref(store: Store, run: str, step: str, generation: int) -> bool:
         return durable.entry_exists(dir_fd, name)  # a gc may have put it back after the first look
     finally:
         os.close(dir_fd)
+
+
+class PosixSweep:
+    """gc's operations on a store on a file system (this module's functions, for one gc): the seam
+    :func:`for_store` hands gc, beside :class:`alpha_ckpt.store.s3_sweep.S3Sweep`."""
+
+    def __init__(self, store: Store):
+        self.store = store
+
+    def now(self) -> float:
+        return time.time()
+
+    def read_leases(self, on_hostile: Skip | None = None):
+        return read_leases(self.store.layout, on_hostile)
+
+    def object_mtime(self, digest: str) -> float:
+        return object_mtime(self.store, digest)
+
+    def output_time(self, run: str, step: str) -> float | None:
+        return output_time(self.store, run, step)
+
+    def old_tmp_files(self, before: float, skip: Skip) -> list[str]:
+        return old_tmp_files(self.store, before, skip)
+
+    def remove_tmp_files(self, names: list[str]) -> None:
+        remove_tmp_files(self.store, names)
+
+    def remove_verified_records(self, roots: list[str]) -> None:
+        remove_verified_records(self.store, roots)
+
+    def remove_leases(self, names: list[str]) -> None:
+        remove_leases(self.store, names)
+
+    def quarantined_before(self, before: float, skip: Skip) -> list[str]:
+        return quarantined_before(self.store, before, skip)
+
+    def remove_quarantined(self, names: list[str]) -> None:
+        remove_quarantined(self.store, names)
+
+    def refs_aside(self, run: str, step: str) -> list[tuple[str, str, str]]:
+        return refs_aside(self.store, run, step)
+
+    def put_back_refs(self, entries: list[tuple[str, str, str]]) -> None:
+        put_back_refs(self.store, entries)
+
+    def object_sweep(self) -> ObjectSweep:
+        return ObjectSweep(self.store)
+
+    def refs_set_aside(self, refs: list[RefRecord]) -> RefsAside:
+        return RefsAside(self.store, refs)
+
+
+def for_store(store: Store):
+    """gc's operations on ``store``: on its file system, or on its object store; a StoreUsageError for a
+    store gc cannot sweep (one kept in memory)."""
+    if store.layout is not None:
+        return PosixSweep(store)
+    from alpha_ckpt.store.s3 import S3Backend
+    if isinstance(store.backend, S3Backend):
+        from alpha_ckpt.store.s3_sweep import S3Sweep
+        return S3Sweep(store)
+    raise StoreUsageError(f"store {store.root}: gc runs on a directory or an object store, not on this one")

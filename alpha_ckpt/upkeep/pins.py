@@ -26,8 +26,15 @@ from alpha_ckpt.format.records import canonical_json, check_name, parse_canonica
 from alpha_ckpt.generation.reader import open_generation, verify_generation
 from alpha_ckpt.store import Store
 from alpha_ckpt.store.layout import PINS
-from alpha_ckpt.store.pinfiles import PinFiles, pin_names, read_pin_file
-from alpha_ckpt.store.sweep import rescue_ref
+from alpha_ckpt.store import pinfiles, sweep
+
+
+def _files(store: Store):
+    """Where ``store`` keeps its pins (and rescues a ref a gc set aside): its file system, or its object store."""
+    if store.layout is None:
+        from alpha_ckpt.store import s3_sweep
+        return s3_sweep, s3_sweep.rescue_ref
+    return pinfiles, sweep.rescue_ref
 
 PINS_DIR = PINS
 MAX_PIN_BYTES = 8192
@@ -73,13 +80,13 @@ def pinned_roots(store: Store, on_hostile: Callable[[str, str], None] | None = N
     An entry that is not a regular file is no pin file, but its name still
     pins (gc errs on keeping); ``on_hostile(path, why)`` hears of it.
     """
-    return pin_names(store, on_hostile)
+    return _files(store)[0].pin_names(store, on_hostile)
 
 
 def read_pin(store: Store, root: str) -> Pin | Refusal | None:
     """The pin of ``root``: its record, a refusal where the file is damaged, or None where it is not pinned."""
     store.check_digest(root)
-    data = read_pin_file(store, root, MAX_PIN_BYTES)
+    data = _files(store)[0].read_pin_file(store, root, MAX_PIN_BYTES)
     if data is None or isinstance(data, Refusal):
         return data
     try:
@@ -110,7 +117,7 @@ def pin_generation(store: Store, root: str, note: str = "") -> tuple[Pin, bool]:
         raise Refusal(RefusalCode.MISSING_SHARD, f"{root} is not a published generation: no ref names it")
     pin = Pin(root, record.run, record.step, record.generation, time.time(), note)
     body = pin.to_bytes()
-    with PinFiles(store, commits=True) as pins:
+    with _files(store)[0].PinFiles(store, commits=True) as pins:
         if isinstance(existing, Refusal):
             pins.refuse_unless_pin_file(root, "pinned")
             pins.remove(root)  # a damaged pin file: written anew below
@@ -147,7 +154,7 @@ def _keep_ref(store: Store, record) -> None:
     pins again, and puts back what is pinned by then. A pin that finds its ref
     aside puts it back itself (gc then finds it gone and leaves it); one whose
     ref gc removed already is refused (the caller withdraws the pin)."""
-    if not rescue_ref(store, record.run, record.step, record.generation):
+    if not _files(store)[1](store, record.run, record.step, record.generation):
         raise Refusal(RefusalCode.MISSING_SHARD, f"generation {record.root} ({record.run}/{record.step} generation "
                       f"{record.generation}) was removed by gc while it was being pinned")
 
@@ -155,6 +162,6 @@ def _keep_ref(store: Store, record) -> None:
 def unpin_generation(store: Store, root: str) -> bool:
     """Remove the pin of ``root`` (unlink, then fsync the directory). False where it was not pinned."""
     store.check_digest(root)
-    with PinFiles(store) as pins:
+    with _files(store)[0].PinFiles(store) as pins:
         pins.refuse_unless_pin_file(root, "unpinned")
         return pins.remove(root)
