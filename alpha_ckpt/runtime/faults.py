@@ -7,7 +7,8 @@ rank, and the ``alpha-ckpt`` command do so as they start):
 - ``ALPHA_CKPT_FAULT=KIND:POINT[:RANK]``: SIGKILL the process (with RANK, only the owner whose
   ``RANK``, as torchrun sets it, matches) at that fault point: a stage of a durable commit
   (KIND ``object``, ``ref``, ``output``, ``export``, ``lease``, ``pin`` or ``*``; POINT one of
-  :data:`alpha_ckpt.store.durable.FAULT_POINTS`) or ``publish:before-completion`` (an owner dies holding
+  :data:`alpha_ckpt.store.durable.FAULT_POINTS`; on an S3 store, KIND ``object`` or ``ref`` and POINT one of
+  :data:`alpha_ckpt.store.s3.S3_FAULT_POINTS`) or ``publish:before-completion`` (an owner dies holding
   the durable-completion acknowledgment).
 - ``ALPHA_CKPT_KILL_OWNER=RANK:UPDATE[:ATTEMPT]``: that owner of the job SIGKILLs itself right after
   training that update (with ATTEMPT, only in that attempt: torch's restart count, 0 the first).

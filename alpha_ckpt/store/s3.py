@@ -46,6 +46,7 @@ from alpha_ckpt.store.backend import ObjectContent, PutResult, RefDir, RefUnread
 from alpha_ckpt.store.layout import fan_of, ref_name
 from alpha_ckpt.store.objects import FAN_NAME_RE, ObjectFile, Validate
 from alpha_ckpt.store.refs import MAX_REF_BYTES, REF_NAME_RE
+from alpha_ckpt.runtime.hooks import fault_point
 
 logger = logging.getLogger("alpha_ckpt")
 
@@ -53,7 +54,9 @@ MIB = 1 << 20
 MIN_PART_BYTES = 5 * MIB       # S3's smallest part (but the last)
 MAX_PART_BYTES = 5 << 30       # S3's largest part
 MAX_PARTS = 10_000             # S3's most parts of one upload
-DEFAULT_PART_BYTES = 16 * MIB  # an object up to this size is one PutObject; a larger one a multipart upload
+DEFAULT_PART_BYTES = 16 * MIB  # an object up to this size is one PutObject, a larger one is uploaded in parts of
+                               # this size (a profile's s3.multipart_threshold and multipart_chunksize change them)
+S3_FAULT_POINTS = ("before-put", "after-put", "after-first-part", "before-complete")  # see runtime.faults
 PART_THREADS = 8               # parts of one object uploaded (or ranges downloaded) at once
 READ_PART_BYTES = 16 * MIB     # the range one GET of a restore reads
 CONFLICT_RETRIES = 5           # a 409 or a body refused by its checksum is sent again this many times
@@ -65,6 +68,27 @@ HEAD_HINT = "head"
 INSTANCE_RE = re.compile(r"\A[0-9a-f]{32}\Z")
 _BUCKET_RE = re.compile(r"\A[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]\Z")
 _SEGMENT_RE = re.compile(r"\A[A-Za-z0-9._=-]+\Z")
+
+
+def _size(text: str) -> int:
+    """A size as the AWS CLI's configuration writes it: "8MB", "64KB", "1GB" (powers of 1024), or bytes."""
+    text = str(text).strip().upper().replace("IB", "B")
+    for suffix, scale in (("KB", 1 << 10), ("MB", 1 << 20), ("GB", 1 << 30), ("B", 1)):
+        if text.endswith(suffix):
+            return int(float(text[:-len(suffix)]) * scale)
+    return int(text)
+
+
+def transfer_sizes(client) -> tuple[int, int]:
+    """(the size above which an object is uploaded in parts, the part size) from the profile's ``s3`` section,
+    ``multipart_threshold`` and ``multipart_chunksize``, as the AWS CLI reads them (default 16 MiB each)."""
+    try:
+        section = client._alpha_ckpt_s3_config  # set by make_client from the session's profile
+    except AttributeError:
+        section = {}
+    threshold = _size(section.get("multipart_threshold", DEFAULT_PART_BYTES))
+    chunk = _size(section.get("multipart_chunksize", DEFAULT_PART_BYTES))
+    return max(0, threshold), min(MAX_PART_BYTES, max(MIN_PART_BYTES, chunk))
 
 
 def part_bytes(size: int, base: int = DEFAULT_PART_BYTES) -> int:
@@ -143,7 +167,11 @@ def make_client(url: str, attempts: int = 10, connect_timeout_s: float = 60.0):
     config = Config(retries={"mode": "adaptive", "max_attempts": attempts}, max_pool_connections=4 * PART_THREADS,
                     connect_timeout=connect_timeout_s,
                     request_checksum_calculation="when_required", response_checksum_validation="when_required")
-    return boto3.session.Session().client("s3", config=config)
+    session = boto3.session.Session()
+    client = session.client("s3", config=config)
+    scoped = session._session.get_scoped_config().get("s3", {})
+    client._alpha_ckpt_s3_config = scoped if isinstance(scoped, dict) else {}
+    return client
 
 
 # What check_conditional_writes found per (endpoint, bucket), for this process: None when all is honoured.
@@ -162,6 +190,7 @@ class S3Backend:
         self.endpoint = str(self.client.meta.endpoint_url)
         self._errors = _client_errors()
         self._parts = ThreadPoolExecutor(PART_THREADS, thread_name_prefix="alpha-ckpt-s3")
+        self.multipart_threshold, self.part_size = transfer_sizes(self.client)
         self._check_bucket()
         if create:
             self.check_conditional_writes()
@@ -217,15 +246,20 @@ class S3Backend:
                 return None
             raise
 
-    def _put_if_absent(self, key: str, body, length: int | None = None) -> bool:
-        """PutObject with ``If-None-Match: *``: True if put, False if the name was taken (nothing overwritten)."""
+    def _put_if_absent(self, key: str, body, length: int | None = None, kind: str = "") -> bool:
+        """PutObject with ``If-None-Match: *``: True if put, False if the name was taken (nothing overwritten).
+        ``kind`` (object, ref): the fault points around the put, for the crash gates."""
         extra = {} if length is None else {"ContentLength": length}
         for attempt in range(CONFLICT_RETRIES + 1):
             try:
                 if hasattr(body, "seek"):
                     body.seek(0)
+                if kind:
+                    fault_point(kind, "before-put")
                 self.client.put_object(Bucket=self.bucket, Key=key, Body=body, IfNoneMatch="*",
                                        ChecksumAlgorithm="SHA256", **extra)
+                if kind:
+                    fault_point(kind, "after-put")
                 return True
             except self._errors as exc:
                 if _taken(exc):
@@ -363,8 +397,8 @@ class S3Backend:
             if not is_digest(content.name):
                 raise Refusal(RefusalCode.FORMAT, f"object name {content.name!r} is not a plain 64-hex digest")
             key = self._object_key(content.name)
-            if content.size <= DEFAULT_PART_BYTES:
-                created = self._put_if_absent(key, content.reader(), content.size)
+            if content.size <= self.multipart_threshold:
+                created = self._put_if_absent(key, content.reader(), content.size, "object")
             else:
                 created = self._put_multipart(key, content)
             return PutResult(content.name, content.size, created)
@@ -380,7 +414,7 @@ class S3Backend:
         except self._errors as exc:
             raise self._fail("create-upload", key, exc) from exc
         try:
-            ranges = part_ranges(content.size, part_bytes(content.size))
+            ranges = part_ranges(content.size, part_bytes(content.size, self.part_size))
 
             def send(number: int) -> dict:
                 lo, hi = ranges[number - 1]
@@ -388,6 +422,8 @@ class S3Backend:
                     try:
                         got = c.upload_part(Bucket=b, Key=key, UploadId=upload, PartNumber=number, ContentLength=hi - lo,
                                             Body=content.reader(lo, hi), ChecksumAlgorithm="SHA256")
+                        if number == 1:
+                            fault_point("object", "after-first-part")
                         return {"ETag": got["ETag"], "PartNumber": number, "ChecksumSHA256": got["ChecksumSHA256"]}
                     except self._errors as exc:
                         if not _retryable(exc) or attempt == CONFLICT_RETRIES:
@@ -396,6 +432,7 @@ class S3Backend:
                 raise AssertionError("unreachable")
 
             parts = list(self._parts.map(send, range(1, len(ranges) + 1)))
+            fault_point("object", "before-complete")
             for attempt in range(CONFLICT_RETRIES + 1):
                 try:
                     c.complete_multipart_upload(Bucket=b, Key=key, UploadId=upload, IfNoneMatch="*",
@@ -671,7 +708,7 @@ class S3RefDir(RefDir):
 
     def put(self, generation: int, body: bytes) -> None:
         key = self._key(ref_name(generation))
-        if not self._b._put_if_absent(key, body):
+        if not self._b._put_if_absent(key, body, kind="ref"):
             # Taken: by another publisher, or by this very put whose reply was lost and was retried. The
             # bytes tell which (a ref names its publisher's root, prefix and time).
             if self._read(generation) != bytes(body):

@@ -32,7 +32,7 @@ from alpha_ckpt.store import layout as L
 from alpha_ckpt.store.layout import ASIDE_PREFIX, OUTPUT_SUFFIX, REF_ASIDE_RE, REF_DIGITS, quarantined_names, ref_name
 from alpha_ckpt.store.leases import MAX_LEASE_BYTES, Lease
 from alpha_ckpt.store.refs import RefRecord
-from alpha_ckpt.store.s3 import DOOMED, DOOM_BOUND_S, RENEWED, S3Backend, S3RefDir
+from alpha_ckpt.store.s3 import DOOMED, DOOM_BOUND_S, PROBE, RENEWED, S3Backend, S3RefDir
 from alpha_ckpt.store.store import Store
 
 Skip = Callable[[str, str], None]
@@ -103,18 +103,26 @@ class S3Sweep:
         return max(times, default=None)
 
     def old_tmp_files(self, before: float, skip: Skip) -> list[str]:
-        """Multipart uploads begun before ``before`` and never completed (a killed or failed save's), as
-        ``KEY?uploadId=ID``. Those begun since may be a save's in flight (``before`` accounts for leases)."""
-        b = self.b
-        pages = b.client.get_paginator("list_multipart_uploads").paginate(Bucket=b.bucket,
-                                                                         Prefix=b.key(L.OBJECTS) + "/")
-        return sorted(f"{u['Key']}{UPLOAD_SEPARATOR}{u['UploadId']}" for page in pages
-                      for u in page.get("Uploads", ()) if _timestamp(u["Initiated"]) < before)
+        """What killed writers left, begun before ``before`` (later ones may be a save's in flight: ``before``
+        accounts for leases): multipart uploads never completed, as ``KEY?uploadId=ID``, under objects/ and
+        probe/ (a conditional-write probe's), and probe keys."""
+        b, out = self.b, []
+        for folder in (L.OBJECTS, PROBE):
+            pages = b.client.get_paginator("list_multipart_uploads").paginate(Bucket=b.bucket,
+                                                                             Prefix=b.key(folder) + "/")
+            out += [f"{u['Key']}{UPLOAD_SEPARATOR}{u['UploadId']}" for page in pages
+                    for u in page.get("Uploads", ()) if _timestamp(u["Initiated"]) < before]
+        out += [b.key(PROBE, name) for name, entry in _listing(self.store, PROBE).items()
+                if _timestamp(entry["LastModified"]) < before]
+        return sorted(out)
 
     def remove_tmp_files(self, names: list[str]) -> None:
         for name in names:
             key, _, upload = name.partition(UPLOAD_SEPARATOR)
-            self.b._abort(key, upload)
+            if upload:
+                self.b._abort(key, upload)
+            else:
+                self.b._delete_if_unchanged(key)
 
     def remove_verified_records(self, roots: list[str]) -> None:
         """An object store keeps no verified records: nothing to remove."""

@@ -103,3 +103,32 @@ def test_a_missing_bucket_is_a_usage_error_naming_the_store(s3_server, monkeypat
     with pytest.raises(StoreUsageError) as refused:
         Store("s3://no-such-bucket/x")
     assert "s3://no-such-bucket/x" in str(refused.value) and s3_server.SECRET_KEY not in str(refused.value)
+
+
+def test_of_jobs_racing_to_publish_one_generation_on_s3_exactly_one_wins_and_the_others_refuse(s3_store):
+    import threading
+    from alpha_ckpt.errors import PublishConflict, Refusal
+    from alpha_ckpt.format.records import CapturePrefix
+    stores = [Store(s3_store) for _ in range(6)]  # each its own client, as separate jobs
+    start, outcomes = threading.Barrier(len(stores)), []
+
+    def publish(i: int) -> None:
+        start.wait()
+        try:
+            stores[i].publish_ref(CapturePrefix("r", "s", 1, 1, 0), f"{i:064x}", 100, 100, 1, follows=0)
+            outcomes.append("won")
+        except PublishConflict:
+            outcomes.append("conflict")
+        except Refusal as refusal:
+            outcomes.append(refusal.code.value)
+    threads = [threading.Thread(target=publish, args=(i,)) for i in range(len(stores))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert outcomes.count("won") == 1 and len(outcomes) == len(stores)
+    assert set(outcomes) - {"won"} <= {"conflict", "fenced"}
+    with stores[0].backend.ref_dir("r", "s", create=False) as refs:
+        assert refs.numbers() == [1]
+    for store in stores:
+        store.close()
