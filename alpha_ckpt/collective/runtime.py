@@ -111,7 +111,7 @@ def build_runtime(options: CheckpointerOptions, group: Any, owner: object) -> Ru
         TreePublisher(store, hierarchy, rank, device=device, timeout=options.commit_timeout, carry=carry,
                       identity=options.identity) if options.publisher == "tree" else
         StarPublisher(store, rank, world, carry=carry, identity=options.identity))
-    durable = DurableTier(store, publisher, rank, group)
+    durable = DurableTier(store, publisher, rank, group, options.save_timeout)
     return Runtime(group=group, rank=rank, world=world, hierarchy=hierarchy, arrivals=arrivals, store=store,
                    own_store=own_store, control=control, saver=saver, save_group=save_group, memory=memory,
                    carry=carry, device=device, durable=durable,

@@ -216,6 +216,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("fanout", 8, "Tree: children per parent at most.", whole_at_least(1), flag="--fanout", parse=int),
     Option("commit_timeout", 60.0, "Tree: seconds a parent waits for its children's commitments.", positive_seconds,
            flag="--commit-timeout", parse=float, metavar="SECONDS"),
+    Option("save_timeout", None, "Seconds a save may take to write its objects and ref, or None (no bound of its "
+           "own). Past it, what is still being written is abandoned (an upload to an object store is aborted), "
+           "the save fails on every rank naming the rank, the object and the error, and nothing of it is "
+           "resumable. alpha-run's --timeout bounds how long a rank waits for its peers; this bounds the writes. "
+           "An async save's failure reaches the next save or wait.", lambda v: v if v is None else positive_seconds(v),
+           flag="--save-timeout", parse=float, metavar="SECONDS"),
     Option("save", "sync", '"sync": save returns once the generation is durable; "async": it snapshots the tensors '
            "and publishes in the background.", one_of("sync", "async"), flag="--save"),
     Option("in_flight", "wait", 'Async: a save called while the previous one is in flight waits for it ("wait") or '

@@ -230,6 +230,11 @@ class StorageBackend(Protocol):
     location: str
     """What messages name the store by (a path, a URL): never a credential."""
 
+    deadline: float | None
+    """Set by :meth:`Store.deadline`: the monotonic time the writes in progress must end by. A backend whose
+    requests can stall (an object store) abandons what is in flight then; others may ignore it (the Store
+    checks it between batches)."""
+
     def read_instance(self) -> str | None:
         """The store's instance id (random, written once), or None where it has none."""
 

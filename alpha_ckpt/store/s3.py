@@ -36,7 +36,7 @@ import re
 import secrets
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterator, Sequence
 
 from alpha_ckpt.errors import DurableWriteError, Refusal, RefusalCode, StoreUsageError
@@ -191,6 +191,9 @@ class S3Backend:
         self._errors = _client_errors()
         self._parts = ThreadPoolExecutor(PART_THREADS, thread_name_prefix="alpha-ckpt-s3")
         self.multipart_threshold, self.part_size = transfer_sizes(self.client)
+        self.deadline: float | None = None  # monotonic time the writes in progress must end by (Store.deadline)
+        self._in_flight: dict[str, str] = {}  # key of each object being put -> its multipart upload ("" if none)
+        self._in_flight_lock = threading.Lock()
         self._check_bucket()
         if create:
             self.check_conditional_writes()
@@ -386,10 +389,26 @@ class S3Backend:
     # ------------------------------------------------------------ objects
 
     def put_objects(self, writes: Sequence[Callable[[int], str]], threads: int) -> list[PutResult]:
-        if len(writes) <= 1 or threads <= 1:
-            return [self._put_object(w) for w in writes]
-        with ThreadPoolExecutor(min(threads, len(writes)), thread_name_prefix="alpha-ckpt-s3-put") as pool:
-            return list(pool.map(self._put_object, writes))
+        """Each object put if absent, ``threads`` at once. With a :attr:`deadline`, what is still in flight
+        then is abandoned: its multipart upload aborted (an object put whole is never referenced by a ref,
+        gc's to remove), and a DurableWriteError at stage ``deadline`` names it."""
+        pool = ThreadPoolExecutor(max(1, min(threads, len(writes))), thread_name_prefix="alpha-ckpt-s3-put")
+        try:
+            futures = [pool.submit(self._put_object, w) for w in writes]
+            left = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+            _, pending = wait(futures, timeout=left)
+            if pending:
+                with self._in_flight_lock:
+                    in_flight = dict(self._in_flight)
+                for key, upload in in_flight.items():
+                    if upload:
+                        self._abort(key, upload)
+                where = next(iter(in_flight), "an object not yet begun")
+                raise DurableWriteError("deadline", errno.ETIMEDOUT, f"the save's time ran out with s3://{self.bucket}/"
+                                        f"{where} still being written at {self.endpoint}; its upload was aborted")
+            return [f.result() for f in futures]
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _put_object(self, write: Callable[[int], str]) -> PutResult:
         content, release = content_of(write)
@@ -397,11 +416,17 @@ class S3Backend:
             if not is_digest(content.name):
                 raise Refusal(RefusalCode.FORMAT, f"object name {content.name!r} is not a plain 64-hex digest")
             key = self._object_key(content.name)
-            if content.size <= self.multipart_threshold:
-                created = self._put_if_absent(key, content.reader(), content.size, "object")
-            else:
-                created = self._put_multipart(key, content)
-            return PutResult(content.name, content.size, created)
+            with self._in_flight_lock:
+                self._in_flight[key] = ""
+            try:
+                if content.size <= self.multipart_threshold:
+                    created = self._put_if_absent(key, content.reader(), content.size, "object")
+                else:
+                    created = self._put_multipart(key, content)
+                return PutResult(content.name, content.size, created)
+            finally:
+                with self._in_flight_lock:
+                    self._in_flight.pop(key, None)
         finally:
             release()
 
@@ -413,6 +438,8 @@ class S3Backend:
             upload = c.create_multipart_upload(Bucket=b, Key=key, ChecksumAlgorithm="SHA256")["UploadId"]
         except self._errors as exc:
             raise self._fail("create-upload", key, exc) from exc
+        with self._in_flight_lock:
+            self._in_flight[key] = upload  # what a deadline aborts
         try:
             ranges = part_ranges(content.size, part_bytes(content.size, self.part_size))
 

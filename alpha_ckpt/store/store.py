@@ -5,6 +5,7 @@ may be reused); its backend (:mod:`alpha_ckpt.store.backend`) keeps the bytes.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -49,6 +50,7 @@ class Store:
         self.reuse_checks = 0
         self.reuse_check_seconds = 0.0
         self._reuse_lock = threading.Lock()  # an asynchronous save reuses on its own thread
+        self._deadline: float | None = None  # monotonic time the writes of the save in progress must end by
         self.write_modes = write_mode if isinstance(write_mode, WriteModes) else WriteModes(write_mode)
         self.write_threads = check_write_threads(write_threads)
         if isinstance(root_or_backend, (str, os.PathLike)) and is_object_store(root_or_backend):
@@ -96,6 +98,25 @@ class Store:
         # opens a store per save would otherwise run out of them.
         if hasattr(self, "_leases"):  # not when __init__ failed before opening everything
             self.close()
+
+    @contextlib.contextmanager
+    def deadline(self, seconds: float | None) -> Iterator[None]:
+        """Within the block, the store's writes end ``seconds`` from now or fail (a DurableWriteError at stage
+        ``deadline``, naming the object): checked before each batch of objects and the ref, and enforced within
+        a request by a backend that can abandon one (:attr:`StorageBackend.deadline`). None: no bound."""
+        at = None if seconds is None else time.monotonic() + seconds
+        previous, self._deadline = self._deadline, at
+        self.backend.deadline = at
+        try:
+            yield
+        finally:
+            self._deadline = previous
+            self.backend.deadline = previous
+
+    def _check_deadline(self, what: str) -> None:
+        if self._deadline is not None and time.monotonic() > self._deadline:
+            raise DurableWriteError("deadline", errno.ETIMEDOUT, f"the save's time ran out before {what} of store "
+                                                                 f"{self.root} was written")
 
     def probe_write(self) -> None:
         """Write and remove a file where every publish starts (OSError if the store cannot be written)."""
@@ -158,6 +179,7 @@ class Store:
         left = list(range(len(writes)))
         names: dict[int, str] = {}
         for _ in range(3):  # again only if the existing copy was set aside or removed (gc) in between
+            self._check_deadline(f"{len(left)} objects")
             puts = self.backend.put_objects([checked(writes[i]) for i in left], self.write_threads)
             again = []
             for i, put in zip(left, puts):
@@ -275,6 +297,7 @@ class Store:
         ref (a retried save is idempotent). Unreadable refs passed over are
         named on stderr.
         """
+        self._check_deadline(f"the ref of {prefix.run}/{prefix.step}")
         with self._refs_dir_made(prefix.run, prefix.step) as refs:
             history = self._history(refs, prefix.run, prefix.step, whole=False)
             newest = history.newest

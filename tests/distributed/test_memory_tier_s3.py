@@ -9,7 +9,7 @@ import pytest
 from ranks import run_ranks
 from test_memory_tier import resume, save_steps, straight
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def _with(env: dict, fn, rank: int, world: int, *args):

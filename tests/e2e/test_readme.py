@@ -228,6 +228,7 @@ def test_every_relative_link_of_the_readme_and_docs_points_to_an_existing_file_a
     assert not broken, f"{doc.name}: {broken}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_readme_s3_commands_run_against_a_local_server(tmp_path, s3_server, monkeypatch):
     block = next(b for b in _blocks(README, "bash") if "s3://" in b)

@@ -39,10 +39,10 @@ def _assert_equal(a: dict, b: dict) -> None:
 
 def test_slowdown_answers_are_retried_and_the_save_restores(proxied):
     url, proxy = proxied
-    fault = proxy.inject(Fault("slowdown", method="PUT", times=2))
+    fault = proxy.inject(Fault("slowdown", method="PUT"))
     state = _state(0)
     root = _save(url, state, 1)
-    assert fault.hits == 2
+    assert fault.hits == 1
     _assert_equal(_restored(url, root, state), state)
 
 
@@ -106,3 +106,26 @@ def test_a_server_that_ignores_a_conditional_write_is_refused_before_anything_is
     client = proxy_client(proxy)
     bucket, prefix = url[len("s3://"):].split("/", 1)
     assert client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("KeyCount", 0) == 0  # nothing published
+
+
+def test_a_stalled_upload_fails_the_save_at_its_deadline_naming_the_object_and_aborts_the_upload(proxied,
+                                                                                                monkeypatch, tmp_path):
+    import time
+    url, proxy = proxied
+    kept = _save(url, _state(6), 1)
+    config = tmp_path / "aws-config"  # objects above 64 KiB go in parts: the 1 MiB state is a multipart upload
+    config.write_text("[default]\ns3 =\n  multipart_threshold = 64KB\n  multipart_chunksize = 5MB\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    proxy.inject(Fault("stall", method="PUT", key_contains="uploadId=", seconds=30))
+    with Store(url) as store:
+        started = time.monotonic()
+        with store.deadline(2.0), pytest.raises(DurableWriteError) as failed:
+            alpha_ckpt.save(_state(7, 1 << 18), store=store, run="r", step="s", update=2, cursor=2, epoch=0)
+        took = time.monotonic() - started
+    assert failed.value.stage == "deadline" and "/objects/" in str(failed.value)
+    assert took < 10  # the stall lasts 30 s: the save did not wait for it
+    assert alpha_ckpt.latest(url, "r", "s") == kept  # nothing of the failed save is resumable
+    client = proxy_client(proxy)
+    bucket, prefix = url[len("s3://"):].split("/", 1)
+    assert client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", []) == []  # aborted
+

@@ -19,12 +19,14 @@ class DurableTier:
 
     name = DURABLE
 
-    def __init__(self, store: Store, publisher: Publisher, rank: int, group: Any):
+    def __init__(self, store: Store, publisher: Publisher, rank: int, group: Any, save_timeout: float | None = None):
         self.store, self.publisher, self.rank, self.group = store, publisher, rank, group
+        self.save_timeout = save_timeout
         self.follows: int | None = None
 
     def publish(self, contribution: Contribution) -> Completion:
-        return self.publisher.publish(contribution)
+        with self.store.deadline(self.save_timeout):  # the writes of this save end by then, or fail
+            return self.publisher.publish(contribution)
 
     @property
     def phases(self) -> dict[str, float]:
