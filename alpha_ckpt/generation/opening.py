@@ -33,12 +33,7 @@ def _find_ref(store: Store, root: str, manifest: ManifestHead | None, what: str)
     store.check_digest(root)
     if manifest is None or manifest.digest != root:
         try:
-            with store.open_object(root, what) as obj:
-                header, head_len = read_head(obj, what, size_is_known=False)
-                size = obj.size
-            if header.get("kind") != "manifest":
-                raise Refusal(RefusalCode.FORMAT, f"{what} is a {header.get('kind')}, not a manifest")
-            manifest = parse_manifest_header(header, root, head_len, what)
+            manifest, size = _read_manifest_sized(store, root, None, what)
         except Refusal:
             return store.find_ref(root), None
     else:
@@ -83,12 +78,18 @@ class Generation:
 
 
 def _read_manifest(store: Store, digest: str, size: int | None, what: str) -> ManifestHead:
+    return _read_manifest_sized(store, digest, size, what)[0]
+
+
+def _read_manifest_sized(store: Store, digest: str, size: int | None, what: str) -> tuple[ManifestHead, int]:
+    """The manifest ``digest`` (of ``size`` bytes where known), and its object's size."""
     with store.open_object(digest, what) as obj:
         _check_size(obj, size, what)
         header, head_len = read_head(obj, what, size_is_known=size is not None)
+        object_size = obj.size
     if header.get("kind") != "manifest":
         raise Refusal(RefusalCode.FORMAT, f"{what} is a {header.get('kind')}, not a manifest")
-    return parse_manifest_header(header, digest, head_len, what)
+    return parse_manifest_header(header, digest, head_len, what), object_size
 
 
 def _check_group(group: ManifestHead, record: ChildRef, root: ManifestHead, hierarchy: Hierarchy, what: str) -> None:

@@ -358,8 +358,7 @@ class S3Backend:
         return text if INSTANCE_RE.match(text) else None
 
     def make_instance(self) -> str:
-        if self._put_if_absent(self.key(L.INSTANCE), secrets.token_hex(16).encode() + b"\n"):
-            pass
+        self._put_if_absent(self.key(L.INSTANCE), secrets.token_hex(16).encode() + b"\n")  # taken: the first id stands
         instance = self.read_instance()
         if instance is None:
             raise StoreUsageError(f"store {self.location}: its instance record is not one")
@@ -694,10 +693,7 @@ class S3RefDir(RefDir):
 
     def top(self) -> int:
         """The highest number taken: the hint's, then each number above it probed until one is free."""
-        number = self._hint()[0]
-        while self._b._head(self._key(ref_name(number + 1))) is not None:
-            number += 1
-        return number
+        return self.newest_first()[0]
 
     def newest_first(self, whole: bool = False) -> tuple[int, Iterator[int]]:
         """The numbers from the top down to the hint's floor (below it, every ref was deleted), without a
@@ -772,26 +768,14 @@ class S3RefDir(RefDir):
         if floor > start:
             self._raise_hint(floor=floor)
 
-    def _gone(self, generation: int) -> None:
-        """A ref was removed: where it was the lowest, the floor rises past it (and past every free number
-        above it, up to the top), so a history walk reads no number known gone."""
-        top, floor, _ = self._hint()
-        if generation < floor:
-            return
-        if generation == floor:
-            floor += 1
-            while floor < top and self._b._head(self._key(ref_name(floor))) is None:
-                floor += 1
-            self._raise_hint(floor=floor)
-
     def delete(self, generation: int) -> bool:
         removed = self._b._delete_if_unchanged(self._key(ref_name(generation)))
-        self._gone(generation)
+        self.raise_floor()  # where it was the lowest, a history walk need not read its number again
         return removed
 
     def set_aside(self, generation: int, aside: str, what: str) -> bool:
         moved = self._b._set_aside(self._key(ref_name(generation)), aside, what, "cannot be read")
-        self._gone(generation)
+        self.raise_floor()
         return moved
 
     def close(self) -> None:

@@ -60,8 +60,8 @@ class Choice:
             for r in refs:  # the stale-epoch check needs the whole history ("latest" passes over damaged refs)
                 if isinstance(r, Refusal):
                     raise Refusal(r.code, f"the history of {self.run}/{self.step} cannot be checked: {r.message}")
-            record = next((r for r in refs if isinstance(r, RefRecord) and r.root == self.store.check_digest(root)),
-                          None)
+            wanted = self.store.check_digest(root)
+            record = next((r for r in refs if isinstance(r, RefRecord) and r.root == wanted), None)
             if record is None:
                 raise Refusal(RefusalCode.FOREIGN_LEARNER, f"generation {root[:16]}... is not one of {self.run}/{self.step}")
             if record.prefix.epoch < newest_epoch:
