@@ -106,10 +106,12 @@ class S3Proxy:
                     self.close_connection = True
                     return
                 self.send_response(response.status, response.reason)
+                # A HEAD's Content-Length is the object's size, not the empty body's: clients size reads by it.
                 for k, v in response.getheaders():
-                    if k.lower() not in _HOP_HEADERS and k.lower() != "content-length":
+                    if k.lower() not in _HOP_HEADERS and (k.lower() != "content-length" or self.command == "HEAD"):
                         self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                if self.command != "HEAD":
+                    self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
