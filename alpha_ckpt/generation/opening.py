@@ -12,6 +12,7 @@ from alpha_ckpt.format.records import CapturePrefix, ChildRef, ManifestHead, Sha
 from alpha_ckpt.state.manifest import check_root_manifest, check_shard_against_record
 from alpha_ckpt.generation.planner import Hierarchy, SavedSlice, WantedSlice
 from alpha_ckpt.store import ObjectFile, RefRecord, Store
+from alpha_ckpt.store.backend import check_opened_size
 
 _HEAD_READ = 64 << 10  # the first read of an object: its whole head, for all but the largest
 
@@ -42,11 +43,6 @@ def _find_ref(store: Store, root: str, manifest: ManifestHead | None, what: str)
     if ref is not None and ref.root_size != size:
         return ref, None  # read again with the size its record gives, and refused as that read refuses
     return ref, manifest
-
-
-def _check_size(obj: ObjectFile, expected: int | None, what: str) -> None:
-    if expected is not None and obj.size != expected:
-        raise Refusal(RefusalCode.FORMAT, f"{what} has {obj.size} bytes, its record says {expected} (truncated or extended)")
 
 
 class Generation:
@@ -84,7 +80,7 @@ def _read_manifest(store: Store, digest: str, size: int | None, what: str) -> Ma
 def _read_manifest_sized(store: Store, digest: str, size: int | None, what: str) -> tuple[ManifestHead, int]:
     """The manifest ``digest`` (of ``size`` bytes where known), and its object's size."""
     with store.open_object(digest, what) as obj:
-        _check_size(obj, size, what)
+        check_opened_size(obj, size, what)
         header, head_len = read_head(obj, what, size_is_known=size is not None)
         object_size = obj.size
     if header.get("kind") != "manifest":
@@ -192,23 +188,21 @@ def open_generation(store: Store, root: str, ref: RefRecord | None = None, *,
     every_record = records
     if wanted is not None:
         records = records_holding(records, wanted)
+    named: set[str] = set()
+    for record in records:
+        if record.digest in named:
+            raise Refusal(RefusalCode.COVERAGE, f"shard {record.digest[:16]}... is named twice by the manifest")
+        if record.digest == root:
+            raise Refusal(RefusalCode.FORMAT, f"{what} names itself as a shard")
+        named.add(record.digest)
+    opened = store.open_objects([(record.digest, record.size) for record in records], "shard")
     shards: dict[str, tuple[ObjectFile, ShardHead]] = {}
     try:
-        for record in records:
+        for record, obj in zip(records, opened):
             w = f"shard {record.digest[:16]}..."
-            if record.digest in shards:
-                raise Refusal(RefusalCode.COVERAGE, f"{w} is named twice by the manifest")
-            if record.digest == root:
-                raise Refusal(RefusalCode.FORMAT, f"{what} names itself as a shard")
-            obj = store.open_object(record.digest, "shard")
-            try:
-                _check_size(obj, record.size, w)
-                header, head_len = read_head(obj, w, size_is_known=True)
-                head = parse_shard_header(header, record.digest, head_len, w)
-                check_shard_against_record(head, record, manifest.prefix, manifest.schema_digest, manifest.regions, w)
-            except BaseException:
-                obj.close()
-                raise
+            header, head_len = read_head(obj, w, size_is_known=True)
+            head = parse_shard_header(header, record.digest, head_len, w)
+            check_shard_against_record(head, record, manifest.prefix, manifest.schema_digest, manifest.regions, w)
             shards[record.digest] = (obj, head)
         # The one validator publishers run before their ref (a path of a tree is covered structurally).
         check_root_manifest(manifest, every_record if targets is None or manifest.publisher.kind == "star" else None,
@@ -219,7 +213,7 @@ def open_generation(store: Store, root: str, ref: RefRecord | None = None, *,
             from alpha_ckpt.generation.dcp_metadata import check_generation
             check_generation(manifest)
     except BaseException:
-        for obj, _ in shards.values():
+        for obj in opened:
             obj.close()
         raise
     return Generation(store, root, ref, manifest, shards, tuple(groups))

@@ -15,7 +15,7 @@ Call order of a publish, as :class:`~alpha_ckpt.store.Store` makes it::
         refs.numbers(); refs.read(n)     the history, newest first
         refs.cas_head(top, body)         the next generation, only if no one took it meanwhile
 
-A restore reads: ``ref_dir(...).read(n)`` then ``open_object`` / ``read_object``.
+A restore reads: ``ref_dir(...).read(n)`` then ``open_objects`` / ``open_object`` / ``read_object``.
 
 Guarantees every backend gives:
 
@@ -61,6 +61,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol, Sequence
 
+from alpha_ckpt.errors import Refusal, RefusalCode
 from alpha_ckpt.store.objects import ObjectFile, Validate
 
 
@@ -263,6 +264,13 @@ class StorageBackend(Protocol):
     def open_object(self, name: str, what: str) -> ObjectFile:
         """The object, for reading (a Refusal ``missing-shard`` where it is absent)."""
 
+    def open_objects(self, wanted: Sequence[tuple[str, int]], what: str) -> list[ObjectFile]:
+        """Each (name, expected size) of ``wanted`` opened, in order, as :meth:`open_object` would (a Refusal
+        ``format`` for an object of another size). A backend whose reads cost round trips (an object store)
+        returns the objects while their bytes arrive: a read of one waits for it, and a missing object or
+        one of another size is refused by every read of it, before any of its bytes is seen. Others open one
+        by one (:func:`open_each`); where that fails, none is left open."""
+
     def read_object(self, name: str, offset: int, length: int) -> bytes:
         """Bytes [offset, offset + length) of the object (fewer at its end)."""
 
@@ -284,3 +292,24 @@ class StorageBackend(Protocol):
         """Write and remove something where writes start (OSError if the storage refuses writes)."""
 
     def close(self) -> None: ...
+
+
+def check_opened_size(obj: ObjectFile, expected: int | None, what: str) -> None:
+    """Refuse (``format``) an opened object whose size is not the one its record gives."""
+    if expected is not None and obj.size != expected:
+        raise Refusal(RefusalCode.FORMAT, f"{what} has {obj.size} bytes, its record says {expected} "
+                                          "(truncated or extended)")
+
+
+def open_each(backend: StorageBackend, wanted: Sequence[tuple[str, int]], what: str) -> list[ObjectFile]:
+    """:meth:`StorageBackend.open_objects` one object at a time: for backends whose open is local."""
+    opened: list[ObjectFile] = []
+    try:
+        for name, size in wanted:
+            opened.append(backend.open_object(name, what))
+            check_opened_size(opened[-1], size, f"{what} {name[:16]}...")
+    except BaseException:
+        for obj in opened:
+            obj.close()
+        raise
+    return opened

@@ -13,7 +13,7 @@ from typing import Callable, Iterator, Sequence
 
 from alpha_ckpt.errors import Refusal, RefusalCode
 from alpha_ckpt.format.records import is_digest
-from alpha_ckpt.store.backend import PutResult, RefDir, RefUnreadable
+from alpha_ckpt.store.backend import PutResult, RefDir, RefUnreadable, open_each
 from alpha_ckpt.store.objects import ObjectFile, Validate
 from alpha_ckpt.store.refs import MAX_REF_BYTES
 
@@ -138,6 +138,9 @@ class InMemoryBackend:
 
     def has_object(self, name: str) -> bool:
         return name in self.objects
+
+    def open_objects(self, wanted: Sequence[tuple[str, int]], what: str) -> list[ObjectFile]:
+        return open_each(self, wanted, what)
 
     def open_object(self, name: str, what: str) -> ObjectFile:
         data = self.objects.get(name)

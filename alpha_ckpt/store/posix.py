@@ -19,7 +19,7 @@ from alpha_ckpt.store import durable
 from alpha_ckpt.errors import DurableWriteError, Refusal, RefusalCode, StoreUsageError
 from alpha_ckpt.store._posix import _DIR_FLAGS, _check_plain_dir, _entry_kind, _file_key, _log, _plain_subdirs, write_all
 from alpha_ckpt.store import layout as L
-from alpha_ckpt.store.backend import PutResult, RefDir, RefUnreadable
+from alpha_ckpt.store.backend import PutResult, RefDir, RefUnreadable, open_each
 from alpha_ckpt.store.layout import StoreLayout, fan_of, ref_name
 from alpha_ckpt.store.objects import FAN_NAME_RE, ObjectFile, Validate
 from alpha_ckpt.store.refs import MAX_REF_BYTES, REF_NAME_RE
@@ -354,6 +354,9 @@ class PosixBackend:
             return True
         except FileNotFoundError:
             return False
+
+    def open_objects(self, wanted: Sequence[tuple[str, int]], what: str) -> list[ObjectFile]:
+        return open_each(self, wanted, what)  # an open is a local system call: nothing to overlap
 
     def open_object(self, digest: str, what: str) -> ObjectFile:
         """Open an object for reading: a regular file, never through a symlink."""

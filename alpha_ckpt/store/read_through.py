@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from alpha_ckpt.errors import Refusal, RefusalCode
-from alpha_ckpt.store.backend import StorageBackend
+from alpha_ckpt.store.backend import StorageBackend, open_each
 from alpha_ckpt.store.objects import ObjectFile
 
 
@@ -38,6 +38,10 @@ class ReadThroughBackend:
                 if peer.has_object(name):
                     return peer.open_object(name, what)
             raise
+
+    def open_objects(self, wanted: Sequence[tuple[str, int]], what: str) -> list[ObjectFile]:
+        # one by one through open_object, which falls back to the peers (own's own would not)
+        return open_each(self, wanted, what)
 
     def read_object(self, name: str, offset: int, length: int) -> bytes:
         for backend in (self.own, *self.peers):

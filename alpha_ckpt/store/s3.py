@@ -42,7 +42,8 @@ from typing import Any, Callable, Iterator, Sequence
 from alpha_ckpt.errors import DurableWriteError, Refusal, RefusalCode, StoreUsageError
 from alpha_ckpt.format.records import is_digest
 from alpha_ckpt.store import layout as L
-from alpha_ckpt.store.backend import ObjectContent, PutResult, RefDir, RefUnreadable, content_of
+from alpha_ckpt.store.backend import (ObjectContent, PutResult, RefDir, RefUnreadable, check_opened_size,
+                                      content_of)
 from alpha_ckpt.store.layout import fan_of, ref_name
 from alpha_ckpt.store.objects import FAN_NAME_RE, ObjectFile, Validate
 from alpha_ckpt.store.refs import MAX_REF_BYTES, REF_NAME_RE
@@ -536,22 +537,69 @@ class S3Backend:
         if first is None:
             raise Refusal(RefusalCode.MISSING_SHARD, f"{what} {name} is missing from the store")
         total = int(first["ContentRange"].rsplit("/", 1)[1]) if first.get("ContentRange") else first["ContentLength"]
-        fd = os.memfd_create(f"s3-{name[:16]}", os.MFD_CLOEXEC)
+        obj = ObjectFile.in_memory(total, name)
+        view = obj.fill_view()
         try:
-            os.ftruncate(fd, total)
             if total:
-                with mmap.mmap(fd, total) as mapped:
-                    view = memoryview(mapped)
-                    try:
-                        self._read_body(first["Body"], view[:min(total, READ_PART_BYTES)], what, name)
-                        rest = part_ranges(total, READ_PART_BYTES)[1:]
-                        list(self._parts.map(lambda r: self._read_range(key, first["ETag"], r, view, what, name), rest))
-                    finally:
-                        view.release()
-            return ObjectFile(fd, total, name)
+                self._read_body(first["Body"], view[:min(total, READ_PART_BYTES)], what, name)
+                rest = part_ranges(total, READ_PART_BYTES)[1:]
+                list(self._parts.map(lambda r: self._read_range(key, first["ETag"], r, view, what, name), rest))
+            return obj
         except BaseException:
-            os.close(fd)
+            view.release()
+            obj.close()
             raise
+        finally:
+            view.release()
+
+    def open_objects(self, wanted: Sequence[tuple[str, int]], what: str) -> list[ObjectFile]:
+        """Every object's ranges asked for at once, ``PART_THREADS`` GETs in flight, in the order wanted; the
+        objects are returned while their bytes arrive. A read of one (``view``, ``populate``) waits for that
+        object alone, so a restore verifies the first objects while the next ones download. The sizes come
+        from the records: no range waits for a first GET to learn one. Every range of one object must answer
+        with one ETag (an object replaced while being read is refused, never read half old, half new), and
+        each object is still checked against its digest above. A missing object, or one of another size, is
+        refused by the first read of it."""
+        files: list[ObjectFile] = []
+        try:
+            for name, size in wanted:
+                if not size:  # an empty object has no range to ask for
+                    files.append(self.open_object(name, what))
+                    check_opened_size(files[-1], size, f"{what} {name[:16]}...")
+                    continue
+                files.append(ObjectFile.in_memory(size, name))
+                files[-1].arriving(_Ranges(self, files[-1], what))
+            return files
+        except BaseException:
+            for obj in files:
+                obj.close()
+            raise
+
+    def _read_sized(self, obj: ObjectFile, view: memoryview, span: tuple[int, int], what: str) -> str:
+        """Bytes ``span`` of the object ``obj`` is to hold (its name, of its size), into ``view[span]``; the
+        ETag they came with. A Refusal ``format`` where the object has another size, ``missing-shard`` where
+        it is absent."""
+        name, size = obj.digest, obj.size
+        lo, hi = span
+        obj.prepare_fill(lo, hi - lo)
+        try:
+            got = self._get(self._object_key(name), Range=f"bytes={lo}-{hi - 1}")
+        except self._errors as exc:
+            code, status = _error(exc)
+            if status == 416:  # the range starts past the object's end
+                raise Refusal(RefusalCode.FORMAT, f"{what} {name[:16]}... is shorter than the {size} bytes its "
+                                                  "record says (truncated)") from None
+            raise Refusal(RefusalCode.MISSING_SHARD, f"{what} {name} cannot be read from the store "
+                                                     f"{self.location}: {code or type(exc).__name__}") from None
+        if got is None:
+            raise Refusal(RefusalCode.MISSING_SHARD, f"{what} {name} is missing from the store")
+        total = int(got["ContentRange"].rsplit("/", 1)[1]) if got.get("ContentRange") else got["ContentLength"]
+        if total != size:
+            got["Body"].close()
+            raise Refusal(RefusalCode.FORMAT, f"{what} {name[:16]}... has {total} bytes, its record says {size} "
+                                              "(truncated or extended)")
+        self._read_body(got["Body"], view[lo:hi], what, name)
+        return got["ETag"]
 
     def _read_range(self, key: str, etag: str, span: tuple[int, int], view: memoryview, what: str, name: str) -> None:
         lo, hi = span
@@ -566,13 +614,22 @@ class S3Backend:
 
     @staticmethod
     def _read_body(body, into: memoryview, what: str, name: str) -> None:
+        """A response body into ``into``, which it must fill exactly."""
+        # Straight from the socket into place where the HTTP response can (urllib3's readinto): no
+        # temporary bytes to allocate and copy under the GIL. The length is checked here either way.
+        raw = getattr(body, "_raw_stream", None)
+        readinto = getattr(raw, "readinto", None)
         done = 0
         while done < len(into):
-            chunk = body.read(min(len(into) - done, 4 * MIB))
-            if not chunk:
+            if readinto is not None:
+                got = readinto(into[done:done + 4 * MIB])
+            else:
+                chunk = body.read(min(len(into) - done, 4 * MIB))
+                got = len(chunk)
+                into[done:done + got] = chunk
+            if not got:
                 raise Refusal(RefusalCode.CORRUPT_SHARD, f"{what} {name}: the store sent {done} bytes of {len(into)}")
-            into[done:done + len(chunk)] = chunk
-            done += len(chunk)
+            done += got
         body.close()
 
     def read_object(self, name: str, offset: int, length: int) -> bytes:
@@ -658,6 +715,51 @@ class S3Backend:
 
     def close(self) -> None:
         self._parts.shutdown(wait=False)
+
+
+class _Ranges:
+    """The ranged GETs filling one object in memory (:meth:`S3Backend.open_objects`)."""
+
+    def __init__(self, backend: S3Backend, obj: ObjectFile, what: str):
+        self.what, self.name = what, obj.digest
+        self._view = obj.fill_view()
+        self._spans = part_ranges(obj.size, READ_PART_BYTES)
+        self._futures = [backend._parts.submit(backend._read_sized, obj, self._view, span, what)
+                         for span in self._spans]
+        self._refusal: Refusal | None = None
+        self._done = False
+
+    def wait(self, offset: int = 0, length: int | None = None) -> None:
+        if length is not None and not self._done:  # a range: its own GETs (a failed one: the whole verdict)
+            covering = [f for (lo, hi), f in zip(self._spans, self._futures) if lo < offset + length and offset < hi]
+            wait(covering)
+            if all(f.exception() is None for f in covering):
+                return
+        if not self._done:
+            wait(self._futures)
+            self._done = True
+            self._view.release()
+            failed = next((f.exception() for f in self._futures if f.exception() is not None), None)
+            if isinstance(failed, Refusal):
+                self._refusal = failed
+            elif failed is not None:
+                self._refusal = Refusal(RefusalCode.MISSING_SHARD, f"{self.what} {self.name} cannot be read: "
+                                                                   f"{type(failed).__name__}: {failed}")
+            elif len({f.result() for f in self._futures}) > 1:
+                self._refusal = Refusal(RefusalCode.MISSING_SHARD, f"{self.what} {self.name} changed while being "
+                                                                   "read")
+        if self._refusal is not None:
+            raise Refusal(self._refusal.code, self._refusal.message)
+
+    def abandon(self) -> None:
+        if not self._done:
+            for future in self._futures:
+                future.cancel()
+            wait(self._futures)
+            self._done = True
+            self._view.release()
+            if self._refusal is None:
+                self._refusal = Refusal(RefusalCode.MISSING_SHARD, f"{self.what} {self.name}: its read was abandoned")
 
 
 class S3RefDir(RefDir):

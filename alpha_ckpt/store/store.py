@@ -225,6 +225,14 @@ class Store:
         self.objects_opened += 1
         return self.backend.open_object(digest, what)
 
+    def open_objects(self, wanted: Sequence[tuple[str, int]], what: str) -> list[ObjectFile]:
+        """Open each (digest, expected size), all or none (see ``StorageBackend.open_objects``): an object
+        store overlaps the round trips of a restore's objects."""
+        for digest, _ in wanted:
+            self.check_digest(digest)
+        self.objects_opened += len(wanted)
+        return self.backend.open_objects(wanted, what)
+
     def object_path(self, digest: str) -> str:
         """The object's file (a store on a file system only)."""
         self.check_digest(digest)

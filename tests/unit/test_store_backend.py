@@ -65,6 +65,36 @@ def test_a_backend_puts_an_object_once_and_reads_back_any_range_of_it(backend):
     assert refused.value.code == RefusalCode.MISSING_SHARD
 
 
+def test_a_backend_opens_many_objects_in_order_and_refuses_a_wrong_size_or_a_missing_one_before_its_bytes(backend):
+    # the large one spans several of an object store's read ranges (16 MiB)
+    large = os.urandom(1 << 20) * 17 + b"tail"
+    small, empty = b"small object", b""
+    backend.put_objects([_writer(large), _writer(small), _writer(empty)], DEFAULT_WRITE_THREADS)
+    wanted = [(digest_bytes(small), len(small)), (digest_bytes(large), len(large)), (digest_bytes(empty), 0)]
+    opened = backend.open_objects(wanted, "shard")
+    try:
+        assert [(obj.digest, obj.size) for obj in opened] == wanted
+        assert [bytes(obj.view()) for obj in opened] == [small, large, empty]
+        assert opened[1].read_at(len(large) - 4, 4) == b"tail"
+    finally:
+        for obj in opened:
+            obj.close()
+    for bad, code in (((digest_bytes(large), len(large) - 1), RefusalCode.FORMAT),
+                      ((digest_bytes(small), len(small) + 1), RefusalCode.FORMAT),
+                      ((digest_bytes(b"never put"), 9), RefusalCode.MISSING_SHARD)):
+        opened = []
+        with pytest.raises(Refusal) as refused:
+            # refused by the open, or (a backend whose bytes are still arriving) by the first read
+            opened = backend.open_objects([wanted[0], bad], "shard")
+            bytes(opened[1].view())
+        assert refused.value.code == code, bad
+        if opened:  # bytes that arrive after the open: every read of the object refuses, not only the first
+            with pytest.raises(Refusal):
+                opened[1].view()
+            for obj in opened:
+                obj.close()
+
+
 def test_a_ref_number_is_published_once_and_the_head_moves_only_from_where_it_was(backend):
     assert backend.ref_dir("r", "s", create=False) is None
     with backend.ref_dir("r", "s", create=True) as refs:
