@@ -29,6 +29,7 @@ SUITES = {
     "tree": ("tree", "tree publication and path restore of up to 200,000 owners simulated in one process"),
     "sharded-restore": ("sharded_restore", "sharded restores alone, one save and one restore per method and round"),
     "sharded-saves": ("sharded_saves", "sharded saves alone, several ways, in paired balanced rounds"),
+    "s3": ("s3", "sharded save and restore on an S3 server: ours against DCP on s3fs, s3torchconnector, a raw client"),
 }
 GROUPED = "save_restore"
 

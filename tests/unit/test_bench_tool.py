@@ -153,3 +153,20 @@ def test_the_one_process_suites_measure_against_their_baseline_and_record_it(nam
     assert all(r > 0 and math.isfinite(r) for r in ratios.values())
     if name == "dedup":  # the re-save validated every object it reused, as the store reported
         assert record["result"]["objects_checked"] >= 1 and record["result"]["checking_s"] > 0
+
+
+@pytest.mark.slow  # starts a server and rank processes (11 s); CI runs it
+@pytest.mark.timeout(240)
+def test_the_s3_suite_counts_no_list_on_our_save_and_restore_and_rates_us_against_the_raw_client(tmp_path, monkeypatch):
+    # requests counted by the proxy in front of the server, not by the product
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))))
+    record = bench_main(["s3", "--ranks", "1,2", "--rounds", "1", "--size-mib", "2", "--methods", "ours", "raw",
+                         "--dir", str(tmp_path)])
+    worlds = record["result"]["worlds"]
+    assert sorted(worlds) == [1, 2]
+    for world, figures in worlds.items():
+        ours, raw = figures["requests"]["ours"], figures["requests"]["raw"]
+        assert ours["save"]["LIST"] == 0 and ours["restore"]["LIST"] == 0, world
+        assert ours["save"]["PUT"] >= world and ours["restore"]["GET"] >= world  # a shard per rank at least
+        assert raw["save"]["POST"] == 2 * world and raw["restore"]["GET"] == world  # one object per rank
+        assert all(r > 0 and math.isfinite(r) for k, r in figures["ratios"].items() if "best peer" not in k)
