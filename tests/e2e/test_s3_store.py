@@ -23,6 +23,19 @@ def _ok(proc) -> dict:
     return launch.last_json(proc.stdout)
 
 
+def _copy_store(server, url: str, to: str) -> str:
+    """Every key of the store at ``url`` copied under ``to`` (a store is its keys: a second store at that
+    generation)."""
+    client = server.client()
+    bucket, prefix = url[len("s3://"):].split("/", 1)
+    target = to[len("s3://"):].split("/", 1)[1]
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
+        for item in page.get("Contents", []):
+            client.copy_object(Bucket=bucket, Key=target + item["Key"][len(prefix):],
+                               CopySource={"Bucket": bucket, "Key": item["Key"]})
+    return to
+
+
 def _exists(client, bucket: str, key: str) -> bool:
     """One HEAD on a client made once: a poll quicker than a save (else the job may end before it is killed)."""
     try:
@@ -53,18 +66,22 @@ def test_a_ddp_script_killed_and_resumed_on_s3_ends_as_one_that_never_stopped(tm
 
 
 @pytest.mark.parametrize("example", ["train_fsdp2.py", "train_fsdp2_dcp_backend.py"])
-def test_the_fsdp2_examples_resume_resharded_from_s3(tmp_path, s3_store, example):
+def test_the_fsdp2_examples_resume_resharded_from_s3(tmp_path, s3_server, s3_store, example):
     def run(store, nproc, steps, resume=()):
         return _ok(launch.alpha_run("--nproc", nproc, "--store", store, *resume, EXAMPLES / example, "--steps", steps,
                                     timeout=300))
     whole = run(tmp_path / "posix", 2, 8)
     first = run(s3_store, 2, 4)
     resume = ("--resume", "latest") if example == "train_fsdp2.py" else ()
+    # the 2-rank generation of step 4, copied to one store per world it is resharded to
+    copies = {nproc: _copy_store(s3_server, s3_store, f"{s3_store}-to{nproc}") for nproc in (1, 3, 4)}
     resumed = run(s3_store, 2, 8, resume)
     assert resumed["state_sha256"] == whole["state_sha256"]
     assert first["losses"] + resumed["losses"] == whole["losses"]
-    more = run(s3_store, 3, 10, resume)  # resharded 2 -> 3
-    assert more["step"] == 10 and len(more["losses"]) == 2
+    for nproc, store in copies.items():  # resharded 2 -> 1, 3, 4: resumed at step 4, on to 6
+        more = run(store, nproc, 6, resume)
+        assert more["step"] == 6 and len(more["losses"]) == 2, nproc
+        assert more["losses"][0] == pytest.approx(whole["losses"][4], rel=1e-4), nproc
 
 
 def test_the_built_in_job_on_s3_matches_its_oracle_and_publishes_its_output_there(tmp_path, s3_store):
