@@ -52,6 +52,7 @@ import torch.distributed.checkpoint as dcp
 from .checkpointer_rank import row_sharded_matrices
 from .common import MiB, balanced_orders, default_base_dir, prefault
 from .ranks import free_port
+from .recovery import raw_disk_GBps
 
 COLS, MATRICES = 1024, 16
 BUCKET = "bench"
@@ -59,6 +60,7 @@ METHOD = re.compile(r"^(?P<kind>ours|raw|dcp-s3fs|s3torch)(?:-t(?P<threads>[1-9]
 PEERS = ("dcp-s3fs", "s3torch")
 RAW_PART_BYTES, RAW_THREADS = 16 * MiB, 8
 COUNTED = ("PUT", "GET", "HEAD", "POST", "DELETE", "LIST")
+REGION = "us-east-1"  # s3torchconnector's clients want one; the local server takes any
 
 
 def method_kind(method: str) -> tuple[str, int | None]:
@@ -206,9 +208,6 @@ class Method:
             dcp.load(dest, storage_reader=self.handle)
 
 
-REGION = "us-east-1"
-
-
 def s3torch_fs(endpoint: str, reader_constructor=None):
     """s3torchconnector's DCP file system on ``endpoint``: its writer and reader take a region and no
     endpoint, so the bench hands them a file system over a client built with one (path-style addressing,
@@ -335,11 +334,6 @@ def launch(args: argparse.Namespace, world: int, server: str) -> dict:
     if any(proc.exitcode for proc in procs):
         raise SystemExit(f"s3 suite: rank exit codes {[proc.exitcode for proc in procs]}")
     return result
-
-
-def raw_disk_GBps(directory: str, nbytes: int) -> float:
-    from .recovery import raw_disk_GBps as measure
-    return measure(directory, nbytes)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -153,6 +153,11 @@ def _absent(exc: Exception) -> bool:
     return status == 404 or code in ("NoSuchKey", "NotFound", "404")
 
 
+def _object_size(got: dict) -> int:
+    """The whole object's size from a GET's answer (a ranged one gives it after the slash of Content-Range)."""
+    return int(got["ContentRange"].rsplit("/", 1)[1]) if got.get("ContentRange") else got["ContentLength"]
+
+
 def _client_errors() -> tuple[type[Exception], ...]:
     import botocore.exceptions
     return (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError)
@@ -536,7 +541,7 @@ class S3Backend:
                                                          f"{self.location}: {code or type(exc).__name__}") from None
         if first is None:
             raise Refusal(RefusalCode.MISSING_SHARD, f"{what} {name} is missing from the store")
-        total = int(first["ContentRange"].rsplit("/", 1)[1]) if first.get("ContentRange") else first["ContentLength"]
+        total = _object_size(first)
         obj = ObjectFile.in_memory(total, name)
         view = obj.fill_view()
         try:
@@ -544,13 +549,12 @@ class S3Backend:
                 self._read_body(first["Body"], view[:min(total, READ_PART_BYTES)], what, name)
                 rest = part_ranges(total, READ_PART_BYTES)[1:]
                 list(self._parts.map(lambda r: self._read_range(key, first["ETag"], r, view, what, name), rest))
-            return obj
         except BaseException:
-            view.release()
+            view.release()  # first: an exported view keeps the memory from being unmapped
             obj.close()
             raise
-        finally:
-            view.release()
+        view.release()
+        return obj
 
     def open_objects(self, wanted: Sequence[tuple[str, int]], what: str) -> list[ObjectFile]:
         """Every object's ranges asked for at once, ``PART_THREADS`` GETs in flight, in the order wanted; the
@@ -593,7 +597,7 @@ class S3Backend:
                                                      f"{self.location}: {code or type(exc).__name__}") from None
         if got is None:
             raise Refusal(RefusalCode.MISSING_SHARD, f"{what} {name} is missing from the store")
-        total = int(got["ContentRange"].rsplit("/", 1)[1]) if got.get("ContentRange") else got["ContentLength"]
+        total = _object_size(got)
         if total != size:
             got["Body"].close()
             raise Refusal(RefusalCode.FORMAT, f"{what} {name[:16]}... has {total} bytes, its record says {size} "
