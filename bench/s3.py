@@ -243,9 +243,9 @@ def slowest(seconds: float) -> float:
 
 def phase(fn, proxy=None) -> tuple[float, dict | None]:
     """Run ``fn`` on every rank between barriers: (the slowest rank's seconds, the proxy's counts or None)."""
-    dist.barrier()
-    if proxy is not None:
+    if proxy is not None:  # before the barrier: a rank let through first must not send before the reset
         proxy.reset()
+    dist.barrier()
     start = time.perf_counter()
     fn()
     took = time.perf_counter() - start
