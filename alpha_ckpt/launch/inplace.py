@@ -68,11 +68,13 @@ def check_in_place_args(args) -> None:
         raise UsageError("--in-place runs a training script that calls alpha_ckpt.run_resilient, not the built-in job")
     if args.max_restarts < 1:
         raise UsageError("--in-place needs --max-restarts N (N >= 1): it says what to do when a rank fails")
-    if args.nnodes != "1" or args.node_rank != 0:
+    if args.nnodes not in ("1", "1:1") or args.node_rank != 0:
         raise UsageError("--in-place runs on one node: drop --nnodes/--node-rank")
     given = [flag for flag, value in (("--master-addr", args.master_addr), ("--master-port", args.master_port),
                                       ("--rdzv-endpoint", args.rdzv_endpoint), ("--rdzv-backend", args.rdzv_backend),
-                                      ("--rdzv-id", args.rdzv_id), ("--standalone", args.standalone or None))
+                                      ("--rdzv-id", args.rdzv_id), ("--rdzv-conf", args.rdzv_conf),
+                                      ("--local-addr", args.local_addr), ("--local-ranks-filter", args.local_ranks_filter),
+                                      ("--standalone", args.standalone or None))
              if value is not None]
     if given:
         raise UsageError(f"--in-place hosts its own rendezvous on a free local port: drop {', '.join(given)}")

@@ -11,9 +11,11 @@ name), the resume choice and the checkpoint flags with
 ``Checkpointer.from_launcher_env()`` (alpha_ckpt/runtime/launch_env.py). A Refusal
 escaping the script exits 3.
 
-torchrun's launcher flags are accepted and handed to torch.distributed.run,
-which sets the same worker environment (RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR, MASTER_PORT, ...) and does the rendezvous. Each rank runs the
+torchrun's launcher flags are accepted, each also from its PET_ variable as
+torchrun reads them (a flag on the command line wins), and handed to
+torch.distributed.run, which sets the same worker environment (RANK,
+WORLD_SIZE, LOCAL_RANK, GROUP_RANK, MASTER_ADDR, ...) and does the rendezvous
+(docs/MANY_NODES.md). Each rank runs the
 script (or module: the built-in job is ``-m alpha_ckpt.job``) under
 :mod:`alpha_ckpt.launch.script_runner`.
 
@@ -61,18 +63,71 @@ from alpha_ckpt.launch.usage import OneLineArgumentParser, UsageError, check_che
 from alpha_ckpt.runtime.launch_env import (EXIT_INTERRUPTED, EXIT_OK, EXIT_REFUSED, EXIT_RETRY, EXIT_SCRIPT_ERROR,  # noqa: F401
                          EXIT_USAGE, describe_exit)
 
-# torchrun flags we pass through unchanged: (flag, argparse kwargs)
-
+# torchrun's launcher flags, handed to torch.distributed.run: (flag, torchrun's default, argparse kwargs).
+# Each takes its default from PET_<FLAG> (``--rdzv-conf``: PET_RDZV_CONF) as torchrun's do, so a launch that a
+# scheduler describes only by environment (Kubeflow's PyTorchJob and Trainer v2, TorchX) runs as it would
+# under torchrun; a flag on the command line wins over its variable.
 _TORCHRUN_FLAGS = (
-    ("--nnodes", {"default": "1"}),
-    ("--node-rank", {"type": int, "default": 0}),
-    ("--master-addr", {}),
-    ("--master-port", {"type": int}),
-    ("--rdzv-endpoint", {}),
-    ("--rdzv-backend", {}),
-    ("--rdzv-id", {}),
-    ("--max-restarts", {"type": int, "default": 0}),
+    ("--nnodes", "1", {}),
+    ("--node-rank", 0, {"type": int}),
+    ("--master-addr", None, {}),
+    ("--master-port", None, {"type": int}),
+    ("--rdzv-endpoint", None, {}),
+    ("--rdzv-backend", None, {}),
+    ("--rdzv-id", None, {}),
+    ("--rdzv-conf", None, {"metavar": "KEY=VALUE,...", "help": "the rendezvous's settings, as torchrun's: "
+                                "is_host, join_timeout, last_call_timeout, read_timeout, close_timeout"}),
+    ("--local-addr", None, {"help": "this node's address as the other nodes reach it (default: its host name)"}),
+    ("--local-ranks-filter", None, {"metavar": "R,R,...", "help": "show only these local ranks' output "
+                                        "on the console (torchrun's; e.g. 0)"}),
+    ("--max-restarts", 0, {"type": int}),
 )
+# torchrun's names for the values of --nproc-per-node that are no number (resolved by torch on this host).
+NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
+# PET_ variables torchrun reads for flags that alpha-run has no use for and that would change what it starts.
+_PET_REFUSED = ("PET_NO_PYTHON", "PET_RUN_PATH")
+
+
+def pet_variable(flag: str) -> str:
+    """The environment variable torchrun reads for ``flag`` (``--rdzv-conf``: ``PET_RDZV_CONF``)."""
+    return "PET_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+@dataclasses.dataclass(frozen=True)
+class BadVariable:
+    """A PET_ variable whose value its flag would refuse: the flag's value until :func:`check_variables`
+    names it (argparse would name the flag, which the command line does not hold)."""
+    name: str
+    value: str
+
+
+def _from_environment(flag: str, default, convert=None):
+    """``flag``'s default as torchrun takes it: its PET_ variable when set (converted as the flag's value is),
+    else ``default``."""
+    name = pet_variable(flag)
+    if name not in os.environ:
+        return default
+    value = os.environ[name]
+    try:
+        return value if convert is None else convert(value)
+    except (ValueError, argparse.ArgumentTypeError):
+        return BadVariable(name, value)
+
+
+def check_variables(args) -> None:
+    """:class:`UsageError` naming the first PET_ variable that gave a flag a value it does not take."""
+    for value in vars(args).values():
+        if isinstance(value, BadVariable):
+            raise UsageError(f"{value.name}={value.value!r} is not a value its flag takes")
+
+
+def _nproc(value: str):
+    if value in NPROC_WORDS:
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is neither a number nor one of {', '.join(NPROC_WORDS)}") from None
 
 
 def parser() -> OneLineArgumentParser:
@@ -84,10 +139,13 @@ def parser() -> OneLineArgumentParser:
                    "-m MODULE (python -m), e.g. -m alpha_ckpt.job configs/forecast.toml --updates 5")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     p.add_argument("-m", dest="module", action="store_true", help="TARGET is a module (python -m), as torchrun -m")
-    p.add_argument("--nproc-per-node", "--nproc_per_node", "--nproc", dest="nproc", type=int, default=1)
-    for flag, kwargs in _TORCHRUN_FLAGS:
-        p.add_argument(flag, flag.replace("-", "_").replace("__", "--", 1), **kwargs)
-    p.add_argument("--standalone", action="store_true")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", "--nproc", dest="nproc", type=_nproc,
+                   default=_from_environment("--nproc-per-node", 1, _nproc),
+                   help="ranks on this node: a number, or auto, cpu, gpu as torchrun's (default 1)")
+    for flag, default, kwargs in _TORCHRUN_FLAGS:
+        p.add_argument(flag, flag.replace("-", "_").replace("__", "--", 1),
+                       default=_from_environment(flag, default, kwargs.get("type")), **kwargs)
+    p.add_argument("--standalone", action="store_true", default=_from_environment("--standalone", False, lambda v: bool(int(v))))
     p.add_argument("--store", default="./alpha-store", help="store directory (default ./alpha-store)")
     p.add_argument("--run", help="the script's run name (default: its file or module name)")
     resume = p.add_mutually_exclusive_group()
@@ -110,9 +168,9 @@ def parser() -> OneLineArgumentParser:
 
 def torchrun_argv(args) -> list[str]:
     """torchrun's launcher flags for ``args``."""
-    out = ["--nproc-per-node", str(args.nproc), "--nnodes", args.nnodes, "--node-rank", str(args.node_rank),
-           "--max-restarts", str(args.max_restarts)]
-    for flag in ("--master-addr", "--master-port", "--rdzv-endpoint", "--rdzv-backend", "--rdzv-id"):
+    # Every flag explicitly, the defaults included: torch's parser would otherwise take a PET_ variable's value.
+    out = ["--nproc-per-node", str(args.nproc)]
+    for flag, _, _ in _TORCHRUN_FLAGS:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             out += [flag, str(value)]
@@ -139,7 +197,15 @@ def check_launch_args(args) -> None:
     """torchrun's own flags, by torch's own parsers; :class:`UsageError` for the first bad one."""
     from torch.distributed.elastic.rendezvous import registry
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
-    from torch.distributed.run import parse_min_max_nnodes
+    from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
+    for name in _PET_REFUSED:
+        if os.environ.get(name, "0") not in ("", "0"):
+            raise UsageError(f"{name} is set: alpha-run starts its ranks in Python, unset it")
+    if isinstance(args.nproc, str):  # auto, cpu, gpu: this host's count, as torchrun resolves it
+        try:
+            args.nproc = determine_local_world_size(args.nproc)
+        except ValueError as exc:
+            raise UsageError(f"--nproc-per-node {args.nproc}: {exc}") from None
     if args.nproc < 1:
         raise UsageError(f"--nproc-per-node must be at least 1, not {args.nproc}")
     try:
@@ -171,19 +237,64 @@ def check_launch_args(args) -> None:
     known = getattr(registry.handler_registry, "_registry", None)  # torch's and plugins' backends
     if args.rdzv_backend is not None and known is not None and args.rdzv_backend not in known:
         raise UsageError(f"--rdzv-backend must be one of {', '.join(sorted(known))}, not {args.rdzv_backend!r}")
+    check_rdzv_conf(args.rdzv_conf, min_nodes, max_nodes)
+    if args.local_ranks_filter:
+        try:
+            shown = {int(rank) for rank in args.local_ranks_filter.split(",")}
+        except ValueError:
+            shown = {-1}
+        if not all(0 <= rank < args.nproc for rank in shown):
+            raise UsageError(f"--local-ranks-filter takes local ranks in [0, {args.nproc}) separated by commas, "
+                             f"not {args.local_ranks_filter!r}")
+
+
+# The settings of --rdzv-conf whose values torch reads as a boolean or as seconds; a bad one would
+# otherwise surface as a traceback from inside the rendezvous, after the node waited for the others.
+_RDZV_BOOLEANS = ("is_host",)
+_RDZV_SECONDS = ("join_timeout", "last_call_timeout", "read_timeout", "close_timeout", "timeout",
+                 "keep_alive_interval", "heartbeat_timeout")
+
+
+def check_rdzv_conf(text: str | None, min_nodes: int, max_nodes: int) -> None:
+    """--rdzv-conf KEY=VALUE,... read by torch's own parser and accessors; :class:`UsageError` for a bad one."""
+    if not text:
+        return
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.run import _parse_rendezvous_config
+    try:
+        conf = _parse_rendezvous_config(text)
+    except ValueError as exc:
+        raise UsageError(f"--rdzv-conf {text!r}: {exc}") from None
+    params = RendezvousParameters("c10d", "", "check", min_nodes, max_nodes, **conf)
+    for key in conf:
+        try:
+            if key in _RDZV_BOOLEANS:
+                params.get_as_bool(key)
+            elif key in _RDZV_SECONDS:
+                value = params.get_as_int(key)
+                if value is not None and value <= 0:
+                    raise ValueError("not positive")
+        except ValueError:
+            kind = "true or false (1 or 0)" if key in _RDZV_BOOLEANS else "a whole number of seconds above 0"
+            raise UsageError(f"--rdzv-conf {key}={conf[key]}: {key} takes {kind}") from None
 
 
 def static_rendezvous(args) -> bool:
     """torchrun's static rendezvous: --master-addr/--master-port, or --rdzv-backend static."""
     return (not args.standalone and args.rdzv_endpoint is None and args.rdzv_backend in (None, "static")
             and (args.master_addr is not None or args.master_port is not None or args.rdzv_backend == "static"
-                 or args.nnodes != "1"))
+                 or not one_node(args)))
+
+
+def one_node(args) -> bool:
+    """Whether --nnodes names one node: 1, or torchrun's own default 1:1."""
+    return args.nnodes in ("1", "1:1")
 
 
 def restarts_on_one_node(args) -> bool:
     """--max-restarts on one node with no rendezvous named: torch's c10d rendezvous on a free local port
     (torchrun --standalone), whose every restart is a new round with a new store for the ranks."""
-    return (args.max_restarts > 0 and args.nnodes == "1" and not args.standalone and args.rdzv_endpoint is None
+    return (args.max_restarts > 0 and one_node(args) and not args.standalone and args.rdzv_endpoint is None
             and args.rdzv_backend is None and args.master_addr is None and args.master_port is None)
 
 
@@ -256,6 +367,7 @@ def main(argv=None) -> int:
     try:
         # The script's checks first: they need no torch, so a typo there answers at once; torchrun's
         # flags are checked by torch's parsers (seconds to import) next.
+        check_variables(args)
         check_script_args(args)
         check_in_place_args(args)
         check_heartbeat_args(args)

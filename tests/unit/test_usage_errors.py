@@ -77,6 +77,15 @@ LAUNCHER_ONLY_CASES = [
     pytest.param(["--master-port", "70000"], id="master-port-out-of-range"),
     pytest.param(["--rdzv-endpoint", "host:port"], id="rdzv-endpoint-bad-port"),
     pytest.param(["--rdzv-backend", "carrier-pigeon"], id="rdzv-backend-unknown"),
+    pytest.param(["--rdzv-conf", "is_host"], id="rdzv-conf-key-without-value"),
+    pytest.param(["--rdzv-conf", "is_host=maybe"], id="rdzv-conf-is-host-not-a-boolean"),
+    pytest.param(["--rdzv-conf", "join_timeout=soon"], id="rdzv-conf-join-timeout-not-a-number"),
+    pytest.param(["--rdzv-conf", "last_call_timeout=0"], id="rdzv-conf-last-call-timeout-zero"),
+    pytest.param(["--rdzv-conf", "read_timeout=-5"], id="rdzv-conf-read-timeout-negative"),
+    pytest.param(["--nproc", "2", "--local-ranks-filter", "2"], id="local-ranks-filter-beyond-nproc"),
+    pytest.param(["--local-ranks-filter", "zero"], id="local-ranks-filter-not-a-number"),
+    pytest.param(["--nproc", "many"], id="nproc-not-a-number-nor-auto"),
+    pytest.param(["--in-place", "--max-restarts", "1", "--rdzv-conf", "is_host=1"], id="in-place-with-rdzv-conf"),
     pytest.param(["--run", "a/b"], id="run-name-with-slash"),
     pytest.param(["--run", ".hidden"], id="run-name-with-leading-dot"),
     pytest.param(["--heartbeat-limit", "120"], id="heartbeat-limit-not-below-timeout"),
@@ -151,6 +160,34 @@ def test_alpha_run_refuses_a_bad_torchrun_flag_before_any_owner_starts(flags, tm
     argv = ["--store", str(tmp_path / "store"), *flags, "-m", "alpha_ckpt.job", CONFIG, "--updates", "3"]
     code = exit_code_of(launcher.main, argv)
     assert_one_line_usage_error(code, capsys.readouterr().err)
+
+
+# PET_ variables (torchrun's, as schedulers set them) whose value their flag does not take, or that alpha-run
+# cannot honour: refused like a bad flag, the variable named.
+BAD_VARIABLES = [
+    pytest.param({"PET_NODE_RANK": "first"}, "PET_NODE_RANK", id="node-rank-not-a-number"),
+    pytest.param({"PET_NPROC_PER_NODE": "many"}, "PET_NPROC_PER_NODE", id="nproc-per-node-not-a-number"),
+    pytest.param({"PET_MASTER_PORT": "http"}, "PET_MASTER_PORT", id="master-port-not-a-number"),
+    pytest.param({"PET_MAX_RESTARTS": "few"}, "PET_MAX_RESTARTS", id="max-restarts-not-a-number"),
+    pytest.param({"PET_STANDALONE": "yes"}, "PET_STANDALONE", id="standalone-not-0-or-1"),
+    pytest.param({"PET_NNODES": "2", "PET_NODE_RANK": "2"}, "--node-rank", id="node-rank-beyond-nnodes"),
+    pytest.param({"PET_RDZV_CONF": "is_host=maybe"}, "is_host", id="rdzv-conf-is-host-not-a-boolean"),
+    pytest.param({"PET_NO_PYTHON": "1"}, "PET_NO_PYTHON", id="no-python"),
+    pytest.param({"PET_RUN_PATH": "1"}, "PET_RUN_PATH", id="run-path"),
+]
+
+
+@pytest.mark.parametrize("variables, named", BAD_VARIABLES)
+def test_alpha_run_refuses_a_bad_pet_variable_before_any_owner_starts_and_names_it(
+        variables, named, tmp_path, capsys, monkeypatch, no_owner_may_start):
+    from alpha_ckpt.launch import launcher
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    argv = ["--store", str(tmp_path / "store"), "-m", "alpha_ckpt.job", CONFIG, "--updates", "3"]
+    code = exit_code_of(launcher.main, argv)
+    err = capsys.readouterr().err
+    assert_one_line_usage_error(code, err)
+    assert named in err
 
 
 @pytest.mark.parametrize("flags, config", CASES)
