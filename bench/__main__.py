@@ -30,6 +30,8 @@ SUITES = {
     "sharded-restore": ("sharded_restore", "sharded restores alone, one save and one restore per method and round"),
     "sharded-saves": ("sharded_saves", "sharded saves alone, several ways, in paired balanced rounds"),
     "s3": ("s3", "sharded save and restore on an S3 server: ours against DCP on s3fs, s3torchconnector, a raw client"),
+    "replicated-restore": ("replicated_restore", "replicated state restored on 4 ranks: each object read once per "
+                           "node against every rank reading it, and DCP's load, on a file system and S3"),
 }
 GROUPED = "save_restore"
 

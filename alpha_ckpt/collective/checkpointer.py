@@ -81,7 +81,8 @@ from alpha_ckpt.collective.options import CheckpointerOptions
 from alpha_ckpt.collective.recovery import RecoveryClock
 from alpha_ckpt.collective.result import SaveResult, completed
 from alpha_ckpt.collective.runtime import build_runtime
-from alpha_ckpt.collective.resume import announce, announce_save, prepare, shards_read
+from alpha_ckpt.collective.node_reads import NodeReads
+from alpha_ckpt.collective.resume import announce, announce_save, plan_prepare, prepare_planned, shards_read
 from alpha_ckpt.collective.verdict import agree
 
 logger = logging.getLogger("alpha_ckpt")
@@ -448,7 +449,9 @@ class Checkpointer:
                 if reading is None:
                     phases["validate"] += time.perf_counter() - started
                     continue  # not within reach (the same on every rank): the next candidate
-                bound, refused, fill, counters = self._prepare_agreed(reading.store, candidate.root, state, per_rank)
+                bound, refused, fill, counters = self._prepare_agreed(
+                    reading.store, candidate.root, state, per_rank,
+                    share_reads=self.options.share_reads and candidate.tier == DURABLE and self.world > 1)
                 phases["validate"] += time.perf_counter() - started
                 if refused is not None:
                     # Damaged: every rank tries the next candidate together (from memory, the store always is).
@@ -469,9 +472,11 @@ class Checkpointer:
         self._announce(None)
         return None
 
-    def _prepare_agreed(self, store: Store, root: str, state: Mapping[str, Any], per_rank: str):
+    def _prepare_agreed(self, store: Store, root: str, state: Mapping[str, Any], per_rank: str, *,
+                        share_reads: bool = False):
         """Collective, for one generation ``root`` of ``store`` (the durable store or this rank's holder): rank 0
         checks its bindings, every rank prepares (validates) its part, and the ranks agree on one verdict.
+        ``share_reads``: each object is read from the store once per node (:mod:`alpha_ckpt.collective.node_reads`).
         Returns (candidate, refusal, fill, counters): the agreed refusal (what this rank validated released,
         nothing copied), or None with ``fill`` ready to copy."""
         bound = Choice(store, self.run, self.step).bound(
@@ -479,15 +484,25 @@ class Checkpointer:
             device=self.device) if self.rank == 0 else None
         candidate = Candidate.from_json(broadcast_json(bound.to_json() if bound else None, global_rank(0, self.group),
                                                        self.group))
-        refusal, fill, counters = None, None, None
+        refusal, fill, counters, preparing, shared = None, None, None, None, None
         try:
             if candidate.refusal is not None:
                 raise Refusal(candidate.refusal.code, candidate.refusal.message)
             if self.bind_devices:  # each rank: the very device that saved its rank
                 check_devices((candidate.devices or [])[self.rank:self.rank + 1] or [None], [self.device], True)
-            fill, counters, self._last_restore = prepare(store, state, root, rank=self.rank, world=self.world,
-                                                        per_rank=per_rank,
-                                                        allow_optimizer_change=self.options.allow_optimizer_change)
+            preparing = plan_prepare(store, state, root, rank=self.rank, world=self.world, per_rank=per_rank,
+                                     allow_optimizer_change=self.options.allow_optimizer_change)
+        except Refusal as exc:
+            refusal = exc
+        try:
+            if share_reads:  # every rank, refused or not: the plan is collective (None where any rank refused)
+                shared = NodeReads.share(store, None if preparing is None else preparing.objects(), self.group,
+                                         () if preparing is None else preparing.opening.manifest.regions)
+            if preparing is not None:
+                fill, counters, self._last_restore = prepare_planned(
+                    store, preparing, None if shared is None else shared.open_objects)
+                if shared is not None:
+                    self._last_restore["bytes_from_node"] = shared.bytes_from_node
         except Refusal as exc:
             refusal = exc
         try:
@@ -496,6 +511,9 @@ class Checkpointer:
             if fill is not None:
                 fill(go=False)  # another rank refused: release what this rank validated, copy nothing
             return candidate, agreed, None, None
+        finally:
+            if shared is not None:
+                shared.close()  # every rank opened what it maps: the node's files may go
         return candidate, None, fill, counters
 
     def _restored(self, counters: Counters, epoch: int, **read: Any) -> Counters:

@@ -7,6 +7,7 @@ copies a byte (:func:`prepare`) and announces the result.
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass
 import logging
 import os
 import sys
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from alpha_ckpt.errors import Refusal, RefusalCode
 from alpha_ckpt.generation.planner import WantedSlice, owners_holding
 from alpha_ckpt.runtime.progress import emit, format_bytes, is_tty
-from alpha_ckpt.generation.opening import records_holding
+from alpha_ckpt.generation.opening import Opening, open_planned, plan_opening, records_holding
 from alpha_ckpt.generation.reader import Counters, open_generation, prepare_fill
 from alpha_ckpt.state.load import plan_load
 from alpha_ckpt.state.rules import recorded_per_rank
@@ -27,12 +28,21 @@ from alpha_ckpt.collective.schedule import save_event_fields
 
 logger = logging.getLogger("alpha_ckpt")
 
-def prepare(store: Store, state: Mapping[str, Any], root: str, *, rank: int, world: int, per_rank: str,
-            allow_optimizer_change: Sequence[tuple[str, str]] = ()):
-    """This rank's part: match, open only the shards it reads, validate them.
+@dataclass(frozen=True)
+class Preparing:
+    """The first half of :func:`prepare`: what this rank restores (the load plan), and the shards it opens
+    (:class:`alpha_ckpt.generation.opening.Opening`); nothing opened yet."""
+    root: str
+    plan: Any
+    opening: Opening
 
-    Returns (fill, counters, what was read): ``fill(go=True)`` copies (``go=False`` releases
-    what was validated, copying nothing), then closes the generation."""
+    def objects(self) -> list[tuple[str, int]]:
+        return self.opening.objects()
+
+
+def plan_prepare(store: Store, state: Mapping[str, Any], root: str, *, rank: int, world: int, per_rank: str,
+                 allow_optimizer_change: Sequence[tuple[str, str]] = ()) -> Preparing:
+    """Match ``state`` to generation ``root`` and choose the shards this rank reads (reading manifests only)."""
     what = f"generation {root[:16]}..."
     with open_generation(store, root, role=0, wanted=[]) as head:  # the root manifest: the skeleton
         manifest = head.manifest
@@ -41,8 +51,26 @@ def prepare(store: Store, state: Mapping[str, Any], root: str, *, rank: int, wor
     plan, wanted = _plan(state, manifest, rank=rank, world=world, per_rank=per_rank,
                          allow_optimizer_change=allow_optimizer_change)
     # A tree: only the group manifests on the paths to the roles that hold this rank's words.
-    generation = open_generation(store, root, role=lambda m: roles_holding(m, wanted), wanted=wanted,
-                                 manifest=manifest)
+    opening = plan_opening(store, root, role=lambda m: roles_holding(m, wanted), wanted=wanted, manifest=manifest)
+    return Preparing(root, plan, opening)
+
+
+def prepare(store: Store, state: Mapping[str, Any], root: str, *, rank: int, world: int, per_rank: str,
+            allow_optimizer_change: Sequence[tuple[str, str]] = ()):
+    """This rank's part: match, open only the shards it reads, validate them.
+
+    Returns (fill, counters, what was read): ``fill(go=True)`` copies (``go=False`` releases
+    what was validated, copying nothing), then closes the generation."""
+    return prepare_planned(store, plan_prepare(store, state, root, rank=rank, world=world, per_rank=per_rank,
+                                               allow_optimizer_change=allow_optimizer_change))
+
+
+def prepare_planned(store: Store, preparing: Preparing, open_objects=None):
+    """:func:`prepare` from its first half: open the shards (through ``open_objects``, default the store's),
+    validate what this rank reads."""
+    root, plan, manifest = preparing.root, preparing.plan, preparing.opening.manifest
+    what = f"generation {root[:16]}..."
+    generation = open_planned(store, preparing.opening, open_objects)
     try:
         fill = prepare_fill(generation, plan, what)
     except BaseException:

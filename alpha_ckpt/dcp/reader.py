@@ -25,6 +25,8 @@ from alpha_ckpt.runtime.launch_env import note_checkpoint_call
 from alpha_ckpt.format.records import DTYPES, CapturePrefix, RegionDecl, check_name
 from alpha_ckpt.state.manifest import torch_dtype
 from alpha_ckpt.generation.planner import WantedSlice
+from alpha_ckpt.collective.node_reads import NodeReads
+from alpha_ckpt.generation.opening import open_planned, plan_opening
 from alpha_ckpt.generation.reader import PreparedRestore, check_structure, latest_generation, open_generation
 from alpha_ckpt.state.placement import box_ranges
 from alpha_ckpt.store import Store
@@ -47,7 +49,12 @@ class StorageReader(_DcpStorageReader):
     ``dcp.load(..., checkpoint_id=root)`` names the generation too. The reader runs no collective
     of its own: each rank validates what it will read in ``prepare_local_plan``, and DCP's own plan
     exchange (over its ``process_group``) raises any rank's refusal on every rank before any rank
-    reads. ``group`` is accepted for compatibility and not used.
+    reads.
+
+    ``group``: the process group ``dcp.load`` runs over (``dist.group.WORLD`` for the default one). Given,
+    each object is read from the store once per node, as a Checkpointer's restore does
+    (:mod:`alpha_ckpt.collective.node_reads`): the ranks plan who reads what over ``group`` in
+    ``prepare_local_plan``. Without it every rank reads what it loads (DCP does not tell a reader its group).
     """
 
     def __init__(self, store: str | os.PathLike | Store, root: str = "latest", *, run: str | None = None,
@@ -162,20 +169,44 @@ class StorageReader(_DcpStorageReader):
                 lo, hi = box_words(region.shape, item.storage_offsets, item.lengths)
                 wanted.append(WantedSlice(region.ordinal, lo, hi, len(wanted)))
                 boxes.append((item, region, lo))
-            generation = open_generation(self._open_store(), self.root, wanted=wanted)
+            store = self._open_store()
+            opening = plan_opening(store, self.root, wanted=wanted)
+        except Exception as exc:  # noqa: BLE001 - raised again below, once every rank took part in the plan
+            opening, refused = None, self._refusal_of(exc)
+            if self.group is None:
+                close_own_store(self)
+                if refused is exc:
+                    raise
+                raise refused from None
+        else:
+            refused = None
+        shared = None
+        try:
+            if self.group is not None:  # every rank, refused or not: the plan is collective
+                shared = NodeReads.share(self._open_store(), None if opening is None else opening.objects(),
+                                         self.group, self.regions)
+            if refused is not None:
+                raise refused
+            generation = open_planned(store, opening, None if shared is None else shared.open_objects)
             prepared = PreparedRestore(generation, wanted)
-        except BaseException as exc:
+        except BaseException:
             if generation is not None:
                 generation.close()
+            if shared is not None:
+                shared.close()
             close_own_store(self)
-            if isinstance(exc, (KeyError, TypeError, IndexError)):
-                raise Refusal(RefusalCode.FORMAT, f"generation {self.root[:16]}... DCP storage data is malformed "
-                              f"({type(exc).__name__}: {exc})") from None
             raise
         # Another rank's refusal reaches this one as DCP's exception, with no call to read_data: what
         # this rank validated is then let go with the reader (or at its next load).
-        release = weakref.finalize(self, _release_prepared, prepared, generation)
-        return _Validated(_plan_key(plan), wanted, boxes, values, prepared, release)
+        release = weakref.finalize(self, _release_prepared, prepared, generation, shared)
+        return _Validated(_plan_key(plan), wanted, boxes, values, prepared, release, shared)
+
+    def _refusal_of(self, exc: BaseException) -> BaseException:
+        """A malformed DCP storage entry as the refusal it is; any other exception as it is."""
+        if isinstance(exc, (KeyError, TypeError, IndexError)):
+            return Refusal(RefusalCode.FORMAT, f"generation {self.root[:16]}... DCP storage data is malformed "
+                           f"({type(exc).__name__}: {exc})")
+        return exc
 
     def _release_validated(self) -> None:
         if self._validated is not None:
@@ -241,13 +272,16 @@ class _Validated:
     values: list
     prepared: PreparedRestore
     release: Any  # a finalizer: releases the validated slices and closes their shards, once
+    shared: NodeReads | None = None  # the objects this rank read for its node (removed once every rank opened)
 
 
-def _release_prepared(prepared: PreparedRestore, generation) -> None:
+def _release_prepared(prepared: PreparedRestore, generation, shared: NodeReads | None = None) -> None:
     try:
         prepared.release()
     finally:
         generation.close()
+        if shared is not None:
+            shared.close()
 
 
 def _plan_key(plan: LoadPlan) -> list:

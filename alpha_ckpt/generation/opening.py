@@ -4,6 +4,7 @@ coverage of every region on word ranges. No payload byte is read here (:mod:`alp
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from alpha_ckpt.format.decoding import decode_head, parse_manifest_header, parse_shard_header, split_head
@@ -152,6 +153,24 @@ def records_holding(records: Sequence[ShardRef], wanted: Sequence[WantedSlice]) 
     return [r for r in records if _holds_any(r, by_ordinal)]
 
 
+@dataclass(frozen=True)
+class Opening:
+    """What :func:`open_generation` opens, found before any shard is: the root manifest (and its ref), the
+    manifests read on the way (the root first), the shard records to open, and every record of those
+    manifests (coverage is checked on them)."""
+    root: str
+    ref: RefRecord | None
+    manifest: ManifestHead
+    groups: tuple[ManifestHead, ...]
+    records: tuple[ShardRef, ...]
+    every_record: tuple[ShardRef, ...]
+    targets: tuple[int, ...] | None
+
+    def objects(self) -> list[tuple[str, int]]:
+        """The shards to open, as (name, size)."""
+        return [(record.digest, record.size) for record in self.records]
+
+
 def open_generation(store: Store, root: str, ref: RefRecord | None = None, *,
                     role: int | Sequence[int] | Callable[[ManifestHead], Sequence[int]] | None = None,
                     wanted: Sequence[WantedSlice] | None = None, manifest: ManifestHead | None = None) -> Generation:
@@ -169,6 +188,14 @@ def open_generation(store: Store, root: str, ref: RefRecord | None = None, *,
     opened (star or tree); coverage is still checked on every record read.
     ``manifest``: the root manifest as the caller already read and validated it (it is not read again).
     """
+    return open_planned(store, plan_opening(store, root, ref, role=role, wanted=wanted, manifest=manifest))
+
+
+def plan_opening(store: Store, root: str, ref: RefRecord | None = None, *,
+                 role: int | Sequence[int] | Callable[[ManifestHead], Sequence[int]] | None = None,
+                 wanted: Sequence[WantedSlice] | None = None, manifest: ManifestHead | None = None) -> Opening:
+    """The first half of :func:`open_generation` (same arguments): the manifests read and checked, the shards
+    to open chosen; no shard is opened."""
     what = f"root manifest {root[:16]}..."
     if ref is None:
         ref, manifest = _find_ref(store, root, manifest, what)
@@ -195,7 +222,17 @@ def open_generation(store: Store, root: str, ref: RefRecord | None = None, *,
         if record.digest == root:
             raise Refusal(RefusalCode.FORMAT, f"{what} names itself as a shard")
         named.add(record.digest)
-    opened = store.open_objects([(record.digest, record.size) for record in records], "shard")
+    return Opening(root, ref, manifest, tuple(groups), tuple(records), tuple(every_record),
+                   None if targets is None else tuple(targets))
+
+
+def open_planned(store: Store, opening: Opening,
+                 open_objects: Callable[[list[tuple[str, int]], str], list[ObjectFile]] | None = None) -> Generation:
+    """The second half of :func:`open_generation`: open the shards ``opening`` chose (through ``open_objects``,
+    default the store's), check each head against its record, and the coverage."""
+    root, manifest, records, targets = opening.root, opening.manifest, opening.records, opening.targets
+    what = f"root manifest {root[:16]}..."
+    opened = (open_objects or store.open_objects)(opening.objects(), "shard")
     shards: dict[str, tuple[ObjectFile, ShardHead]] = {}
     try:
         for record, obj in zip(records, opened):
@@ -205,8 +242,8 @@ def open_generation(store: Store, root: str, ref: RefRecord | None = None, *,
             check_shard_against_record(head, record, manifest.prefix, manifest.schema_digest, manifest.regions, w)
             shards[record.digest] = (obj, head)
         # The one validator publishers run before their ref (a path of a tree is covered structurally).
-        check_root_manifest(manifest, every_record if targets is None or manifest.publisher.kind == "star" else None,
-                            what)
+        check_root_manifest(manifest, list(opening.every_record) if targets is None or manifest.publisher.kind == "star"
+                            else None, what)
         if isinstance(manifest.metadata, dict) and "dcp" in manifest.metadata:
             # a DCP checkpoint: its Metadata must tile its tensors by its regions (imported here: torch's
             # DCP package takes about a second to import, and most generations are not DCP's)
@@ -216,4 +253,4 @@ def open_generation(store: Store, root: str, ref: RefRecord | None = None, *,
         for obj in opened:
             obj.close()
         raise
-    return Generation(store, root, ref, manifest, shards, tuple(groups))
+    return Generation(store, root, opening.ref, manifest, shards, opening.groups)

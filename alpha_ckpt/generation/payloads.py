@@ -62,7 +62,8 @@ def read_span(rec: SliceRecord, lo_byte: int, hi_byte: int) -> tuple[int, int]:
 def decode_slice(rec: SliceRecord, stored: memoryview, what: str,
                  wait: Callable[[int], None] = _no_wait, keep: bool = True,
                  advance: Callable[[int], None] | None = None, finite: bool = True,
-                 region: str | None = None, span: tuple[int, int] | None = None) -> memoryview | None:
+                 region: str | None = None, span: tuple[int, int] | None = None,
+                 checked: bool = False) -> memoryview | None:
     """Check a slice's stored bytes and return its raw words (a view, or a decompressed copy).
 
     ``span`` (from :func:`read_span`) limits a raw slice with block digests to the stored bytes
@@ -75,6 +76,8 @@ def decode_slice(rec: SliceRecord, stored: memoryview, what: str,
     slice), for a progress bar; it may be called from several threads. With
     ``finite=False`` only the bytes' integrity is checked, not the words' values.
     ``region`` is the region's dotted name, for messages (a shard alone knows only its ordinal).
+    ``checked``: a raw slice of an object whose every slice was validated already (``ObjectFile.checked``)
+    is returned as it is.
     """
     named = repr(region) if region is not None else f"ordinal {rec.ordinal}"
     w = f"{what} slice of region {named} words [{rec.lo}, {rec.hi})"
@@ -82,6 +85,9 @@ def decode_slice(rec: SliceRecord, stored: memoryview, what: str,
         first, last = span if span is not None else (0, len(stored))
         if (first, last) != (0, len(stored)) and (rec.blocks is None or (first, last) != read_span(rec, first, last)):
             raise ValueError(f"{w}: span {span} is not whole blocks of a slice with block digests")
+        if checked:
+            wait(last - first)
+            return stored
         hasher = blake3.blake3() if rec.blocks is None else None
         bad = None
         for start in range(first, last, _CHUNK):
@@ -315,7 +321,8 @@ class Payloads:
             region = self.regions[rec.ordinal] if rec.ordinal < len(self.regions) else None
             return decode_slice(rec, self.payload(digest)[rec.offset:rec.offset + rec.stored], f"shard {digest[:16]}...",
                                 wait, keep=keep, advance=advance, finite=finite and not (region and region.nonfinite),
-                                region=region.name if region else None, span=spans.get(key))
+                                region=region.name if region else None, span=spans.get(key),
+                                checked=keep and self.shards[digest][0].checked)
 
         for digest in dict.fromkeys(d for d, _ in wanted):
             self.check_padding(digest)

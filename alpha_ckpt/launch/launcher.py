@@ -54,6 +54,7 @@ from typing import Any, Callable, Iterator
 
 from alpha_ckpt.format.records import NAME_RE
 from alpha_ckpt.runtime import heartbeat, launch_env
+from alpha_ckpt.runtime.orphans import remove_orphaned
 from alpha_ckpt.store.location import canonical
 from alpha_ckpt.runtime import options as options_core
 from alpha_ckpt.runtime.heartbeat import check_heartbeat_args
@@ -105,9 +106,9 @@ def _from_environment(flag: str, default, convert=None):
     """``flag``'s default as torchrun takes it: its PET_ variable when set (converted as the flag's value is),
     else ``default``."""
     name = pet_variable(flag)
-    if name not in os.environ:
+    value = launch_env.torchrun_variable(name)
+    if value is None:
         return default
-    value = os.environ[name]
     try:
         return value if convert is None else convert(value)
     except (ValueError, argparse.ArgumentTypeError):
@@ -199,7 +200,7 @@ def check_launch_args(args) -> None:
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
     from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
     for name in _PET_REFUSED:
-        if os.environ.get(name, "0") not in ("", "0"):
+        if (launch_env.torchrun_variable(name) or "0") != "0":
             raise UsageError(f"{name} is set: alpha-run starts its ranks in Python, unset it")
     if isinstance(args.nproc, str):  # auto, cpu, gpu: this host's count, as torchrun resolves it
         try:
@@ -472,24 +473,7 @@ LAUNCH_PREFIX = "alpha-run-"  # + the launcher's pid: the notes of a launch whos
 def remove_orphaned_tiers(parent: str, prefix: str = MEMORY_PREFIX) -> None:
     """Remove the directories (``prefix`` + a launcher's pid) of launchers that died without removing theirs
     (SIGKILL): the memory tiers (host memory), the launches' notes."""
-    try:
-        names = os.listdir(parent)
-    except OSError:
-        return
-    for name in names:
-        pid = name[len(prefix):].split("-", 1)[0]
-        if not name.startswith(prefix) or not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-            continue  # its launcher still runs
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue  # another user's launcher
-        path = os.path.join(parent, name)
-        if os.stat(path).st_uid == os.getuid():
-            shutil.rmtree(path, ignore_errors=True)
+    remove_orphaned(parent, prefix)
 
 
 KILLED_GONE_S = 10.0  # how long the agent waits to see a killed hung worker gone (SIGKILL: at once)

@@ -125,6 +125,18 @@ def run_id() -> str | None:
     return os.environ.get("TORCHELASTIC_RUN_ID") or None
 
 
+def node_rank() -> str:
+    """torch's GROUP_RANK (this node's rank in the rendezvous, as torchrun and alpha-run set it), or ""."""
+    return os.environ.get("GROUP_RANK", "")
+
+
+def torchrun_variable(name: str) -> str | None:
+    """A launcher's ``PET_`` variable (torchrun's flags as schedulers set them), or None when unset."""
+    if not name.startswith("PET_"):
+        raise ValueError(f"{name} is not a torchrun variable")
+    return os.environ.get(name)
+
+
 def ranks_per_node() -> int | None:
     """torch's LOCAL_WORLD_SIZE (ranks on this node), as torchrun and alpha-run set it, or None."""
     value = os.environ.get("LOCAL_WORLD_SIZE", "")

@@ -269,6 +269,9 @@ OPTIONS: tuple[Option, ...] = (
            allowed_changes),
     Option("announce", False, "Rank 0 says on stderr, in one line, what each restore resumed (or that it starts "
            "fresh): alpha-run's scripts do.", _flag),
+    Option("share_reads", True, "Restore from the store: an object several ranks of a node need (replicated state) "
+           "is read once per node, by one of them, and mapped by the others from the node's shared memory; False: "
+           "every rank reads all it restores.", _flag),
 )
 
 

@@ -34,6 +34,10 @@ class ObjectFile:
     range overlaps reading the next.
     """
 
+    # True once every slice of the object was validated whole by the rank of this node that read it from the
+    # store (alpha_ckpt.collective.node_reads): a restore then skips hashing its bytes again.
+    checked = False
+
     def __init__(self, fd: int, size: int, digest: str):
         self.fd, self.size, self.digest = fd, size, digest
         self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) if size else None

@@ -1,0 +1,209 @@
+"""A restore that reads each object from the durable store once per node.
+
+Every rank names the shards its restore opens; rank 0 plans who reads what
+(:func:`alpha_ckpt.generation.node_plan.plan_node_reads`) and tells every rank.
+An object that one rank of a node alone needs it reads itself, as before. An
+object that several ranks of a node need (replicated state) is read by one of
+them into a file in the node's shared memory (``/dev/shm``); after a barrier
+the others map that file instead of the store. Each rank still checks every
+byte it uses (BLAKE3, finiteness) as a restore always does, so a file damaged
+in memory is refused like a damaged shard. A file its reader could not make
+(the object is missing or of another size in the store) is read from the
+store by each rank that needs it, which refuses it as a restore always does.
+
+A node is the ranks of one launcher on one host: the host's name and
+torchrun's ``GROUP_RANK`` (two launchers on one machine are two nodes).
+The files are removed once every rank opened its objects (after the ranks'
+agreement); a reader killed before that leaves a directory named after its
+pid, which the next restore on the host removes.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import tempfile
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from alpha_ckpt.errors import Refusal, RefusalCode
+from alpha_ckpt.format.decoding import parse_shard_header
+from alpha_ckpt.format.records import RegionDecl
+from alpha_ckpt.generation.node_plan import RankReads, plan_node_reads
+from alpha_ckpt.generation.opening import read_head
+from alpha_ckpt.generation.payloads import Payloads
+from alpha_ckpt.runtime import launch_env
+from alpha_ckpt.runtime.orphans import remove_orphaned
+from alpha_ckpt.store import ObjectFile, Store
+from alpha_ckpt.store.backend import check_opened_size
+from alpha_ckpt.tiers.durable.wire import broadcast_json, gather_json, global_rank, wire_device
+
+SHARED_PARENT = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+PREFIX = "alpha-ckpt-reads-"  # + the reading process's pid + "-" + the restore's token
+_COPY_CHUNK = 64 << 20
+
+
+def node_key() -> str:
+    """This rank's node: its host and its launcher's node rank (torchrun's GROUP_RANK; none outside a launcher)."""
+    return f"{socket.gethostname()}/{launch_env.node_rank()}"
+
+
+class NodeReads:
+    """This rank's part of a deduplicated restore: :meth:`open_objects` opens what the plan says (the node's
+    shared copy, else the store), :meth:`close` removes the files this rank made for its node."""
+
+    def __init__(self, store: Store, plan: RankReads, directories: Sequence[str | None], rank: int):
+        self.store, self.plan, self.rank = store, plan, rank
+        self._directories = list(directories)  # by group rank: where that rank's shared files are
+        self.bytes_from_node = 0  # what this rank mapped from a file another rank of its node read
+
+    @classmethod
+    def share(cls, store: Store, objects: Sequence[tuple[str, int]] | None, group=None,
+              regions: Sequence[RegionDecl] = ()) -> "NodeReads | None":
+        """Collective over ``group``: every rank passes the (name, size) shards it will open, or None (its
+        restore refused before knowing them, or it shares none). Returns this rank's part once every rank of
+        its node has made the files the plan asks of it; None on every rank when any rank passed None.
+        ``regions``: the generation's (the root manifest's), for checking the objects read for the node."""
+        rank = dist.get_rank(group)
+        root = global_rank(0, group)
+        mine = None if objects is None else [[name, size] for name, size in objects]
+        said = gather_json({"node": node_key(), "pid": os.getpid(), "objects": mine}, root, group)
+        plans = None
+        if said is not None:  # rank 0
+            if all(s["objects"] is not None for s in said):
+                planned = plan_node_reads([s["node"] for s in said], [s["objects"] for s in said])
+                token = secrets.token_hex(6)
+                plans = {"plans": [p.to_json() for p in planned],
+                         "directories": [f"{PREFIX}{s['pid']}-{token}" if p.for_node else None
+                                         for s, p in zip(said, planned)]}
+        plans = broadcast_json(plans, root, group)
+        if plans is None:
+            return None
+        directories = [None if d is None else os.path.join(SHARED_PARENT, d) for d in plans["directories"]]
+        reads = cls(store, RankReads.from_json(plans["plans"][rank]), directories, rank)
+        reads._regions = tuple(regions)
+        try:
+            if directories[rank] is not None:
+                remove_orphaned(SHARED_PARENT, PREFIX)
+                reads._read_for_node(directories[rank])
+        finally:
+            _barrier(group)  # every file of the node made (or given up) before any rank looks for it
+        return reads
+
+    def _read_for_node(self, directory: str) -> None:
+        """Each object the plan gives this rank, from the store into a file of ``directory``. One that cannot
+        be read is left out: each rank that needs it then reads it from the store and refuses it there."""
+        try:
+            os.mkdir(directory, 0o700)
+            opened = self.store.open_objects(self.plan.for_node, "shard")
+        except (Refusal, OSError):  # each rank that needs them reads them from the store
+            return
+        for (name, size), obj in zip(self.plan.for_node, opened):
+            try:
+                _copy_into_file(obj, os.path.join(directory, name), size, self._regions)
+            except (Refusal, OSError):  # damaged or missing in the store, or no room in memory: as above
+                pass
+            finally:
+                obj.close()
+
+    def _path(self, name: str) -> str | None:
+        reader = self.rank if any(n == name for n, _ in self.plan.for_node) else self.plan.from_node.get(name)
+        directory = None if reader is None else self._directories[reader]
+        return None if directory is None else os.path.join(directory, name)
+
+    def open_objects(self, wanted: Sequence[tuple[str, int]], what: str) -> list[ObjectFile]:
+        """Each (name, size) of ``wanted``: the node's file where the plan made one, else from the store."""
+        out: list[ObjectFile | None] = [None] * len(wanted)
+        from_store: list[int] = []
+        try:
+            for i, (name, size) in enumerate(wanted):
+                path = self._path(name)
+                try:
+                    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC) if path else -1
+                except FileNotFoundError:
+                    fd = -1
+                if fd < 0:
+                    from_store.append(i)
+                    continue
+                out[i] = ObjectFile(fd, os.fstat(fd).st_size, name)
+                check_opened_size(out[i], size, f"{what} {name}")
+                out[i].checked = True  # every slice validated by its reader before the file got its name
+                if self.plan.from_node.get(name) is not None:
+                    self.bytes_from_node += size
+            for i, obj in zip(from_store, self.store.open_objects([wanted[i] for i in from_store], what)):
+                out[i] = obj
+        except BaseException:
+            for obj in out:
+                if obj is not None:
+                    obj.close()
+            raise
+        return out  # type: ignore[return-value]
+
+    def close(self) -> None:
+        """Remove the files this rank made for its node (every rank that maps one keeps its mapping)."""
+        directory = self._directories[self.rank]
+        if directory is None:
+            return
+        for name, _ in self.plan.for_node:
+            try:
+                os.unlink(os.path.join(directory, name))
+            except FileNotFoundError:
+                pass
+        try:
+            os.rmdir(directory)
+        except OSError:
+            pass
+        self._directories[self.rank] = None
+
+
+def _copy_into_file(obj: ObjectFile, path: str, size: int, regions: Sequence[RegionDecl]) -> None:
+    """``obj``'s bytes into a new file at ``path``, every slice validated (BLAKE3, finiteness by ``regions``)
+    before its name appears: the ranks that map it check its head, not its bytes again."""
+    check_opened_size(obj, size, f"shard {obj.digest}")
+    partial = f"{path}.partial"
+    fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        if obj.fd >= 0:  # a file of the store: copied by the kernel
+            done = 0
+            while done < size:
+                n = os.sendfile(fd, obj.fd, done, min(_COPY_CHUNK, size - done))
+                if n == 0:
+                    raise Refusal(RefusalCode.CORRUPT_SHARD, f"shard {obj.digest[:16]}... shrank while being read")
+                done += n
+        else:
+            view = obj.view()  # an object store's: waits for its bytes, refuses them if they cannot arrive
+            for start in range(0, size, _COPY_CHUNK):
+                chunk = view[start:start + _COPY_CHUNK]
+                written = 0
+                while written < len(chunk):
+                    written += os.pwrite(fd, chunk[written:], start + written)
+        _check_whole(fd, obj.digest, size, regions)
+    except BaseException:
+        os.close(fd)
+        os.unlink(partial)
+        raise
+    os.close(fd)
+    os.rename(partial, path)
+
+
+def _check_whole(fd: int, name: str, size: int, regions: Sequence[RegionDecl]) -> None:
+    """Every slice of the shard in file ``fd``, validated as a restore validates what it reads."""
+    what = f"shard {name[:16]}..."
+    obj = ObjectFile(os.dup(fd), size, name)
+    payloads = None
+    try:
+        header, head_len = read_head(obj, what, size_is_known=True)
+        head = parse_shard_header(header, name, head_len, what)
+        payloads = Payloads({name: (obj, head)}, regions)
+        payloads.decode([(name, i) for i in range(len(head.slices))], keep=False)
+    finally:
+        if payloads is not None:
+            payloads.release()
+        obj.close()
+
+
+def _barrier(group) -> None:
+    flag = torch.zeros(1, dtype=torch.int64, device=wire_device(group))
+    dist.all_reduce(flag, group=group)
