@@ -28,7 +28,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from alpha_ckpt.errors import Refusal, RefusalCode
+from alpha_ckpt.errors import Refusal
 from alpha_ckpt.format.decoding import parse_shard_header
 from alpha_ckpt.format.records import RegionDecl
 from alpha_ckpt.generation.node_plan import RankReads, plan_node_reads
@@ -58,6 +58,8 @@ class NodeReads:
         self.store, self.plan, self.rank = store, plan, rank
         self._directories = list(directories)  # by group rank: where that rank's shared files are
         self.bytes_from_node = 0  # what this rank mapped from a file another rank of its node read
+        self._held: list[ObjectFile] = []  # the store's files this rank shares by descriptor, until close()
+        self._regions: tuple[RegionDecl, ...] = ()
 
     @classmethod
     def share(cls, store: Store, objects: Sequence[tuple[str, int]] | None, group=None,
@@ -101,12 +103,20 @@ class NodeReads:
         except (Refusal, OSError):  # each rank that needs them reads them from the store
             return
         for (name, size), obj in zip(self.plan.for_node, opened):
+            path = os.path.join(directory, name)
             try:
-                _copy_into_file(obj, os.path.join(directory, name), size, self._regions)
+                check_opened_size(obj, size, f"shard {name}")
+                if obj.fd >= 0:
+                    # A file (the store's, in the node's page cache) is shared as it is: checked in place, and
+                    # named by a link to this process's descriptor, which stays open until close().
+                    _check_object(obj, self._regions)
+                    os.symlink(f"/proc/{os.getpid()}/fd/{obj.fd}", path)
+                    self._held.append(obj)
+                    continue
+                _copy_into_file(obj, path, size, self._regions)
             except (Refusal, OSError):  # damaged or missing in the store, or no room in memory: as above
                 pass
-            finally:
-                obj.close()
+            obj.close()
 
     def _path(self, name: str) -> str | None:
         reader = self.rank if any(n == name for n, _ in self.plan.for_node) else self.plan.from_node.get(name)
@@ -121,8 +131,8 @@ class NodeReads:
             for i, (name, size) in enumerate(wanted):
                 path = self._path(name)
                 try:
-                    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC) if path else -1
-                except FileNotFoundError:
+                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC) if path else -1
+                except OSError:  # not made, or its reader's descriptor cannot be opened here: from the store
                     fd = -1
                 if fd < 0:
                     from_store.append(i)
@@ -156,30 +166,29 @@ class NodeReads:
         except OSError:
             pass
         self._directories[self.rank] = None
+        for obj in self._held:
+            obj.close()
+        self._held = []
 
 
 def _copy_into_file(obj: ObjectFile, path: str, size: int, regions: Sequence[RegionDecl]) -> None:
-    """``obj``'s bytes into a new file at ``path``, every slice validated (BLAKE3, finiteness by ``regions``)
-    before its name appears: the ranks that map it check its head, not its bytes again."""
-    check_opened_size(obj, size, f"shard {obj.digest}")
+    """``obj``'s bytes (an object store's, in this process's memory) into a new file at ``path``, every slice
+    validated (BLAKE3, finiteness by ``regions``) before its name appears: the ranks that map it check its
+    head, not its bytes again."""
     partial = f"{path}.partial"
     fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
-        if obj.fd >= 0:  # a file of the store: copied by the kernel
-            done = 0
-            while done < size:
-                n = os.sendfile(fd, obj.fd, done, min(_COPY_CHUNK, size - done))
-                if n == 0:
-                    raise Refusal(RefusalCode.CORRUPT_SHARD, f"shard {obj.digest[:16]}... shrank while being read")
-                done += n
-        else:
-            view = obj.view()  # an object store's: waits for its bytes, refuses them if they cannot arrive
-            for start in range(0, size, _COPY_CHUNK):
-                chunk = view[start:start + _COPY_CHUNK]
-                written = 0
-                while written < len(chunk):
-                    written += os.pwrite(fd, chunk[written:], start + written)
-        _check_whole(fd, obj.digest, size, regions)
+        view = obj.view()  # waits for the bytes, and refuses them if they cannot arrive
+        for start in range(0, size, _COPY_CHUNK):
+            chunk = view[start:start + _COPY_CHUNK]
+            written = 0
+            while written < len(chunk):
+                written += os.pwrite(fd, chunk[written:], start + written)
+        copy = ObjectFile(os.dup(fd), size, obj.digest)
+        try:
+            _check_object(copy, regions)
+        finally:
+            copy.close()
     except BaseException:
         os.close(fd)
         os.unlink(partial)
@@ -188,20 +197,16 @@ def _copy_into_file(obj: ObjectFile, path: str, size: int, regions: Sequence[Reg
     os.rename(partial, path)
 
 
-def _check_whole(fd: int, name: str, size: int, regions: Sequence[RegionDecl]) -> None:
-    """Every slice of the shard in file ``fd``, validated as a restore validates what it reads."""
-    what = f"shard {name[:16]}..."
-    obj = ObjectFile(os.dup(fd), size, name)
-    payloads = None
+def _check_object(obj: ObjectFile, regions: Sequence[RegionDecl]) -> None:
+    """Every slice of shard ``obj``, validated as a restore validates what it reads."""
+    what = f"shard {obj.digest[:16]}..."
+    header, head_len = read_head(obj, what, size_is_known=True)
+    head = parse_shard_header(header, obj.digest, head_len, what)
+    payloads = Payloads({obj.digest: (obj, head)}, regions)
     try:
-        header, head_len = read_head(obj, what, size_is_known=True)
-        head = parse_shard_header(header, name, head_len, what)
-        payloads = Payloads({name: (obj, head)}, regions)
-        payloads.decode([(name, i) for i in range(len(head.slices))], keep=False)
+        payloads.decode([(obj.digest, i) for i in range(len(head.slices))], keep=False)
     finally:
-        if payloads is not None:
-            payloads.release()
-        obj.close()
+        payloads.release()
 
 
 def _barrier(group) -> None:
