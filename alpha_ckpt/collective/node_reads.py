@@ -19,6 +19,7 @@ pid, which the next restore on the host removes.
 """
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import socket
@@ -38,7 +39,8 @@ from alpha_ckpt.runtime import launch_env
 from alpha_ckpt.runtime.orphans import remove_orphaned
 from alpha_ckpt.store import ObjectFile, Store
 from alpha_ckpt.store.backend import check_opened_size
-from alpha_ckpt.tiers.durable.wire import broadcast_json, gather_json, global_rank, wire_device
+from alpha_ckpt.format.records import canonical_json
+from alpha_ckpt.tiers.durable.wire import broadcast_json, gather_json, global_rank, recv_bytes, send_bytes, wire_device
 
 SHARED_PARENT = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 PREFIX = "alpha-ckpt-reads-"  # + the reading process's pid + "-" + the restore's token
@@ -54,9 +56,9 @@ class NodeReads:
     """This rank's part of a deduplicated restore: :meth:`open_objects` opens what the plan says (the node's
     shared copy, else the store), :meth:`close` removes the files this rank made for its node."""
 
-    def __init__(self, store: Store, plan: RankReads, directories: Sequence[str | None], rank: int):
+    def __init__(self, store: Store, plan: RankReads, directories: dict[int, str], rank: int):
         self.store, self.plan, self.rank = store, plan, rank
-        self._directories = list(directories)  # by group rank: where that rank's shared files are
+        self._directories = dict(directories)  # group rank -> where that rank's shared files are (its node's)
         self.bytes_from_node = 0  # what this rank mapped from a file another rank of its node read
         self._held: list[ObjectFile] = []  # the store's files this rank shares by descriptor, until close()
         self._regions: tuple[RegionDecl, ...] = ()
@@ -72,22 +74,31 @@ class NodeReads:
         root = global_rank(0, group)
         mine = None if objects is None else [[name, size] for name, size in objects]
         said = gather_json({"node": node_key(), "pid": os.getpid(), "objects": mine}, root, group)
-        plans = None
-        if said is not None:  # rank 0
-            if all(s["objects"] is not None for s in said):
-                planned = plan_node_reads([s["node"] for s in said], [s["objects"] for s in said])
-                token = secrets.token_hex(6)
-                plans = {"plans": [p.to_json() for p in planned],
-                         "directories": [f"{PREFIX}{s['pid']}-{token}" if p.for_node else None
-                                         for s, p in zip(said, planned)]}
-        plans = broadcast_json(plans, root, group)
-        if plans is None:
+        go = said is not None and all(s["objects"] is not None for s in said)
+        if not broadcast_json(go if said is not None else None, root, group):
             return None
-        directories = [None if d is None else os.path.join(SHARED_PARENT, d) for d in plans["directories"]]
-        reads = cls(store, RankReads.from_json(plans["plans"][rank]), directories, rank)
+        # Each rank gets its own part only (its reads, and the directories of its node's readers it maps
+        # from): what travels grows with the plan, not with the plan times the ranks.
+        if said is not None:
+            planned = plan_node_reads([s["node"] for s in said], [s["objects"] for s in said])
+            token = secrets.token_hex(6)
+            names = {r: f"{PREFIX}{s['pid']}-{token}" for r, (s, p) in enumerate(zip(said, planned)) if p.for_node}
+            ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+            for r, p in enumerate(planned):
+                part = {"plan": p.to_json(), "directories": {str(reader): names[reader] for reader in
+                                                             {*p.from_node.values(), *([r] if p.for_node else [])}}}
+                if r == rank:
+                    mine_part = part
+                else:
+                    send_bytes(canonical_json(part), ranks[r], group)
+        else:
+            mine_part = json.loads(recv_bytes(root, group).decode("ascii"))
+        directories: dict[int, str] = {int(r): os.path.join(SHARED_PARENT, d)
+                                       for r, d in mine_part["directories"].items()}
+        reads = cls(store, RankReads.from_json(mine_part["plan"]), directories, rank)
         reads._regions = tuple(regions)
         try:
-            if directories[rank] is not None:
+            if rank in directories:
                 remove_orphaned(SHARED_PARENT, PREFIX)
                 reads._read_for_node(directories[rank])
         finally:
@@ -120,7 +131,7 @@ class NodeReads:
 
     def _path(self, name: str) -> str | None:
         reader = self.rank if any(n == name for n, _ in self.plan.for_node) else self.plan.from_node.get(name)
-        directory = None if reader is None else self._directories[reader]
+        directory = None if reader is None else self._directories.get(reader)
         return None if directory is None else os.path.join(directory, name)
 
     def open_objects(self, wanted: Sequence[tuple[str, int]], what: str) -> list[ObjectFile]:
@@ -153,8 +164,11 @@ class NodeReads:
 
     def close(self) -> None:
         """Remove the files this rank made for its node (every rank that maps one keeps its mapping)."""
-        directory = self._directories[self.rank]
+        directory = self._directories.pop(self.rank, None)
         if directory is None:
+            for obj in self._held:
+                obj.close()
+            self._held = []
             return
         for name, _ in self.plan.for_node:
             try:
@@ -165,7 +179,6 @@ class NodeReads:
             os.rmdir(directory)
         except OSError:
             pass
-        self._directories[self.rank] = None
         for obj in self._held:
             obj.close()
         self._held = []

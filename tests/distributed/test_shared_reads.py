@@ -40,10 +40,17 @@ def _save(rank, world, store_dir, publisher):
     return root
 
 
+def _backend(store_dir):
+    if store_dir.startswith("s3://"):
+        from alpha_ckpt.store.s3 import S3Backend
+        return S3Backend(store_dir, True)
+    return PosixBackend(StoreLayout(store_dir), True)
+
+
 def _restore(rank, world, store_dir, share, nodes):
     if nodes > 1:  # a launcher per node sets its node rank (torchrun's GROUP_RANK) in its ranks
         os.environ["GROUP_RANK"] = str(rank * nodes // world)
-    backend = CountingBackend(PosixBackend(StoreLayout(store_dir), True))
+    backend = CountingBackend(_backend(store_dir))
     state = _state(rank, 0)
     ckpt = Checkpointer(Store(backend), run="r", per_rank=["rank_stats"], share_reads=share)
     ckpt.restore(state, "latest")
@@ -91,6 +98,26 @@ def test_a_restore_reads_each_object_once_per_node_and_restores_the_same_bits(tm
         assert sum(r["served"] for r in alone) >= (world - 0.5) * unique
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_a_restore_from_s3_gets_each_object_once_per_node(tmp_path, s3_server, s3_store, nodes):
+    env = s3_server.environment()
+    run_ranks(4, _with, env, _save, s3_store, "star", tmp=tmp_path)
+    unique = _unique_bytes(s3_store)
+    shared = run_ranks(4, _with, env, _restore, s3_store, True, nodes, tmp=tmp_path)
+    assert [r["digest"] for r in shared] == [_digest(_state(rank, 7)) for rank in range(4)]
+    for node in range(nodes):
+        served = sum(r["served"] for r in shared[node * 4 // nodes:(node + 1) * 4 // nodes])
+        assert served <= 1.05 * unique, (served, unique)
+    assert not _left_behind(shared)
+
+
+def _with(rank, world, env, fn, *args):
+    os.environ.update(env)  # a rank comes from the fork server, not from this test's environment
+    return fn(rank, world, *args)
+
+
 def _dcp_save(rank, world, store_dir):
     import torch.distributed.checkpoint as dcp
     from alpha_ckpt.dcp import StorageWriter
@@ -104,7 +131,7 @@ def _dcp_load(rank, world, store_dir, root, share, nodes):
     from alpha_ckpt.dcp import StorageReader
     if nodes > 1:
         os.environ["GROUP_RANK"] = str(rank * nodes // world)
-    backend = CountingBackend(PosixBackend(StoreLayout(store_dir), True))
+    backend = CountingBackend(_backend(store_dir))
     dest = _state(rank, 0)["model"]
     dcp.load(dest, storage_reader=StorageReader(Store(backend), root, group=dist.group.WORLD if share else None))
     want = _state(rank, 7)["model"]

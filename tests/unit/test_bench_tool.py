@@ -170,3 +170,14 @@ def test_the_s3_suite_counts_no_list_on_our_save_and_restore_and_rates_us_agains
         assert ours["save"]["PUT"] >= world and ours["restore"]["GET"] >= world  # a shard per rank at least
         assert raw["save"]["POST"] == 2 * world and raw["restore"]["GET"] == world  # one object per rank
         assert all(r > 0 and math.isfinite(r) for k, r in figures["ratios"].items() if "best peer" not in k)
+
+
+@pytest.mark.slow  # rank processes (a few seconds); CI runs it
+@pytest.mark.timeout(240)
+def test_the_replicated_restore_suite_times_every_method_on_the_file_system(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))))
+    record = bench_main(["replicated-restore", "--stores", "fs", "--ranks", "2", "--rounds", "2", "--size-mib", "8",
+                         "--dir", str(tmp_path)])
+    figures = record["result"]["stores"]["fs"]
+    assert all(len(figures["times"][m]) == 2 for m in ("shared", "each", "dcp"))
+    assert all(r > 0 and math.isfinite(r) for r in figures["speedup"].values())
