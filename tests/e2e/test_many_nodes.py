@@ -125,6 +125,23 @@ def test_a_launch_described_only_by_kubeflows_pet_variables_runs_on_two_nodes(tm
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_elastic_pytorchjob_launch_of_one_to_two_nodes_forms_one_job_of_both(tmp_path):
+    # PyTorchJob's elastic policy: c10d, a node range, restarts, all by PET_ variables.
+    out = tmp_path / "ranks"
+    out.mkdir()
+    env = dict(os.environ, PET_NNODES="1:2", PET_NPROC_PER_NODE="2", PET_RDZV_BACKEND="c10d",
+               PET_RDZV_ENDPOINT=f"127.0.0.1:{_free_port()}", PET_RDZV_ID="elastic", PET_MAX_RESTARTS="1",
+               PET_RDZV_CONF="last_call_timeout=20")
+    argv = ["--store", tmp_path / "store", PROBE, out]
+    done = _nodes([argv, argv], [env, env], tmp_path)
+    assert [p.returncode for p in done] == [0, 0], [p.stderr[-1500:] for p in done]
+    seen = _ranks_seen(out)
+    assert sorted(seen) == [0, 1, 2, 3] and all(s["sum"] == 4 and s["GROUP_WORLD_SIZE"] == "2" for s in seen.values())
+    assert {s["TORCHELASTIC_RUN_ID"] for s in seen.values()} == {"elastic"}
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_the_job_on_two_nodes_launched_by_pet_variables_over_s3_matches_the_oracle(tmp_path, s3_store, monkeypatch):
     port = _free_port()
