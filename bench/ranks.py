@@ -20,6 +20,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def fork_ranks(world: int, rank_main, timeout: float, suite: str):
+    """``rank_main(rank, port, out)`` on ``world`` processes forked from this one (they share its imports), gloo
+    rendezvous on ``port``; what the first rank to finish puts on the queue ``out`` (rank 0, by the suites'
+    convention). Killed after ``timeout`` seconds; a rank that exits with an error fails the suite."""
+    import multiprocessing
+    ctx = multiprocessing.get_context("fork")
+    out, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=rank_main, args=(r, port, out)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    try:
+        result = out.get(timeout=timeout)
+    except Exception:
+        for proc in procs:
+            proc.kill()
+        raise SystemExit(f"{suite}: {world} rank(s) gave no result within {timeout:g} s; exit codes "
+                         f"{[proc.exitcode for proc in procs]}") from None
+    for proc in procs:
+        proc.join(timeout=120)
+    if any(proc.exitcode for proc in procs):
+        raise SystemExit(f"{suite}: rank exit codes {[proc.exitcode for proc in procs]}")
+    return result
+
+
 def launch_ranks(args: argparse.Namespace, config: dict, section: str, result_name: str) -> dict:
     """Run ``config['world']`` rank processes of ``section`` (owners or checkpointer); return rank 0's result file."""
     env = dict(os.environ)

@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from .common import MiB, balanced_orders, default_base_dir
-from .ranks import free_port
+from .ranks import fork_ranks
 from .recovery import raw_disk_GBps
 
 TENSORS = 16
@@ -164,22 +164,8 @@ def main(argv: list[str] | None = None) -> dict:
             server.make_bucket(BUCKET)
             stores.append(("s3", "", server.endpoint))
         disk = raw_disk_GBps(top, args.size_mib * MiB)
-        ctx = multiprocessing.get_context("fork")
-        out, port = ctx.Queue(), free_port()
-        procs = [ctx.Process(target=rank_main, args=(r, args, args.ranks, port, stores, out)) for r in range(args.ranks)]
-        for proc in procs:
-            proc.start()
-        try:
-            times = out.get(timeout=args.rank_timeout)
-        except Exception:
-            for proc in procs:
-                proc.kill()
-            raise SystemExit(f"replicated-restore: the ranks gave no result; exit codes "
-                             f"{[proc.exitcode for proc in procs]}") from None
-        for proc in procs:
-            proc.join(timeout=120)
-        if any(proc.exitcode for proc in procs):
-            raise SystemExit(f"replicated-restore: rank exit codes {[proc.exitcode for proc in procs]}")
+        times = fork_ranks(args.ranks, lambda rank, port, out: rank_main(rank, args, args.ranks, port, stores, out),
+                           args.rank_timeout, "replicated-restore")
     finally:
         if server is not None:
             server.stop()

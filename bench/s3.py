@@ -51,7 +51,7 @@ import torch.distributed.checkpoint as dcp
 
 from .checkpointer_rank import row_sharded_matrices
 from .common import MiB, balanced_orders, default_base_dir, prefault
-from .ranks import free_port
+from .ranks import fork_ranks
 from .recovery import raw_disk_GBps
 
 COLS, MATRICES = 1024, 16
@@ -316,24 +316,8 @@ def rank_main(rank: int, args: argparse.Namespace, world: int, port: int, server
 
 
 def launch(args: argparse.Namespace, world: int, server: str) -> dict:
-    ctx = multiprocessing.get_context("fork")  # the ranks share the parent's imports
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, args, world, port, server, out)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    try:
-        result = out.get(timeout=args.rank_timeout)
-    except Exception:
-        for proc in procs:
-            proc.kill()
-        raise SystemExit(f"s3 suite: {world} rank(s) gave no result within {args.rank_timeout:g} s; exit codes "
-                         f"{[proc.exitcode for proc in procs]}") from None
-    for proc in procs:
-        proc.join(timeout=120)
-    if any(proc.exitcode for proc in procs):
-        raise SystemExit(f"s3 suite: rank exit codes {[proc.exitcode for proc in procs]}")
-    return result
+    return fork_ranks(world, lambda rank, port, out: rank_main(rank, args, world, port, server, out),
+                      args.rank_timeout, "s3 suite")
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -56,12 +56,13 @@ class NodeReads:
     """This rank's part of a deduplicated restore: :meth:`open_objects` opens what the plan says (the node's
     shared copy, else the store), :meth:`close` removes the files this rank made for its node."""
 
-    def __init__(self, store: Store, plan: RankReads, directories: dict[int, str], rank: int):
+    def __init__(self, store: Store, plan: RankReads, directories: dict[int, str], rank: int,
+                 regions: Sequence[RegionDecl] = ()):
         self.store, self.plan, self.rank = store, plan, rank
         self._directories = dict(directories)  # group rank -> where that rank's shared files are (its node's)
         self.bytes_from_node = 0  # what this rank mapped from a file another rank of its node read
         self._held: list[ObjectFile] = []  # the store's files this rank shares by descriptor, until close()
-        self._regions: tuple[RegionDecl, ...] = ()
+        self._regions = tuple(regions)  # the generation's: which regions may hold NaN/inf
 
     @classmethod
     def share(cls, store: Store, objects: Sequence[tuple[str, int]] | None, group=None,
@@ -95,8 +96,7 @@ class NodeReads:
             mine_part = json.loads(recv_bytes(root, group).decode("ascii"))
         directories: dict[int, str] = {int(r): os.path.join(SHARED_PARENT, d)
                                        for r, d in mine_part["directories"].items()}
-        reads = cls(store, RankReads.from_json(mine_part["plan"]), directories, rank)
-        reads._regions = tuple(regions)
+        reads = cls(store, RankReads.from_json(mine_part["plan"]), directories, rank, regions)
         try:
             if rank in directories:
                 remove_orphaned(SHARED_PARENT, PREFIX)

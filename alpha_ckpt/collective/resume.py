@@ -2,7 +2,7 @@
 
 Which generations a restore tries is each tier's ``newest`` (the store's:
 :class:`alpha_ckpt.tiers.durable.choice.Choice`); this module validates one on every rank before any rank
-copies a byte (:func:`prepare`) and announces the result.
+copies a byte (:func:`plan_prepare`, :func:`prepare_planned`) and announces the result.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ logger = logging.getLogger("alpha_ckpt")
 
 @dataclass(frozen=True)
 class Preparing:
-    """The first half of :func:`prepare`: what this rank restores (the load plan), and the shards it opens
+    """What this rank restores (the load plan), and the shards it opens
     (:class:`alpha_ckpt.generation.opening.Opening`); nothing opened yet."""
     root: str
     plan: Any
@@ -45,29 +45,23 @@ def plan_prepare(store: Store, state: Mapping[str, Any], root: str, *, rank: int
     """Match ``state`` to generation ``root`` and choose the shards this rank reads (reading manifests only)."""
     what = f"generation {root[:16]}..."
     with open_generation(store, root, role=0, wanted=[]) as head:  # the root manifest: the skeleton
-        manifest = head.manifest
+        manifest, ref = head.manifest, head.ref
     if manifest.state is None:
         raise Refusal(RefusalCode.FORMAT, f"{what} records no state skeleton (it was not written by save)")
     plan, wanted = _plan(state, manifest, rank=rank, world=world, per_rank=per_rank,
                          allow_optimizer_change=allow_optimizer_change)
     # A tree: only the group manifests on the paths to the roles that hold this rank's words.
-    opening = plan_opening(store, root, role=lambda m: roles_holding(m, wanted), wanted=wanted, manifest=manifest)
+    opening = plan_opening(store, root, ref, role=lambda m: roles_holding(m, wanted), wanted=wanted,
+                           manifest=manifest)  # the ref as found above: the history is not walked again
     return Preparing(root, plan, opening)
 
 
-def prepare(store: Store, state: Mapping[str, Any], root: str, *, rank: int, world: int, per_rank: str,
-            allow_optimizer_change: Sequence[tuple[str, str]] = ()):
-    """This rank's part: match, open only the shards it reads, validate them.
+def prepare_planned(store: Store, preparing: Preparing, open_objects=None):
+    """This rank's part, from :func:`plan_prepare`'s: open the shards (through ``open_objects``, default the
+    store's) and validate what this rank reads.
 
     Returns (fill, counters, what was read): ``fill(go=True)`` copies (``go=False`` releases
     what was validated, copying nothing), then closes the generation."""
-    return prepare_planned(store, plan_prepare(store, state, root, rank=rank, world=world, per_rank=per_rank,
-                                               allow_optimizer_change=allow_optimizer_change))
-
-
-def prepare_planned(store: Store, preparing: Preparing, open_objects=None):
-    """:func:`prepare` from its first half: open the shards (through ``open_objects``, default the store's),
-    validate what this rank reads."""
     root, plan, manifest = preparing.root, preparing.plan, preparing.opening.manifest
     what = f"generation {root[:16]}..."
     generation = open_planned(store, preparing.opening, open_objects)

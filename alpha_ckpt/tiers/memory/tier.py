@@ -12,7 +12,7 @@ into its own holder, :meth:`MemoryTier.replicate` copies them to peers, then the
 Inside one restore of "latest": ``tier.newest(...)`` (rank 0: the newest generation any holder names
 that descends from the store), then ``with tier.reader(candidate, wanted)``: every rank pulls what its
 restore reads (:meth:`MemoryTier.assemble`) and reads it from its holder and its node's, through the one
-validator (``collective.resume.prepare``).
+validator (``collective.resume.prepare_planned``).
 
 A memory generation counts (its ref is written) only once every object it
 names is held by at least two ranks, every copy checked against its name.
