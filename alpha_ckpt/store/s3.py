@@ -36,7 +36,7 @@ import re
 import secrets
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterator, Sequence
 
 from alpha_ckpt.errors import DurableWriteError, Refusal, RefusalCode, StoreUsageError
@@ -563,16 +563,26 @@ class S3Backend:
         from the records: no range waits for a first GET to learn one. Every range of one object must answer
         with one ETag (an object replaced while being read is refused, never read half old, half new), and
         each object is still checked against its digest above. A missing object, or one of another size, is
-        refused by the first read of it."""
+        refused by the first read of it.
+
+        The first range of every object is asked for before the others: a restore reads every object's head
+        (in its first range) before it verifies any payload, and heads queued behind whole objects kept the
+        verification from starting until almost every byte had arrived (measured on 1 GiB: 0.2 s of
+        hashing left after the last range)."""
         files: list[ObjectFile] = []
         try:
+            ranges = []
             for name, size in wanted:
                 if not size:  # an empty object has no range to ask for
                     files.append(self.open_object(name, what))
                     check_opened_size(files[-1], size, f"{what} {name[:16]}...")
                     continue
                 files.append(ObjectFile.in_memory(size, name))
-                files[-1].arriving(_Ranges(self, files[-1], what))
+                ranges.append(_Ranges(self, files[-1], what))
+                files[-1].arriving(ranges[-1])
+                ranges[-1].ask(first=True)
+            for arrival in ranges:
+                arrival.ask(first=False)
             return files
         except BaseException:
             for obj in files:
@@ -726,12 +736,18 @@ class _Ranges:
 
     def __init__(self, backend: S3Backend, obj: ObjectFile, what: str):
         self.what, self.name = what, obj.digest
+        self._backend, self._obj = backend, obj
         self._view = obj.fill_view()
         self._spans = part_ranges(obj.size, READ_PART_BYTES)
-        self._futures = [backend._parts.submit(backend._read_sized, obj, self._view, span, what)
-                         for span in self._spans]
+        self._futures: list[Future] = []
         self._refusal: Refusal | None = None
         self._done = False
+
+    def ask(self, first: bool) -> None:
+        """Submit the GET of the object's first range (``first``), or of every other range."""
+        backend = self._backend
+        self._futures += [backend._parts.submit(backend._read_sized, self._obj, self._view, span, self.what)
+                          for span in (self._spans[:1] if first else self._spans[1:])]
 
     def wait(self, offset: int = 0, length: int | None = None) -> None:
         if length is not None and not self._done:  # a range: its own GETs (a failed one: the whole verdict)

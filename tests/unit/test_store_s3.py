@@ -1,12 +1,17 @@
 """A store on S3 (a real server, SeaweedFS, behind a proxy that counts the requests as the server sees
 them): real training state saves and restores bit for bit, the save and the restore never list the
 bucket, a URL is its own store, and a server that ignores a conditional write is refused."""
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 import alpha_ckpt
+import alpha_ckpt.store.s3 as s3
+from alpha_ckpt.format.records import digest_bytes
 from alpha_ckpt.errors import StoreUsageError
 from alpha_ckpt.store import Store
-from alpha_ckpt.store.s3 import MAX_PARTS, MIN_PART_BYTES, MAX_PART_BYTES, part_bytes, part_ranges, parse_url
+from alpha_ckpt.store.s3 import S3Backend, MAX_PARTS, MIN_PART_BYTES, MAX_PART_BYTES, part_bytes, part_ranges, parse_url
 from alpha_ckpt.testing.s3_proxy import S3Proxy
 from gpt_training import Trainer, assert_identical
 from hypothesis import given, strategies as st
@@ -132,3 +137,38 @@ def test_of_jobs_racing_to_publish_one_generation_on_s3_exactly_one_wins_and_the
         assert refs.numbers() == [1]
     for store in stores:
         store.close()
+
+
+def test_a_restore_asks_for_the_first_range_of_every_object_before_any_other_range(s3_store, monkeypatch):
+    # A restore reads every object's head (in its first range) before it verifies a payload byte: heads queued
+    # behind whole objects would keep the verification waiting for almost every byte to arrive.
+    monkeypatch.setattr(s3, "READ_PART_BYTES", 1 << 16)
+    objects = [bytes([i]) * ((3 << 16) + 7) for i in range(3)]
+    backend = S3Backend(s3_store)
+    try:
+        backend.put_objects([_put(data) for data in objects], 2)
+        backend._parts.shutdown()
+        backend._parts = ThreadPoolExecutor(1)  # one GET at a time: the order they are asked for
+        asked: list[tuple[str, int]] = []
+        read_sized = backend._read_sized
+        monkeypatch.setattr(backend, "_read_sized",
+                            lambda obj, view, span, what: asked.append((obj.digest, span[0])) or
+                            read_sized(obj, view, span, what))
+        opened = backend.open_objects([(digest_bytes(d), len(d)) for d in objects], "shard")
+        try:
+            assert [bytes(obj.view()) for obj in opened] == objects
+        finally:
+            for obj in opened:
+                obj.close()
+        names = [digest_bytes(d) for d in objects]
+        assert asked[:3] == [(name, 0) for name in names]
+        assert sorted(asked[3:]) == sorted((name, lo) for name in names for lo in (1 << 16, 2 << 16, 3 << 16))
+    finally:
+        backend.close()
+
+
+def _put(data: bytes):
+    def write(fd: int) -> str:
+        os.write(fd, data)
+        return digest_bytes(data)
+    return write
