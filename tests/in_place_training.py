@@ -8,7 +8,10 @@ AdamW with two param groups, a warmup scheduler, a DistributedSampler's data
 position and every rank's own generators (Python, NumPy, torch), a checkpoint
 after every step. ``--kill-rank K --kill-at S``: rank K SIGKILLs itself after
 step S + R's checkpoint in round R, for each of the first ``--kills`` rounds.
-``--stop-rank K --stop-at S``: rank K stops itself (SIGSTOP) after step S's checkpoint in
+``--kill-rank`` repeated: those ranks die together. ``--prepare``: the model, AdamW and
+the scheduler are built once per process in run_resilient's ``prepare`` (a spare builds them before it
+takes a rank). ``--kill-spare-at S``: rank 0 SIGKILLs one of
+the launcher's waiting spares after step S of the first round. ``--stop-rank K --stop-at S``: rank K stops itself (SIGSTOP) after step S's checkpoint in
 the first round, hung for good, or with ``--stop-for SECONDS`` until a process it started
 continues it (SIGCONT) that much later. Every call of
 main() appends one JSON line per rank to DIR/events-RANK.jsonl (pid, round,
@@ -108,7 +111,7 @@ def rank_ordered_mean(group, bucket):
 def parse():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--kill-rank", type=int, default=-1)
+    p.add_argument("--kill-rank", type=int, action="append", default=[], help="repeat it: those ranks die together")
     p.add_argument("--kill-at", type=int, default=0)
     p.add_argument("--kills", type=int, default=1, help="rounds in which the rank kills itself")
     p.add_argument("--events", default=None)
@@ -117,6 +120,8 @@ def parse():
     p.add_argument("--stop-rank", type=int, default=-1)
     p.add_argument("--stop-at", type=int, default=0)
     p.add_argument("--stop-for", type=float, default=0.0, help="seconds until SIGCONT (0: stopped for good)")
+    p.add_argument("--kill-spare-at", type=int, default=0, help="rank 0 SIGKILLs a waiting spare after this step")
+    p.add_argument("--prepare", action="store_true", help="build the model and optimizer in run_resilient's prepare")
     return p.parse_args()
 
 
@@ -125,27 +130,68 @@ CALLS = [0]
 IMPORTED = time.time()  # python started, torch and this script imported
 
 
+def process_started() -> float:
+    """When the kernel started this process, on time.time()'s clock: a warm spare began before the
+    failure it replaced, a process started for a replacement after it."""
+    ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+    uptime = float(open("/proc/uptime").read().split()[0])
+    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def waiting_spares() -> list[int]:
+    """The pids of the spares this rank's launcher keeps waiting (its children running ``--spare``)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        try:
+            ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+            command = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if ppid == os.getppid() and b"--spare" in command:
+            out.append(int(entry))
+    return out
+
+
+def kill_a_spare(rank) -> None:
+    deadline = time.monotonic() + 60
+    while not waiting_spares():
+        assert time.monotonic() < deadline, "no spare started"
+        time.sleep(0.05)
+    pid = waiting_spares()[0]
+    os.kill(pid, signal.SIGKILL)
+    record(rank, call=CALLS[0], killed_spare=pid, killed_spare_at=time.time())
+
+
 def record(rank, **event):
     if ARGS.events:
         with open(os.path.join(ARGS.events, f"events-{rank}.jsonl"), "a") as f:
             f.write(json.dumps({"rank": rank, "pid": os.getpid(), "t": time.time(), **event}) + "\n")
 
 
-def main():
+def build():
+    """The model, its optimizer and scheduler: nothing of them depends on the rank."""
+    torch.manual_seed(0)
+    module = GPT()
+    decay = [p for p in module.parameters() if p.dim() >= 2]
+    no_decay = [p for p in module.parameters() if p.dim() < 2]
+    optim = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                              lr=3e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / 4))
+    return {"module": module, "optim": optim, "sched": sched, "prepared_at": time.time()}
+
+
+def main(prepared=None):
     CALLS[0] += 1
     rank, world = dist.get_rank(), dist.get_world_size()
     round_ = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if CALLS[0] == 1:
-        record(rank, imported=IMPORTED)
+        record(rank, imported=IMPORTED, process_started=process_started(),
+               prepared_at=None if prepared is None else prepared["prepared_at"])
     record(rank, call=CALLS[0], main_started=time.time())  # the process group joined
-    torch.manual_seed(0)
-    model = DistributedDataParallel(GPT())
+    built = prepared or build()
+    model = DistributedDataParallel(built["module"])
     model.register_comm_hook(None, rank_ordered_mean)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optim = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                              lr=3e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / 4))
+    optim, sched = built["optim"], built["sched"]
     data = DataPosition(Tokens(), rank, world, batch=4)
     torch.manual_seed(100 + rank), random.seed(100 + rank), np.random.seed(100 + rank)
     progress = {"step": 0}
@@ -171,7 +217,9 @@ def main():
             record(rank, call=CALLS[0], first_step_done=time.time())
         ckpt.save(state, update=progress["step"], cursor=progress["step"] * 4 * world)
         time.sleep(ARGS.step_seconds)
-        if rank == ARGS.kill_rank and progress["step"] == ARGS.kill_at + round_ and round_ < ARGS.kills:
+        if rank == 0 and progress["step"] == ARGS.kill_spare_at and round_ == 0:
+            kill_a_spare(rank)
+        if rank in ARGS.kill_rank and progress["step"] == ARGS.kill_at + round_ and round_ < ARGS.kills:
             record(rank, call=CALLS[0], killed_at=time.time())
             os.kill(os.getpid(), signal.SIGKILL)
         if rank == ARGS.stop_rank and progress["step"] == ARGS.stop_at and round_ == 0:
@@ -194,4 +242,4 @@ def main():
 
 
 if __name__ == "__main__":
-    alpha_ckpt.run_resilient(main, backend="gloo")
+    alpha_ckpt.run_resilient(main, backend="gloo", prepare=build if ARGS.prepare else None)

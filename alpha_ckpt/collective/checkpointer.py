@@ -157,6 +157,7 @@ class Checkpointer:
         interval is planned yet (rank 0 plans as soon as a cost is known, measured or assumed).
         """
         self._recovery.first_step(self.run, self.step, self.rank, self.options.announce)
+        launch_env.note_step()
         due = self.schedule.due(update)
         if due:
             self._due_asked = True
@@ -193,6 +194,7 @@ class Checkpointer:
     def _save(self, state: Mapping[str, Any], update: int, cursor: int, defer_snapshot: bool, durable: bool,
               number: int) -> SaveResult:
         self._recovery.first_step(self.run, self.step, self.rank, self.options.announce)
+        launch_env.note_step()
         prefix = CapturePrefix(self.run, self.step, update, cursor, self.epoch)
         if self._saver is not None and self._saver.in_flight == "skip" and self._any_rank(self._saver.busy()):
             self.skipped += 1  # every rank skips, or none: the publish is collective

@@ -61,8 +61,15 @@ KILLED_GONE_S = 10.0  # how long the agent waits for a hung rank it SIGKILLed to
 
 
 def check_in_place_args(args) -> None:
-    """--in-place: a training script, one node, --max-restarts >= 1, the agent's own rendezvous."""
+    """--in-place: a training script, one node, --max-restarts >= 1, the agent's own rendezvous; --spares K
+    (K >= 0) only with it."""
+    spares = getattr(args, "spares", None)
+    if spares is not None and spares < 0:
+        raise UsageError(f"--spares takes a number of processes, 0 or more, not {spares}")
     if not args.in_place:
+        if spares is not None:
+            raise UsageError("--spares needs --in-place: only an in-place recovery hands a failed rank's number "
+                             "to a waiting process (without it, every rank is restarted)")
         return
     if args.module and args.config == "alpha_ckpt.job":
         raise UsageError("--in-place runs a training script that calls alpha_ckpt.run_resilient, not the built-in job")
@@ -164,8 +171,11 @@ def run_in_place(args, env: dict | None = None) -> int:
     rendezvous = {}  # round -> its TCPStore (the server lives while the object does)
     state = Ranks()
     interrupted: list[int] = []
-    spare: list = []  # at most one (Popen, number): the next replacement, torch imported, no rank yet
+    wanted_spares = 1 if args.spares is None else args.spares
+    spares: list = []  # (Popen, number): the next replacements, torch imported, no rank yet
     spares_started: list[int] = []
+    spares_lost: list[int] = []  # the numbers of spares that died while they waited
+    launch_dir = base.get(launch_env.LAUNCH_DIR, "")
     watcher = heartbeat.Watcher(control, args.heartbeat_limit, startup=timeout) if period is not None else None
     hung: dict[int, heartbeat.Hung] = {}  # rank -> how it was found hung, until its exit is handled
 
@@ -187,26 +197,56 @@ def run_in_place(args, env: dict | None = None) -> int:
 
     def start(rank: int, r: int) -> None:
         env = environment(rank, r)
-        if spare and spare[0][0].poll() is None:
-            proc, number = spare.pop()
-            control.set(spare_key(number), json.dumps({k: v for k, v in env.items() if base.get(k) != v}))
-            state.procs[rank] = proc
+        while spares:
+            proc, number = spares.pop(0)
+            if proc.poll() is None:  # (one that died meanwhile is left to the pool's count below)
+                control.set(spare_key(number), json.dumps({k: v for k, v in env.items() if base.get(k) != v}))
+                state.procs[rank] = proc
+                break
+            spares_lost.append(number)
         else:
             # a Ctrl-C reaches this agent, which stops the ranks in order
             state.procs[rank] = subprocess.Popen(worker_command(args), env=env, start_new_session=True)
         state.started_in[rank] = r
 
-    def start_spare() -> None:
-        """A process that imports torch and alpha_ckpt now and becomes the next replacement (:func:`spare_main`)."""
+    def start_spare(prepare: bool) -> None:
+        """A process that imports torch and alpha_ckpt now and becomes the next replacement (:func:`spare_main`);
+        with ``prepare``, it runs the script up to ``run_resilient``'s ``prepare`` too."""
         number = len(spares_started)
         env = {**base, CONTROL: f"{HOST}:{control.port}", TIMEOUT: str(timeout)}
         if period is not None:  # it beats once it takes a rank
             env.update(launch_env.heartbeat_environment(f"{HOST}:{control.port}", period))
         if world > 1 and "OMP_NUM_THREADS" not in base:
             env["OMP_NUM_THREADS"] = "1"  # read when torch is imported: the rank's value, before its rank is known
-        command = [sys.executable, "-m", "alpha_ckpt.launch.inplace", "--spare", str(number), *worker_command(args)[3:]]
+        command = [sys.executable, "-m", "alpha_ckpt.launch.inplace", "--spare", str(number),
+                   "prepare" if prepare else "import", *worker_command(args)[3:]]
         spares_started.append(number)
-        spare.append((subprocess.Popen(command, env=env, start_new_session=True), number))
+        spares.append((subprocess.Popen(command, env=env, start_new_session=True), number))
+
+    def refill_spares(r: int) -> None:
+        """Up to ``--spares`` waiting processes while a restart remains, started once every rank
+        finished a step of round ``r`` (:func:`launch_env.note_step`): starting a process costs CPU that the
+        start or a recovery would otherwise have. A spare that died while waiting is counted and replaced;
+        after ``--spares`` + ``--max-restarts`` such deaths none is started again (each would die too), and
+        a failed rank gets a new process, as without spares."""
+        for proc, number in [each for each in spares if each[0].poll() is not None]:
+            spares.remove((proc, number))
+            spares_lost.append(number)
+            print(f"alpha-run: spare {number} died while it waited ({describe_exit(proc.returncode)}); "
+                  "the job goes on", file=sys.stderr)
+        # Not capped by the restarts left: ranks that fail together take one restart and a spare each.
+        room = wanted_spares - len(spares) if restarts < args.max_restarts else 0
+        if room <= 0 or len(spares_lost) > wanted_spares + args.max_restarts:
+            return
+        stepped = (all(launch_env.noted(launch_dir, "stepped", r, rank) for rank in range(world)) if launch_dir
+                   else everyone_joined(r))
+        if stepped:
+            # Where the script's ranks hand run_resilient a prepare (each process notes it in the round it
+            # started in), a spare runs the script up to it: the model is built before any rank fails.
+            prepare = bool(launch_dir) and all(launch_env.noted(launch_dir, "prepares", state.started_in[rank], rank)
+                                               for rank in state.procs)
+            for _ in range(room):
+                start_spare(prepare)
 
     def what_happened(rank: int, code: int) -> str:
         each = hung.pop(rank, None)
@@ -271,14 +311,10 @@ def run_in_place(args, env: dict | None = None) -> int:
                     start(rank, r)
             if not state.procs:
                 return EXIT_OK
-            # The next replacement starts once every rank joined this round, not to slow the start or
-            # a recovery, and only while a restart remains (a script without run_resilient never joins).
-            if (not spare and restarts < args.max_restarts and len(spares_started) <= restarts
-                    and everyone_joined(r)):
-                start_spare()
+            refill_spares(r)
             time.sleep(POLL_S)
     finally:
-        stop(list(state.procs.values()) + [proc for proc, _ in spare])
+        stop(list(state.procs.values()) + [proc for proc, _ in spares])
         for s, handler in previous.items():
             signal.signal(s, handler)
 
@@ -304,43 +340,56 @@ def stop(procs: list) -> None:
 
 
 def spare_main(argv: list[str]) -> None:
-    """``python -m alpha_ckpt.launch.inplace --spare N SCRIPT ARGS``: the next replacement, started before it is needed.
+    """``python -m alpha_ckpt.launch.inplace --spare N import|prepare SCRIPT ARGS``: the next replacement, started
+    before it is needed.
 
-    It binds its life to the launcher, imports what every replacement imports first (torch,
+    It binds its life to the launcher and imports what every replacement imports first (torch,
     torch.distributed, torch._dynamo, which DistributedDataParallel's constructor imports, and
-    alpha_ckpt's Checkpointer), then waits until the launcher hands it a rank's environment, and
-    runs the script as :mod:`alpha_ckpt.launch.script_runner` does.
+    alpha_ckpt's Checkpointer). ``import``: it then waits until the launcher hands it a rank's
+    environment, and runs the script as :mod:`alpha_ckpt.launch.script_runner` does. ``prepare`` (a
+    script that hands ``run_resilient`` a ``prepare``): it runs the script at once, rank-less, and
+    ``run_resilient`` waits for the rank after ``prepare`` returned, so the script's imports and its
+    model are ready when a rank fails.
     """
     from alpha_ckpt.runtime.lifeline import bind_to_named_launcher
     bind_to_named_launcher()
-    number, script = argv[1], argv[2:]
-    from datetime import timedelta
-
+    number, mode, script = int(argv[1]), argv[2], argv[3:]
     import torch.distributed  # noqa: F401 - imported here, off the recovery's path
-    from torch.distributed import TCPStore
     try:
         import torch._dynamo  # noqa: F401
     except ImportError:
         pass
-    from alpha_ckpt import collective
-    from alpha_ckpt.launch import resilient  # noqa: F401
-    host, port = launch_env.in_place_settings()[0].rsplit(":", 1)
-    control = TCPStore(host, int(port), is_master=False, timeout=timedelta(days=365))
-    control.wait([spare_key(int(number))])  # the launcher's death ends this process (the lifeline)
-    launch_env.adopt(json.loads(control.get(spare_key(int(number))).decode()))
-    del control
+    from alpha_ckpt import collective  # noqa: F401
+    from alpha_ckpt.launch import resilient
     from alpha_ckpt.launch.script_runner import _leave_group, exit_now
     from alpha_ckpt.launch.script_runner import main as run_script
-    from alpha_ckpt.runtime.faults import install_from_environment
-    install_from_environment()
-    heartbeat.start_from_environment()  # a rank now: the launcher watches its beats
-    heartbeat.bound_collectives_from_environment()
+    if mode == "prepare":
+        resilient._SPARE_HANDOFF.append(lambda: _take_rank(number))
+    else:
+        _take_rank(number)
     try:
         status = run_script(script)
     except SystemExit as exc:
         _leave_group()
         status = exc.code
     exit_now(status)
+
+
+def _take_rank(number: int) -> None:
+    """Wait for the launcher to hand spare ``number`` a rank (its death ends this process: the lifeline),
+    then become that rank: its environment, its fault points and its heartbeats."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    host, port = launch_env.in_place_settings()[0].rsplit(":", 1)
+    control = TCPStore(host, int(port), is_master=False, timeout=timedelta(days=365))
+    control.wait([spare_key(number)])
+    launch_env.adopt(json.loads(control.get(spare_key(number)).decode()))
+    del control
+    from alpha_ckpt.runtime.faults import install_from_environment
+    install_from_environment()
+    heartbeat.start_from_environment()  # a rank now: the launcher watches its beats
+    heartbeat.bound_collectives_from_environment()
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--spare"]:

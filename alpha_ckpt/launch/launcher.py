@@ -164,6 +164,9 @@ def parser() -> OneLineArgumentParser:
                    help="seconds between a rank's heartbeats (default 1, or a quarter of --heartbeat-limit)")
     p.add_argument("--in-place", action="store_true", help="with --max-restarts on one node: replace only a failed "
                    "rank; the others recover in their processes (the script calls alpha_ckpt.run_resilient)")
+    p.add_argument("--spares", type=int, metavar="K",
+                   help="with --in-place: K processes that wait with torch imported and take a failed rank's "
+                        "number at once; refilled after every rank's first step of a new round (default 1)")
     return p
 
 

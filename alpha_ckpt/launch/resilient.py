@@ -51,21 +51,41 @@ logger = logging.getLogger("alpha_ckpt")
 # returns: ~ProcessGroupGloo joins its worker thread while this thread holds the GIL, and a worker still
 # freeing a finished work's tensors waits for the GIL: both wait forever (seen with torch 2.13).
 _JOINED_GROUPS: list = []
+# Set by a spare that runs the script before it has a rank (alpha_ckpt.launch.inplace.spare_main): what
+# run_resilient calls, once the script is prepared, to wait for the rank the spare takes.
+_SPARE_HANDOFF: list[Callable[[], None]] = []
 PEER_FAILURE_GRACE_S = 10.0  # how long a failed rank waits for the launcher to name a peer's failure
 DEFAULT_TIMEOUT_S = 120.0  # alpha-run's --timeout default
 
 
-def run_resilient(main: Callable[[], Any], *, backend: str | None = None) -> Any:
+def run_resilient(main: Callable[..., Any], *, backend: str | None = None,
+                  prepare: Callable[[], Any] | None = None) -> Any:
     """Call ``main()`` in the default process group; under ``alpha-run --in-place`` again after a peer's
-    death, in a new group of the launcher's next round (the module docstring). ``main()``'s result."""
+    death, in a new group of the launcher's next round (the module docstring). ``main()``'s result.
+
+    ``prepare``: what the script can build before it has a rank (its model and optimizer where they do
+    not depend on the rank, as in DDP; tensors on the CPU, since the device is bound by the rank). It is
+    called once per process, before the process group is joined, and every call is then
+    ``main(prepare())``'s result: ``main(prepared)``. Under ``alpha-run --in-place --spares K`` a waiting
+    spare runs the script up to here, and ``prepare`` too, before any rank fails; a rank that fails is
+    then taken by a process whose model is built. Without ``prepare`` a spare has imported torch only.
+    """
     import torch.distributed as dist
+    call: Callable[[], Any] = main
+    if prepare is not None:
+        launch_env.note_prepare()
+        prepared = prepare()
+        call = lambda: main(prepared)  # noqa: E731
+    if _SPARE_HANDOFF:  # a spare: wait here, prepared, for the rank it takes (alpha_ckpt.launch.inplace)
+        _SPARE_HANDOFF.pop()()
+        launch_env.note_prepare()  # with its rank now
     control, timeout = launch_env.in_place_settings()
     if control is None:
         if not dist.is_initialized():
             seconds = launch_env.process_group_timeout()  # alpha-run's --timeout; torch's default elsewhere
             dist.init_process_group(backend, timeout=None if seconds is None else timedelta(seconds=seconds))
         _JOINED_GROUPS.append(dist.group.WORLD)
-        return main()
+        return call()
     timeout = timeout or DEFAULT_TIMEOUT_S
     rounds = Rounds(control, timeout)
     rank, world = launch_env.rank_and_world()
@@ -75,7 +95,7 @@ def run_resilient(main: Callable[[], Any], *, backend: str | None = None) -> Any
         r = rounds.join(r, rank, world, backend)
         try:
             with notice.armed(r):
-                return main()
+                return call()
         except (Refusal, UsageError):
             raise
         except Exception as exc:  # noqa: BLE001 - a peer's death reaches a script in many wrappers

@@ -279,7 +279,7 @@ def _note(kind: str) -> None:
 
 
 def noted(directory: str, kind: str, attempt: int, rank: int) -> bool:
-    """The launcher: whether ``rank`` left the note ``kind`` ("reached", "peer") in ``attempt``."""
+    """The launcher: whether ``rank`` left the note ``kind`` ("reached", "peer", "stepped", "prepares") in ``attempt``."""
     return bool(directory) and os.path.exists(os.path.join(directory, kind, f"{attempt}.{rank}"))
 
 
@@ -297,6 +297,19 @@ def note_peer_failure() -> None:
     """This rank failed because a peer did (a connection to it broke, a collective with it timed out):
     ``peer/ATTEMPT.RANK``. Such a rank is not the cause of its attempt's failure, checkpoint call or not."""
     _note("peer")
+
+
+def note_step() -> None:
+    """This rank finished a training step in its current attempt (a Checkpointer's ``save`` or ``due``, which
+    a training loop calls once a step): ``stepped/ATTEMPT.RANK``. alpha-run --in-place starts its spares only
+    once every rank of the round left it, so that starting them never slows the start or a recovery."""
+    _note("stepped")
+
+
+def note_prepare() -> None:
+    """This rank's script hands ``alpha_ckpt.run_resilient`` a ``prepare``: ``prepares/ATTEMPT.RANK``.
+    alpha-run --in-place then runs the script in its spares up to there, before they take a rank."""
+    _note("prepares")
 
 
 def failed_before_checkpoint(directory: str, attempt: int, rank: int | None, exitcode: int | None) -> bool:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from alpha_ckpt.testing.launch import alpha_run
-from test_in_place_recovery import events, final_state  # the same training script's result line and events
+from test_in_place_recovery import events, final_state, process_started  # the same training script's result line and events
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "in_place_training.py"
@@ -61,6 +61,8 @@ def test_a_stopped_rank_under_in_place_is_killed_named_and_replaced_alone_bit_ex
     survivor, replaced = restores(recorded[0]), restores(recorded[1])
     assert survivor[0]["pid"] == survivor[1]["pid"]  # the healthy rank kept its process
     assert replaced[0]["pid"] != replaced[1]["pid"]
+    [stopped_at] = [e["stopped_at"] for e in recorded[1] if "stopped_at" in e]
+    assert process_started(recorded[1], replaced[1]["pid"]) < stopped_at  # a spare, waiting before the stop
 
 
 @pytest.mark.timeout(300)

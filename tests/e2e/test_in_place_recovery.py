@@ -36,6 +36,12 @@ def calls(recorded: list[dict]) -> list[tuple[int, int]]:
     return [(e["pid"], e["call"]) for e in recorded if "resumed_at" in e]
 
 
+def process_started(recorded: list[dict], pid: int) -> float:
+    """When the kernel started the process ``pid`` of one rank (its first record says): a warm spare
+    began before the failure it replaced."""
+    return next(e["process_started"] for e in recorded if e["pid"] == pid and "process_started" in e)
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """The final state of a run that never stopped, per world size."""
@@ -79,8 +85,9 @@ def test_a_plain_script_under_in_place_is_restarted_whole_in_one_round(tmp_path,
     # A script that does not call run_resilient dies with its peer; that death belongs to the failure
     # that began the round, so --max-restarts 1 is enough and the result is the same.
     plain = tmp_path / "plain.py"
-    plain.write_text(SCRIPT.read_text().replace("alpha_ckpt.run_resilient(main, backend=\"gloo\")",
-                                                "dist.init_process_group(\"gloo\")\n    main()"))
+    resilient = 'alpha_ckpt.run_resilient(main, backend="gloo", prepare=build if ARGS.prepare else None)'
+    assert resilient in SCRIPT.read_text()
+    plain.write_text(SCRIPT.read_text().replace(resilient, 'dist.init_process_group("gloo")\n    main()'))
     shutil.copy(SCRIPT.parent / "gpt_training.py", tmp_path)  # its model, beside it as beside the original
     (tmp_path / "ev").mkdir()
     proc = alpha_run("--nproc", 2, "--max-restarts", 1, "--in-place", "--store", tmp_path / "s", plain,
