@@ -14,7 +14,8 @@ Section "recovery"
 The training script builds a GPT of about ``--params`` parameters (8 layers, vocabulary 8192,
 context 64, the width chosen to fit), AdamW with two param groups, a warmup LambdaLR, a
 DataLoader over a DistributedSampler and per-rank Python, NumPy and torch generators, and saves
-every step. In the first attempt the last rank, right after the save of step ``--kill-after``,
+every step. In the first attempt the last rank, right after the save of step ``--kill-after`` and
+``--settle`` seconds (the job in its steady state: a spare started after the first step is ready),
 writes ``time.time()`` to a file and SIGKILLs itself; the launcher sees it, stops the other ranks
 and starts all of them again (``--max-restarts 1``), and they resume from the newest checkpoint.
 Every rank logs, as JSON lines, when it started (before importing torch), had imported, joined
@@ -45,7 +46,12 @@ bench/common.py: every method follows every other equally often):
                     function called through ``alpha_ckpt.run_resilient``: only the killed rank is
                     started again, the others leave the broken group and call it again in their
                     own processes (for them ``relaunch`` ends, and ``import`` and ``rendezvous``
-                    are nothing, when the function is entered again).
+                    are nothing, when the function is entered again). Its replacement is today's
+                    default warm spare (``--spares 1``), which imported torch only.
+  alpha-run-memory-spares  the same, with the model, AdamW and the scheduler built in
+                    ``run_resilient``'s ``prepare``: the waiting spare (``--spares 1``) built them
+                    before the kill, and survivors keep theirs (for the spare, ``relaunch`` ends
+                    when it enters the training function with its rank).
 
 Every run uses OMP_NUM_THREADS=1 (torchrun's default), so a step costs the same under both
 launchers. A run that has not finished after ``--run-timeout`` seconds is killed and counted as
@@ -107,6 +113,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3, help="repetitions per rank count (default 3)")
     p.add_argument("--methods", default=",".join(RECOVERY_METHODS))
     p.add_argument("--kill-after", type=int, default=3, help="the step after whose save a rank is killed")
+    p.add_argument("--settle", type=float, default=8.0,
+                   help="seconds the killed rank waits after that save before it dies, in every method: the job "
+                        "in its steady state (spares started after the first step have imported and built) "
+                        "(default 8)")
     p.add_argument("--durable-every", type=int, default=1000, help="alpha-run-memory: one save in K goes to the store")
     p.add_argument("--stall-ranks", type=int, default=2)
     p.add_argument("--stall-reps", type=int, default=5)
@@ -140,7 +150,7 @@ def free_port() -> int:
 
 def launch_command(method: str, n: int, work: str, args: argparse.Namespace) -> list[str]:
     script = [TRAIN, "--dir", os.path.join(work, "ckpt"), "--log-dir", os.path.join(work, "logs"),
-              "--params", str(args.params), "--kill-after", str(args.kill_after)]
+              "--params", str(args.params), "--kill-after", str(args.kill_after), "--settle", str(args.settle)]
     if method == "torchrun-dcp":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
                 "--max-restarts", "1", *script, "--ckpt", "dcp"]
@@ -148,12 +158,12 @@ def launch_command(method: str, n: int, work: str, args: argparse.Namespace) -> 
                 "--standalone", "--max-restarts", "1"]
     if method == "alpha-run":
         return [*launcher, *script, "--ckpt", "alpha"]
-    inplace = method == "alpha-run-memory-inplace"
+    inplace = method in ("alpha-run-memory-inplace", "alpha-run-memory-spares")
     if inplace:
         launcher.remove("--standalone")  # it hosts its own rendezvous
-    return [*launcher, "--memory", "--durable-every", str(args.durable_every), *(["--in-place"] if inplace else []),
-            *script, "--ckpt", "alpha-memory-inplace" if inplace else "alpha-memory",
-            "--durable-every", str(args.durable_every)]
+        launcher += ["--in-place", "--spares", "1"]
+    return [*launcher, "--memory", "--durable-every", str(args.durable_every),
+            *script, "--ckpt", "alpha-" + method[len("alpha-run-"):], "--durable-every", str(args.durable_every)]
 
 
 def run_once(method: str, n: int, top: str, tag: str, args: argparse.Namespace) -> dict:

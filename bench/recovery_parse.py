@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import os
 
-RECOVERY_METHODS = ("torchrun-dcp", "alpha-run", "alpha-run-memory", "alpha-run-memory-inplace")
+RECOVERY_METHODS = ("torchrun-dcp", "alpha-run", "alpha-run-memory", "alpha-run-memory-inplace",
+                    "alpha-run-memory-spares")
 BASELINE = "torchrun-dcp"
 # The restarted attempt's milestones, in order: each part is the slowest rank's milestone minus the
 # slowest rank's previous one (the kill, for the first), so the parts add up to the recovery time.

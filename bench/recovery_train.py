@@ -197,11 +197,13 @@ def alpha_checkpointing(memory: str | None, durable_every: int, model, optim, sc
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--ckpt", choices=["dcp", "alpha", "alpha-memory", "alpha-memory-inplace"], required=True)
+    parser.add_argument("--ckpt", choices=["dcp", "alpha", "alpha-memory", "alpha-memory-inplace", "alpha-memory-spares"],
+                        required=True)
     parser.add_argument("--dir", required=True, help="dcp: the checkpoint directory (alpha: the store is alpha-run's)")
     parser.add_argument("--log-dir", required=True)
     parser.add_argument("--params", type=float, default=2e6)
     parser.add_argument("--kill-after", type=int, default=3)
+    parser.add_argument("--settle", type=float, default=0.0, help="seconds to wait before the kill")
     parser.add_argument("--steps", type=int, default=None, help="default: one step after --kill-after")
     parser.add_argument("--memory-dir", default=None,
                         help="alpha-memory: the holders' directory (default: alpha-run's, or the tier's own)")
@@ -210,39 +212,51 @@ def main():
     args = parser.parse_args()
     calls = []
 
-    def body():
-        train(args, first_call=not calls)
+    def body(prepared=None):
+        train(args, first_call=not calls, prepared=prepared)
         calls.append(1)
 
-    if args.ckpt == "alpha-memory-inplace":
+    if args.ckpt in ("alpha-memory-inplace", "alpha-memory-spares"):
         import alpha_ckpt
-        alpha_ckpt.run_resilient(body, backend="gloo")  # survivors call body() again in their processes
+        # survivors call body() again in their processes; with prepare, a spare builds the model before a kill
+        alpha_ckpt.run_resilient(body, backend="gloo",
+                                 prepare=(lambda: build(args.params)) if args.ckpt == "alpha-memory-spares" else None)
     else:
         dist.init_process_group("gloo")
         body()
         dist.destroy_process_group()
 
 
-def train(args, first_call: bool):
+def build(params: float) -> dict:
+    """The model, AdamW and the scheduler (nothing of them depends on the rank)."""
+    width = width_for(params)
+    torch.manual_seed(0)
+    module = GPT(width)
+    decay = [p for p in module.parameters() if p.dim() >= 2]
+    no_decay = [p for p in module.parameters() if p.dim() < 2]
+    optim = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                              lr=3e-4)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / 4))
+    return {"module": module, "optim": optim, "sched": sched, "width": width}
+
+
+def train(args, first_call: bool, prepared: dict | None = None):
     """One attempt: build, restore the newest checkpoint, train. In a survivor of an in-place recovery
-    this is called again in the same process: its restart starts here, not at the process's start."""
+    this is called again in the same process: its restart starts here, not at the process's start. So
+    it does in a spare that prepared the model before the kill and took the killed rank's number."""
     entered = time.time()
     steps = args.steps or args.kill_after + 1
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rank, world = dist.get_rank(), dist.get_world_size()
     log = Log(args.log_dir, rank, attempt)
-    log("started", t=STARTED if first_call else entered)
-    log("imported", t=IMPORTED if first_call else entered)
+    fresh = first_call and not (prepared is not None and attempt > 0)
+    log("started", t=STARTED if fresh else entered)
+    log("imported", t=IMPORTED if fresh else entered)
     log("joined", t=entered)
 
-    width = width_for(args.params)
-    torch.manual_seed(0)
-    model = DistributedDataParallel(GPT(width))
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optim = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                              lr=3e-4)
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / 4))
+    built = prepared or build(args.params)
+    width, optim, sched = built["width"], built["optim"], built["sched"]
+    model = DistributedDataParallel(built["module"])
     data = DataPosition(Tokens(), rank, world, batch=BATCH)
     torch.manual_seed(100 + rank), random.seed(100 + rank), np.random.seed(100 + rank)
     progress = {"step": 0}
@@ -270,6 +284,7 @@ def train(args, first_call: bool):
             save(progress["step"])
             log("saved", step=progress["step"])
         if progress["step"] == args.kill_after and rank == world - 1 and attempt == 0:
+            time.sleep(args.settle)
             with open(os.path.join(args.log_dir, "kill.json"), "w") as f:
                 f.write(json.dumps({"t": time.time(), "rank": rank, "step": progress["step"]}))
                 f.flush()

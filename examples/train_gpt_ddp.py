@@ -105,7 +105,20 @@ class DataPosition:
         self._start()
 
 
-def main():
+def build():
+    """What needs no rank: the model, AdamW and the scheduler (on the CPU). Under alpha-run --in-place a
+    waiting spare builds them before any rank fails; a rank that keeps its process keeps them."""
+    torch.manual_seed(0)
+    module = GPT()
+    decay = [p for p in module.parameters() if p.dim() >= 2]
+    no_decay = [p for p in module.parameters() if p.dim() < 2]
+    optim = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                              lr=3e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / 4))
+    return module, optim, sched
+
+
+def main(prepared):
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--save-every", type=int, default=2)
@@ -114,16 +127,11 @@ def main():
     args = parser.parse_args()
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    torch.manual_seed(0)
+    module, optim, sched = prepared
     # find_unused_parameters=True keeps DDP's gradient buckets in one layout for the whole run: by
     # default DDP re-lays them out after its first iteration, and on 3 or more ranks the sums then
     # round differently in a restarted process's first step (a layout no state_dict records).
-    model = DistributedDataParallel(GPT(), find_unused_parameters=True)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optim = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                              lr=3e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / 4))
+    model = DistributedDataParallel(module, find_unused_parameters=True)
     data = DataPosition(Tokens(), rank, world, batch=4)
     torch.manual_seed(100 + rank), random.seed(100 + rank), np.random.seed(100 + rank)
     progress = {"step": 0, "losses": []}
@@ -164,4 +172,5 @@ def main():
 
 
 if __name__ == "__main__":
-    alpha_ckpt.run_resilient(main, backend="gloo")  # init_process_group, then main(); with --in-place, again after a peer dies
+    # build() once per process, init_process_group, then main(build()); with --in-place, main() again after a peer dies
+    alpha_ckpt.run_resilient(main, backend="gloo", prepare=build)

@@ -11,8 +11,10 @@ environment torchrun gives a worker), and watches them:
   round ``r + 1``: a fresh rendezvous store (a ``torch.distributed.TCPStore``
   on a free port, so no rank can read a previous round's gloo addresses), the
   round announced in the control store, and ONE replacement process with the
-  failed rank's number: the warm spare (:func:`spare_main`, started once every
-  rank joined the round, torch already imported) when there is one. The survivors learn of it through the control store
+  failed rank's number: a waiting spare (:func:`spare_main`; ``--spares K``,
+  default 1, started once every rank finished a step of the round: torch
+  imported, and the script's ``run_resilient`` ``prepare`` run where the ranks
+  pass one) when there is one, else a new process. The survivors learn of it through the control store
   (:mod:`alpha_ckpt.launch.resilient`, ``alpha_ckpt.run_resilient``), leave their
   broken process groups and join the new round in the same process.
 - a rank of an earlier round that fails before it joined the current one fell
@@ -224,9 +226,9 @@ def run_in_place(args, env: dict | None = None) -> int:
         spares.append((subprocess.Popen(command, env=env, start_new_session=True), number))
 
     def refill_spares(r: int) -> None:
-        """Up to ``--spares`` waiting processes while a restart remains, started once every rank
-        finished a step of round ``r`` (:func:`launch_env.note_step`): starting a process costs CPU that the
-        start or a recovery would otherwise have. A spare that died while waiting is counted and replaced;
+        """Up to ``--spares`` waiting processes while a restart remains, started once every rank joined
+        round ``r`` (scripts that call run_resilient) and finished a step of it (:func:`launch_env.note_step`):
+        starting a process costs CPU that the start or a recovery would otherwise have. A spare that died while waiting is counted and replaced;
         after ``--spares`` + ``--max-restarts`` such deaths none is started again (each would die too), and
         a failed rank gets a new process, as without spares."""
         for proc, number in [each for each in spares if each[0].poll() is not None]:
@@ -238,9 +240,11 @@ def run_in_place(args, env: dict | None = None) -> int:
         room = wanted_spares - len(spares) if restarts < args.max_restarts else 0
         if room <= 0 or len(spares_lost) > wanted_spares + args.max_restarts:
             return
-        stepped = (all(launch_env.noted(launch_dir, "stepped", r, rank) for rank in range(world)) if launch_dir
-                   else everyone_joined(r))
-        if stepped:
+        # Only for ranks that join rounds (run_resilient): a script that does not dies whole with its peer,
+        # and every rank of it then starts as a new process anyway.
+        if not everyone_joined(r):
+            return
+        if not launch_dir or all(launch_env.noted(launch_dir, "stepped", r, rank) for rank in range(world)):
             # Where the script's ranks hand run_resilient a prepare (each process notes it in the round it
             # started in), a spare runs the script up to it: the model is built before any rank fails.
             prepare = bool(launch_dir) and all(launch_env.noted(launch_dir, "prepares", state.started_in[rank], rank)

@@ -19,6 +19,12 @@ old round's ranks are shut, every process group is destroyed, the newest round i
 joined with the same rank and world size, and ``main()`` is called again in
 this process; it restores the newest generation like the replacement does.
 
+``run_resilient(main, prepare=build)``: ``build()`` runs once per process before the group is
+joined (what needs no rank: the model and optimizer of a DDP script, on the CPU), and every call is
+``main(build())``'s result, ``main(prepared)``. A survivor keeps what it built (the restore overwrites
+it); under ``alpha-run --in-place --spares K`` a waiting spare runs the script up to ``build()``'s
+return before any rank fails, then waits there for the rank it takes.
+
 What is not a peer's death propagates as before: a :class:`~alpha_ckpt.Refusal`
 or :class:`~alpha_ckpt.UsageError` at once, any other exception when the
 launcher names no failure within :data:`PEER_FAILURE_GRACE_S` (the launcher
