@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from alpha_ckpt.generation.async_save import AsyncSaver, SaveHandle
-from alpha_ckpt.runtime.launch_env import note_checkpoint_call
+from alpha_ckpt.runtime.launch_env import note_checkpoint_call, note_step
 from alpha_ckpt.errors import RefusalCode, UsageError
 from alpha_ckpt.format.records import CapturePrefix
 from alpha_ckpt.generation.reader import Counters, latest_generation, load_state, verify_generation
@@ -69,6 +69,7 @@ def save(state: Mapping[str, Any], *, store: Store | str | os.PathLike, run: str
     written again: the new generation names the shard an earlier one wrote.
     """
     note_checkpoint_call()  # under alpha-run: a failure from here on is retryable (launch_env)
+    note_step()  # a save: a training step done (alpha-run --in-place starts its spares after one)
     prefix = _prefix(run, step, update, cursor, epoch)
     s, owned = _store(store, create=True)
     try:

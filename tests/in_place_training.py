@@ -122,10 +122,13 @@ def parse():
     p.add_argument("--stop-for", type=float, default=0.0, help="seconds until SIGCONT (0: stopped for good)")
     p.add_argument("--kill-spare-at", type=int, default=0, help="rank 0 SIGKILLs a waiting spare after this step")
     p.add_argument("--prepare", action="store_true", help="build the model and optimizer in run_resilient's prepare")
+    p.add_argument("--read-rank-at-import", action="store_true",
+                   help="read RANK before run_resilient (which a spare, rank-less until it takes one, cannot)")
     return p.parse_args()
 
 
 ARGS = parse()
+RANK_AT_IMPORT = int(os.environ["RANK"]) if ARGS.read_rank_at_import else None
 CALLS = [0]
 IMPORTED = time.time()  # python started, torch and this script imported
 

@@ -54,7 +54,7 @@ from alpha_ckpt.generation.dcp_metadata import (DCP_KEY, check_chunks, check_gen
                            encode_metadata)
 from alpha_ckpt.dcp.reader import StorageReader, box_words  # noqa: F401 (re-exported: imported from here)
 from alpha_ckpt.errors import Refusal, RefusalCode
-from alpha_ckpt.runtime.launch_env import note_checkpoint_call
+from alpha_ckpt.runtime.launch_env import note_checkpoint_call, note_step
 from alpha_ckpt.format.records import DTYPES, CapturePrefix, RegionDecl, ShardRef, canonical_json, check_name, digest_bytes
 from alpha_ckpt.state.manifest import check_root_manifest, dtype_name, matches_any
 from alpha_ckpt.generation.planner import Piece
@@ -135,6 +135,7 @@ class StorageWriter(_DcpStorageWriter):
                  cursor: int = 0, allow_nonfinite=(), group: Any = None, slice_bytes: int = SLICE_BYTES,
                  shard_bytes: int = SHARD_BYTES):
         note_checkpoint_call()  # under alpha-run: a failure from here on is retryable (launch_env)
+        note_step()  # a writer per save: a training step done (alpha-run --in-place starts its spares after one)
         self.run, self.step = check_name(run, "run"), check_name(step, "step")
         counters(self.run, self.step, update, cursor, 0)  # alpha_ckpt.save's check: a usage error (ValueError)
         self.update, self.cursor = update, cursor

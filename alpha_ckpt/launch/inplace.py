@@ -201,11 +201,13 @@ def run_in_place(args, env: dict | None = None) -> int:
         env = environment(rank, r)
         while spares:
             proc, number = spares.pop(0)
-            if proc.poll() is None:  # (one that died meanwhile is left to the pool's count below)
+            if proc.poll() is None:
                 control.set(spare_key(number), json.dumps({k: v for k, v in env.items() if base.get(k) != v}))
                 state.procs[rank] = proc
                 break
-            spares_lost.append(number)
+            spares_lost.append(number)  # died while it waited: the next one, or a new process, takes the rank
+            print(f"alpha-run: spare {number} died while it waited ({describe_exit(proc.returncode)}); "
+                  "the job goes on", file=sys.stderr)
         else:
             # a Ctrl-C reaches this agent, which stops the ranks in order
             state.procs[rank] = subprocess.Popen(worker_command(args), env=env, start_new_session=True)
@@ -230,7 +232,7 @@ def run_in_place(args, env: dict | None = None) -> int:
         round ``r`` (scripts that call run_resilient) and finished a step of it (:func:`launch_env.note_step`):
         starting a process costs CPU that the start or a recovery would otherwise have. A spare that died while waiting is counted and replaced;
         after ``--spares`` + ``--max-restarts`` such deaths none is started again (each would die too), and
-        a failed rank gets a new process, as without spares."""
+        a failed rank gets a new process, as with ``--spares 0``."""
         for proc, number in [each for each in spares if each[0].poll() is not None]:
             spares.remove((proc, number))
             spares_lost.append(number)
@@ -238,7 +240,7 @@ def run_in_place(args, env: dict | None = None) -> int:
                   "the job goes on", file=sys.stderr)
         # Not capped by the restarts left: ranks that fail together take one restart and a spare each.
         room = wanted_spares - len(spares) if restarts < args.max_restarts else 0
-        if room <= 0 or len(spares_lost) > wanted_spares + args.max_restarts:
+        if room <= 0 or len(spares_lost) >= wanted_spares + args.max_restarts:
             return
         # Only for ranks that join rounds (run_resilient): a script that does not dies whole with its peer,
         # and every rank of it then starts as a new process anyway.
@@ -353,7 +355,8 @@ def spare_main(argv: list[str]) -> None:
     environment, and runs the script as :mod:`alpha_ckpt.launch.script_runner` does. ``prepare`` (a
     script that hands ``run_resilient`` a ``prepare``): it runs the script at once, rank-less, and
     ``run_resilient`` waits for the rank after ``prepare`` returned, so the script's imports and its
-    model are ready when a rank fails.
+    model are ready when a rank fails. A script that fails or ends before that (its code before
+    ``run_resilient`` reads the rank, say) is run again from its start once the rank is handed over.
     """
     from alpha_ckpt.runtime.lifeline import bind_to_named_launcher
     bind_to_named_launcher()
@@ -367,15 +370,28 @@ def spare_main(argv: list[str]) -> None:
     from alpha_ckpt.launch import resilient
     from alpha_ckpt.launch.script_runner import _leave_group, exit_now
     from alpha_ckpt.launch.script_runner import main as run_script
+
+    def run():
+        try:
+            return run_script(script)
+        except SystemExit as exc:
+            _leave_group()
+            return exc.code
+
+    status = None
     if mode == "prepare":
         resilient._SPARE_HANDOFF.append(lambda: _take_rank(number))
-    else:
+        try:
+            status = run()
+        except BaseException:  # noqa: BLE001 - re-raised below once it is the rank's own
+            if not resilient._SPARE_HANDOFF:
+                raise
+    if mode != "prepare" or resilient._SPARE_HANDOFF:
+        # Not run rank-less, or its script ended before run_resilient took a rank for it (code before
+        # run_resilient that reads the rank, say): wait for the rank and run the script as a new process would.
+        resilient._SPARE_HANDOFF.clear()
         _take_rank(number)
-    try:
-        status = run_script(script)
-    except SystemExit as exc:
-        _leave_group()
-        status = exc.code
+        status = run()
     exit_now(status)
 
 

@@ -301,7 +301,7 @@ def note_peer_failure() -> None:
 
 def note_step() -> None:
     """This rank finished a training step in its current attempt (a Checkpointer's ``save`` or ``due``, which
-    a training loop calls once a step): ``stepped/ATTEMPT.RANK``. alpha-run --in-place starts its spares only
+    a training loop calls once a step, ``alpha_ckpt.save``, a DCP ``StorageWriter``): ``stepped/ATTEMPT.RANK``. alpha-run --in-place starts its spares only
     once every rank of the round left it, so that starting them never slows the start or a recovery."""
     _note("stepped")
 

@@ -131,3 +131,19 @@ def test_a_script_that_prepares_is_taken_over_by_a_spare_whose_model_was_built_b
     assert first["prepared_at"] < replacement["prepared_at"]
     survivor = [e for e in recorded[0] if "prepared_at" in e]
     assert len(survivor) == 1  # rank 0 built its model once and kept it through the recovery
+
+
+@pytest.mark.timeout(600)
+def test_a_spare_whose_script_reads_the_rank_before_run_resilient_runs_it_again_once_it_has_one(tmp_path,
+                                                                                                uninterrupted):
+    (tmp_path / "ev").mkdir()
+    proc = alpha_run("--nproc", 2, "--max-restarts", 1, "--in-place", "--spares", 1, "--store", tmp_path / "s",
+                     SCRIPT, "--prepare", "--read-rank-at-import", "--steps", STEPS, "--step-seconds", 0.8,
+                     "--kill-rank", 1, "--kill-at", 5, "--events", tmp_path / "ev", cwd=tmp_path, timeout=500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert final_state(proc)["state_sha256"] == uninterrupted(2)
+    recorded = events(tmp_path / "ev")
+    [killed_at] = [e["killed_at"] for e in recorded[1] if "killed_at" in e]
+    _, replacement = [e for e in recorded[1] if "prepared_at" in e]
+    # The spare's process was waiting, but its script could not run without a rank: built after the failure.
+    assert replacement["process_started"] < killed_at < replacement["prepared_at"]
